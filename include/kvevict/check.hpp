@@ -1,0 +1,68 @@
+#pragma once
+// Argument checks at the public boundary. Caller mistakes throw c10::Error (or the matching
+// c10 subclass); our own invariants use TORCH_INTERNAL_ASSERT. Messages name the argument,
+// what was expected, then what was got.
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <vector>
+
+/// Throws c10::Error("kvevict: " + message) when `cond` is false.
+#define KVEVICT_CHECK(cond, ...) TORCH_CHECK(cond, "kvevict: ", __VA_ARGS__)
+/// Throws c10::ValueError (a bad option or value).
+#define KVEVICT_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "kvevict: ", __VA_ARGS__)
+/// Throws c10::IndexError (an index out of range, e.g. a layer).
+#define KVEVICT_CHECK_INDEX(cond, ...) TORCH_CHECK_INDEX(cond, "kvevict: ", __VA_ARGS__)
+/// Throws c10::TypeError (a wrong dtype).
+#define KVEVICT_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, "kvevict: ", __VA_ARGS__)
+
+/// Declares an option the way TORCH_ARG does: `name(value)` sets and returns *this,
+/// `name()` reads. Like TORCH_ARG it ends in `private:`, so declare methods before it.
+#define KVEVICT_ARG(T, name)                                               \
+ public:                                                                    \
+  inline auto name(const T& new_##name)->decltype(*this) {                 \
+    this->name##_ = new_##name;                                            \
+    return *this;                                                          \
+  }                                                                        \
+  inline const T& name() const noexcept { return this->name##_; }          \
+                                                                           \
+ private:                                                                  \
+  T name##_
+
+namespace kvevict::detail {
+
+/// "[d0, d1, ...]" with `-1` printed as the given symbol, for messages about expected shapes.
+inline std::string shape_str(const std::vector<int64_t>& dims, const std::vector<std::string>& names) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += dims[i] < 0 ? names[i] : std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+/// Checks that `t` has shape `expected`, where -1 matches any size; `doc` names the dims
+/// ("[B, H, T, qk_dim]"). Message: "<what> must be <doc> = [1, 4, T, 192], got [1, 2, 1, 192]".
+inline void check_shape(const at::Tensor& t, const char* what, const std::vector<int64_t>& expected,
+                        const std::vector<std::string>& names, const char* doc) {
+  KVEVICT_CHECK(t.defined(), what, " must be a defined tensor ", doc);
+  bool ok = t.dim() == static_cast<int64_t>(expected.size());
+  for (size_t i = 0; ok && i < expected.size(); ++i) ok = expected[i] < 0 || t.size(i) == expected[i];
+  KVEVICT_CHECK(ok, what, " must be ", doc, " = ", shape_str(expected, names), ", got ", t.sizes());
+}
+
+/// Checks that `t` lives on `device` (the cache's), naming both devices.
+inline void check_device(const at::Tensor& t, const char* what, const at::Device& device) {
+  KVEVICT_CHECK(t.device() == device, what, " must be on the cache's device ", device, ", got ",
+                t.device());
+}
+
+/// Checks that `t` has floating dtype.
+inline void check_floating(const at::Tensor& t, const char* what) {
+  KVEVICT_CHECK_TYPE(at::isFloatingType(t.scalar_type()), what,
+                     " must have a floating dtype, got ", t.scalar_type());
+}
+
+}  // namespace kvevict::detail

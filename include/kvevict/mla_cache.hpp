@@ -1,0 +1,89 @@
+#pragma once
+// MlaCache: the expanded DeepSeek-V3 layout (per-head keys and values), held at a fixed size.
+
+#include <kvevict/detail/slot_cache.hpp>
+#include <kvevict/eviction_policy.hpp>
+#include <kvevict/options.hpp>
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+namespace kvevict {
+
+/// A layer's live tokens sorted by position (copies).
+struct OrderedLayer {
+  at::Tensor keys;       // [B, H, S, qk_dim]
+  at::Tensor values;     // [B, H, S, v_dim]
+  at::Tensor positions;  // [B, S] int64, ascending per row
+};
+
+/// A KV cache in the expanded MLA layout (as HF DeepseekV3 decompresses it): per layer, keys
+/// [B, H, slots, qk_dim] (RoPE already applied to the last 64 dims) and values
+/// [B, H, slots, v_dim], fp32/fp16/bf16, on CPU or CUDA, kept at capacity() tokens per row by
+/// `Policy` (DESIGN.md, "The contract"). Live tokens fill slots [0, size) of each row; slot
+/// order is not position order (see positions(), ordered()).
+///
+/// One decode step for layer l:
+/// \code
+///   auto [k, v] = cache.update(l, k_new, v_new);  // append T tokens
+///   auto out = kvevict::attend(q, cache, l);      // attention over the live slots; observes
+///   cache.evict(l);                               // a pass when over capacity and due
+/// \endcode
+///
+/// Not thread-safe; one cache per sequence batch.
+///
+/// \tparam Policy EvictionPolicy<Scorer>.
+template <class Policy = EvictionPolicy<CumulativeAttention>>
+class BasicMlaCache : public detail::SlotCache<Policy> {
+  using Base = detail::SlotCache<Policy>;
+
+ public:
+  /// Allocates capacity + evict_every slots per row for every layer.
+  /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value.
+  BasicMlaCache(const MlaCacheOptions& options, const EvictionOptions& eviction = EvictionOptions())
+      : Base((options.validate(), options.num_layers()), options.batch_size(), options.num_heads(),
+             {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}},
+              {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
+             options.dtype(), options.device(), options.check_finite(), Policy(eviction)),
+        options_(options) {}
+
+  const MlaCacheOptions& options() const noexcept { return options_; }
+
+  /// Appends the keys and values of T new tokens (a prefill chunk or one decode step) to
+  /// `layer`, at positions seen_tokens(layer) .. + T - 1, with score 0.
+  ///
+  /// \param k_new  [B, H, T, qk_dim] new keys (RoPE already applied), cache dtype and device.
+  /// \param v_new  [B, H, T, v_dim] new values, same B, H, T.
+  /// \return {keys [B, H, S, qk_dim], values [B, H, S, v_dim]}: views over slots [0, S),
+  ///         S = live tokens after the append; slot order (see positions()). Invalidated by
+  ///         the next update() or evict() of the layer.
+  /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device; the
+  ///         cache is unchanged.
+  /// \note Copies T rows per head; grows the buffers (geometrically) only when an append
+  ///       exceeds the slots. Never synchronises with the host.
+  std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new) {
+    auto views = Base::append(layer, {k_new, v_new});
+    return {views[0], views[1]};
+  }
+
+  /// [B, H, S, qk_dim] keys of the live slots (a view, slot order). \throws c10::IndexError.
+  at::Tensor keys(int64_t layer) const { return Base::live(Base::at(layer))[0]; }
+  /// [B, H, S, v_dim] values of the live slots (a view, slot order). \throws c10::IndexError.
+  at::Tensor values(int64_t layer) const { return Base::live(Base::at(layer))[1]; }
+
+  /// Copies of the live keys, values and positions of `layer` sorted by position per row.
+  /// \throws c10::IndexError for a bad layer.
+  OrderedLayer ordered(int64_t layer) const {
+    auto b = Base::ordered_buffers(layer);
+    return {b[0], b[1], b[2]};
+  }
+
+ private:
+  MlaCacheOptions options_;
+};
+
+/// The expanded-layout cache with the H2O default policy (CumulativeAttention).
+using MlaCache = BasicMlaCache<>;
+
+}  // namespace kvevict

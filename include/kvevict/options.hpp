@@ -1,0 +1,97 @@
+#pragma once
+// Options for eviction (EvictionOptions) and for the expanded-layout cache (MlaCacheOptions).
+
+#include <kvevict/check.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace kvevict {
+
+/// What an eviction pass keeps, per layer and batch row (H2O, Zhang et al. 2023, "H2O:
+/// Heavy-Hitter Oracle", Sec. 3; sinks from Xiao et al. 2023, "StreamingLLM", Sec. 3.2):
+/// the first `n_sink` positions, the `budget` highest-scoring other tokens (heavy hitters)
+/// and the `n_recent` newest tokens. `capacity() = n_sink + budget + n_recent` tokens remain
+/// after a pass. Checked by validate(), which EvictionPolicy and the caches call when built.
+///
+/// Example:
+/// \code
+///   auto opts = kvevict::EvictionOptions(64).n_sink(4).n_recent(16).evict_every(1);
+/// \endcode
+struct EvictionOptions {
+  EvictionOptions() = default;
+  /// \param budget  heavy hitters kept per row, >= 0.
+  explicit EvictionOptions(int64_t budget) : budget_(budget) {}
+
+  /// Tokens per row a layer holds after an eviction pass: n_sink + budget + n_recent.
+  int64_t capacity() const noexcept { return n_sink_ + budget_ + n_recent_; }
+
+  /// Throws c10::ValueError naming the offending value(s): any count < 0, evict_every < 1,
+  /// or capacity < 1.
+  void validate() const {
+    KVEVICT_CHECK_VALUE(budget_ >= 0, "EvictionOptions: budget must be >= 0, got ", budget_);
+    KVEVICT_CHECK_VALUE(n_sink_ >= 0, "EvictionOptions: n_sink must be >= 0, got ", n_sink_);
+    KVEVICT_CHECK_VALUE(n_recent_ >= 0, "EvictionOptions: n_recent must be >= 0, got ", n_recent_);
+    KVEVICT_CHECK_VALUE(evict_every_ >= 1, "EvictionOptions: evict_every must be >= 1, got ",
+                        evict_every_);
+    KVEVICT_CHECK_VALUE(capacity() >= 1,
+                        "EvictionOptions: capacity = n_sink + budget + n_recent must be >= 1, got n_sink=",
+                        n_sink_, ", budget=", budget_, ", n_recent=", n_recent_);
+  }
+
+  /// Heavy hitters kept per row by a pass. Default: 64.
+  KVEVICT_ARG(int64_t, budget) = 64;
+  /// First positions of the sequence that are never evicted (attention sinks). Default: 4.
+  KVEVICT_ARG(int64_t, n_sink) = 4;
+  /// Newest tokens that are never evicted (the recent window). Default: 16.
+  KVEVICT_ARG(int64_t, n_recent) = 16;
+  /// A pass runs at most once per this many `update` calls. Default: 1 (every step).
+  KVEVICT_ARG(int64_t, evict_every) = 1;
+};
+
+/// Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys
+/// `[batch_size, num_heads, S, qk_dim]` and values `[batch_size, num_heads, S, v_dim]`
+/// (DeepSeek-V3: qk_dim = 128 no-RoPE + 64 RoPE = 192, v_dim = 128). Checked by validate(),
+/// which the cache calls when built.
+///
+/// Example:
+/// \code
+///   auto opts = kvevict::MlaCacheOptions(/*num_layers=*/61, /*num_heads=*/128)
+///                   .dtype(at::kBFloat16).device(at::Device("cuda:0"));
+/// \endcode
+struct MlaCacheOptions {
+  MlaCacheOptions(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
+
+  /// Throws c10::ValueError naming the offending value: a size < 1 or a non-floating dtype.
+  void validate() const {
+    KVEVICT_CHECK_VALUE(num_layers_ >= 1, "MlaCacheOptions: num_layers must be >= 1, got ", num_layers_);
+    KVEVICT_CHECK_VALUE(batch_size_ >= 1, "MlaCacheOptions: batch_size must be >= 1, got ", batch_size_);
+    KVEVICT_CHECK_VALUE(num_heads_ >= 1, "MlaCacheOptions: num_heads must be >= 1, got ", num_heads_);
+    KVEVICT_CHECK_VALUE(qk_dim_ >= 1, "MlaCacheOptions: qk_dim must be >= 1, got ", qk_dim_);
+    KVEVICT_CHECK_VALUE(v_dim_ >= 1, "MlaCacheOptions: v_dim must be >= 1, got ", v_dim_);
+    KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_),
+                        "MlaCacheOptions: dtype must be a floating type (float32, float16, bfloat16), got ",
+                        dtype_);
+  }
+
+  /// Decoder layers, each with its own buffers and eviction state.
+  KVEVICT_ARG(int64_t, num_layers);
+  /// Attention heads per layer (DeepSeek-V3: 128).
+  KVEVICT_ARG(int64_t, num_heads);
+  /// Sequences decoded together (B). Default: 1.
+  KVEVICT_ARG(int64_t, batch_size) = 1;
+  /// Key width per head: qk_nope + qk_rope. Default: 192 (128 + 64).
+  KVEVICT_ARG(int64_t, qk_dim) = 192;
+  /// Value width per head. Default: 128.
+  KVEVICT_ARG(int64_t, v_dim) = 128;
+  /// Storage dtype of keys and values. Default: at::kFloat.
+  KVEVICT_ARG(at::ScalarType, dtype) = at::kFloat;
+  /// Device of every buffer; inputs must be on it. Default: CPU.
+  KVEVICT_ARG(at::Device, device) = at::Device(at::kCPU);
+  /// Reject non-finite observed scores (throws, state unchanged). On CUDA this costs one
+  /// host sync per observe; switch it off for a sync-free step. Default: true.
+  KVEVICT_ARG(bool, check_finite) = true;
+};
+
+}  // namespace kvevict
