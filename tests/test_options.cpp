@@ -1,0 +1,40 @@
+// EvictionOptions and MlaCacheOptions: defaults, capacity, and rejection of bad values.
+#include <kvevict/kvevict.hpp>
+
+#include <catch2/catch.hpp>
+
+using Catch::Matchers::Contains;
+
+TEST_CASE("EvictionOptions defaults are the seed's and capacity adds the three parts", "[options][cpu]") {
+  const kvevict::EvictionOptions o;
+  CHECK(o.budget() == 64);
+  CHECK(o.n_sink() == 4);
+  CHECK(o.n_recent() == 16);
+  CHECK(o.evict_every() == 1);
+  CHECK(o.capacity() == 84);
+  CHECK(kvevict::EvictionOptions(8).n_sink(2).n_recent(2).capacity() == 12);
+}
+
+TEST_CASE("EvictionOptions rejects bad values naming them", "[options][errors][cpu]") {
+  using kvevict::EvictionOptions;
+  using kvevict::EvictionPolicy;
+  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(-1)), Contains("budget must be >= 0, got -1"));
+  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).n_sink(-2)), Contains("n_sink must be >= 0, got -2"));
+  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).n_recent(-3)), Contains("n_recent must be >= 0, got -3"));
+  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).evict_every(0)), Contains("evict_every must be >= 1, got 0"));
+  // Case 1c: capacity 0 is rejected, naming the three values.
+  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(0).n_sink(0).n_recent(0)),
+                    Contains("n_sink=0, budget=0, n_recent=0"));
+  CHECK_THROWS_AS(EvictionPolicy<>(EvictionOptions(0).n_sink(0).n_recent(0)), c10::ValueError);
+}
+
+TEST_CASE("MlaCacheOptions rejects bad values naming them", "[options][errors][cpu]") {
+  using kvevict::MlaCacheOptions;
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(0, 4)), Contains("num_layers must be >= 1, got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 0)), Contains("num_heads must be >= 1, got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).batch_size(0)), Contains("batch_size must be >= 1, got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).qk_dim(-1)), Contains("qk_dim must be >= 1, got -1"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).dtype(at::kLong)), Contains("got Long"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4), kvevict::EvictionOptions(-5)),
+                    Contains("budget must be >= 0, got -5"));
+}
