@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 namespace kvevict_test {
@@ -51,7 +52,8 @@ inline std::vector<int64_t> oracle_keep(std::vector<int64_t> positions, const st
 template <class T>
 std::vector<T> to_vec(const at::Tensor& t) {
   const auto c = t.to(at::kCPU).to(c10::CppTypeToScalarType<T>::value).contiguous();
-  return std::vector<T>(c.data_ptr<T>(), c.data_ptr<T>() + c.numel());
+  const T* data = c.template data_ptr<T>();
+  return std::vector<T>(data, data + c.numel());
 }
 
 /// Positions of row `b` of a layer, ascending.

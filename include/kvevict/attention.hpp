@@ -1,9 +1,10 @@
 #pragma once
-// Eviction-aware attention: softmax(q K^T * scale) V over a cache's live slots, whose
-// probabilities feed the cache's scorer.
+// Eviction-aware attention over a cache's live slots, whose probabilities feed the cache's
+// scorer: attend() for the expanded layout, attend_absorbed() for the latent layout.
 
 #include <kvevict/check.hpp>
 #include <kvevict/mla_cache.hpp>
+#include <kvevict/mla_latent_cache.hpp>
 
 #include <ATen/ATen.h>
 
@@ -11,39 +12,35 @@
 #include <limits>
 
 namespace kvevict {
+namespace detail {
 
-/// Attention of the T tokens of the latest update over `layer`'s live slots, then
-/// `cache.observe(layer, probs)`. Keys carry their RoPE, so slot order does not matter; inside
-/// a multi-token append the mask is causal by position (key position <= query position).
-///
-/// \param q          [B, H, T, qk_dim] queries of the newest T tokens (positions
-///                   seen_tokens - T .. seen_tokens - 1), cache dtype and device, 1 <= T <= size.
-/// \param scale      logit scale; default 1/sqrt(qk_dim). DeepSeek-V3 with YaRN multiplies it
-///                   by mscale^2: pass that here.
-/// \param probs_out  if given, receives the fp32 probabilities [B, H, T, S] (slot order).
-/// \return [B, H, T, v_dim] attention output in the cache dtype.
-/// \throws c10::Error on a bad layer, shape, dtype or device, or what observe() throws; the
-///         cache is unchanged then.
-/// \note fp16 on CPU is computed in fp32 (LibTorch 1.13 has no CPU fp16 matmul); softmax is
-///       always taken in fp32.
-template <class Policy>
-at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t layer,
-                  c10::optional<double> scale = c10::nullopt, at::Tensor* probs_out = nullptr) {
-  const auto k = cache.keys(layer);
-  const auto v = cache.values(layer);
-  const int64_t S = k.size(2);
-  detail::check_shape(q, "q", {cache.batch_size(), cache.num_heads(), -1, cache.options().qk_dim()},
-                      {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim]");
-  KVEVICT_CHECK_TYPE(q.scalar_type() == cache.dtype(), "q must have the cache's dtype ", cache.dtype(), ", got ",
+/// Checks a query tensor [B, H, T, width] against `cache` (dtype, device) and returns T,
+/// which must be in [1, size(layer)].
+template <class Cache>
+int64_t check_query(const at::Tensor& q, const char* name, const Cache& cache, int64_t layer, int64_t width,
+                    const char* width_name) {
+  const std::string doc = std::string("[B, H, T, ") + width_name + "]";
+  check_shape(q, name, {cache.batch_size(), cache.num_heads(), -1, width}, {"B", "H", "T", width_name}, doc.c_str());
+  KVEVICT_CHECK_TYPE(q.scalar_type() == cache.dtype(), name, " must have the cache's dtype ", cache.dtype(), ", got ",
                      q.scalar_type());
-  detail::check_device(q, "q", cache.device());
-  const int64_t T = q.size(2);
-  KVEVICT_CHECK(T >= 1 && T <= S, "q: T must be in [1, ", S, "] (live tokens), got ", T);
+  check_device(q, name, cache.device());
+  const int64_t T = q.size(2), S = cache.size(layer);
+  KVEVICT_CHECK(T >= 1 && T <= S, name, ": T must be in [1, ", S, "] (live tokens), got ", T);
+  return T;
+}
 
-  const bool upcast = cache.device().is_cpu() && cache.dtype() == at::kHalf;
-  const auto compute = upcast ? at::kFloat : cache.dtype();
-  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim()));
-  auto logits = at::matmul(q.to(compute), k.to(compute).transpose(-2, -1)).mul(s);  // [B, H, T, S]
+/// The dtype attention is computed in: the cache's, except fp16 on CPU (no fp16 matmul in
+/// LibTorch 1.13), which is computed in fp32.
+template <class Cache>
+at::ScalarType compute_dtype(const Cache& cache) {
+  return cache.device().is_cpu() && cache.dtype() == at::kHalf ? at::kFloat : cache.dtype();
+}
+
+/// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens, causal by
+/// position inside a multi-token append; observes the fp32 probabilities and returns them.
+template <class Cache>
+at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer) {
+  const int64_t T = logits.size(2), S = logits.size(3);
   if (T > 1) {
     const int64_t seen = cache.seen_tokens(layer);
     const auto pos = cache.positions(layer);  // [B, S]
@@ -51,11 +48,73 @@ at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t lay
     const auto future = pos.view({pos.size(0), 1, 1, S}).gt(query_pos.view({1, 1, T, 1}));
     logits = logits.masked_fill(future, -std::numeric_limits<double>::infinity());
   }
-  const auto probs = at::softmax(logits, -1, at::kFloat);
-  auto out = at::matmul(probs.to(compute), v.to(compute)).to(cache.dtype());
+  auto probs = at::softmax(logits, -1, at::kFloat);
   cache.observe(layer, probs);
+  return probs;
+}
+
+}  // namespace detail
+
+/// Attention of the T tokens of the latest update over `layer`'s live slots (expanded layout),
+/// then `cache.observe(layer, probs)`. Keys carry their RoPE, so slot order does not matter;
+/// inside a multi-token append the mask is causal by position (key position <= query position).
+///
+/// \param q          [B, H, T, qk_dim] queries of the newest T tokens (positions
+///                   seen_tokens - T .. seen_tokens - 1), cache dtype and device, 1 <= T <= size.
+/// \param scale      logit scale; default 1/sqrt(qk_dim). DeepSeek-V3 with YaRN multiplies it
+///                   by mscale^2: pass that here.
+/// \param probs_out  if given, receives the fp32 probabilities [B, H, T, S] (slot order).
+/// \return [B, H, T, v_dim] attention output in the cache dtype, on the cache device.
+/// \throws c10::Error on a bad layer, shape, dtype or device, or what observe() throws; the
+///         cache is unchanged then.
+/// \note fp16 on CPU is computed in fp32 (LibTorch 1.13 has no CPU fp16 matmul); softmax is
+///       always taken in fp32.
+template <class Policy>
+at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t layer,
+                  c10::optional<double> scale = c10::nullopt, at::Tensor* probs_out = nullptr) {
+  const auto k = cache.keys(layer);  // [B, H, S, qk_dim]
+  const auto v = cache.values(layer);
+  detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
+  const auto dt = detail::compute_dtype(cache);
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+  const auto logits = at::matmul(q.to(dt), k.to(dt).transpose(-2, -1)).mul(s);  // [B, H, T, S]
+  const auto probs = detail::observed_softmax(logits, cache, layer);
   if (probs_out) *probs_out = probs;
-  return out;
+  return at::matmul(probs.to(dt), v.to(dt)).to(cache.dtype());
+}
+
+/// Absorbed MLA attention over `layer`'s latent slots (DeepSeek-V2 paper, Sec. 2.1.2, "weight
+/// absorption"): the no-RoPE query is already multiplied by W_UK, so logits are
+/// `q_absorbed . ckv + q_pe . kpe` and the output `probs @ ckv` is still in the latent space
+/// (the caller applies W_UV, then o_proj). Then `cache.observe(layer, probs)`.
+///
+/// \param q_absorbed  [B, H, T, kv_lora_rank] no-RoPE queries times W_UK, cache dtype/device.
+/// \param q_pe        [B, H, T, qk_rope_dim] RoPE queries (RoPE applied at their positions).
+/// \param scale       logit scale; default 1/sqrt(qk_nope_dim + qk_rope_dim) = 1/sqrt(192)
+///                    for DeepSeek-V3 (pass the YaRN-adjusted scale where the model uses one).
+/// \param probs_out   if given, receives the fp32 probabilities [B, H, T, S] (slot order).
+/// \return [B, H, T, kv_lora_rank] latent output in the cache dtype.
+/// \throws c10::Error on a bad layer, shape, dtype or device, or what observe() throws; the
+///         cache is unchanged then.
+template <class Policy>
+at::Tensor attend_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, BasicMlaLatentCache<Policy>& cache,
+                           int64_t layer, c10::optional<double> scale = c10::nullopt,
+                           at::Tensor* probs_out = nullptr) {
+  const auto& o = cache.options();
+  const auto ckv = cache.ckv(layer).unsqueeze(1);  // [B, 1, S, kv_lora_rank]
+  const auto kpe = cache.kpe(layer).unsqueeze(1);  // [B, 1, S, qk_rope_dim]
+  const int64_t T = detail::check_query(q_absorbed, "q_absorbed", cache, layer, o.kv_lora_rank(), "kv_lora_rank");
+  detail::check_query(q_pe, "q_pe", cache, layer, o.qk_rope_dim(), "qk_rope_dim");
+  KVEVICT_CHECK(q_pe.size(2) == T, "q_pe must have the T of q_absorbed (", T, "), got ", q_pe.size(2));
+  const auto dt = detail::compute_dtype(cache);
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
+  const auto latent = ckv.to(dt);
+  const auto logits = at::matmul(q_absorbed.to(dt), latent.transpose(-2, -1))
+                          .add(at::matmul(q_pe.to(dt), kpe.to(dt).transpose(-2, -1)))
+                          .mul(s);  // [B, H, T, S]
+  const auto probs = detail::observed_softmax(logits, cache, layer);
+  if (probs_out) *probs_out = probs;
+  return at::matmul(probs.to(dt), latent).to(cache.dtype());
 }
 
 }  // namespace kvevict

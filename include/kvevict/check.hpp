@@ -31,6 +31,19 @@
  private:                                                                  \
   T name##_
 
+/// KVEVICT_ARG for an options base class: the setter returns `Derived&` so chains keep the
+/// derived type.
+#define KVEVICT_ARG_AS(Derived, T, name)                                    \
+ public:                                                                    \
+  inline Derived& name(const T& new_##name) {                              \
+    this->name##_ = new_##name;                                            \
+    return static_cast<Derived&>(*this);                                   \
+  }                                                                        \
+  inline const T& name() const noexcept { return this->name##_; }          \
+                                                                           \
+ private:                                                                  \
+  T name##_
+
 namespace kvevict::detail {
 
 /// "[d0, d1, ...]" with `-1` printed as the given symbol, for messages about expected shapes.

@@ -7,5 +7,6 @@
 #include <kvevict/scorers.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/mla_cache.hpp>
+#include <kvevict/mla_latent_cache.hpp>
 #include <kvevict/attention.hpp>
 #include <kvevict/memory_model.hpp>

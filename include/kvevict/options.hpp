@@ -50,48 +50,93 @@ struct EvictionOptions {
   KVEVICT_ARG(int64_t, evict_every) = 1;
 };
 
+namespace detail {
+
+/// Options every cache layout shares; `Derived` is the layout's options type, so chained
+/// setters return it.
+template <class Derived>
+struct CacheOptionsBase {
+  CacheOptionsBase(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
+
+  /// Throws c10::ValueError naming the offending value: a size < 1 or a non-floating dtype.
+  void validate() const {
+    const char* type = Derived::kName;
+    KVEVICT_CHECK_VALUE(num_layers_ >= 1, type, ": num_layers must be >= 1, got ", num_layers_);
+    KVEVICT_CHECK_VALUE(batch_size_ >= 1, type, ": batch_size must be >= 1, got ", batch_size_);
+    KVEVICT_CHECK_VALUE(num_heads_ >= 1, type, ": num_heads must be >= 1, got ", num_heads_);
+    KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_), type,
+                        ": dtype must be a floating type (float32, float16, bfloat16), got ", dtype_);
+    static_cast<const Derived&>(*this).validate_layout();
+  }
+
+  /// Decoder layers, each with its own buffers and eviction state.
+  KVEVICT_ARG_AS(Derived, int64_t, num_layers);
+  /// Attention heads per layer (DeepSeek-V3: 128); observed probabilities are [B, H, Q, S].
+  KVEVICT_ARG_AS(Derived, int64_t, num_heads);
+  /// Sequences decoded together (B). Default: 1.
+  KVEVICT_ARG_AS(Derived, int64_t, batch_size) = 1;
+  /// Storage dtype of the cached rows. Default: at::kFloat.
+  KVEVICT_ARG_AS(Derived, at::ScalarType, dtype) = at::kFloat;
+  /// Device of every buffer; inputs must be on it. Default: CPU.
+  KVEVICT_ARG_AS(Derived, at::Device, device) = at::Device(at::kCPU);
+  /// Reject non-finite observed scores (throws, state unchanged). On CUDA this costs one
+  /// host sync per observe; switch it off for a sync-free step. Default: true.
+  KVEVICT_ARG_AS(Derived, bool, check_finite) = true;
+};
+
+}  // namespace detail
+
 /// Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys
 /// `[batch_size, num_heads, S, qk_dim]` and values `[batch_size, num_heads, S, v_dim]`
-/// (DeepSeek-V3: qk_dim = 128 no-RoPE + 64 RoPE = 192, v_dim = 128). Checked by validate(),
-/// which the cache calls when built.
+/// (DeepSeek-V3: qk_dim = 128 no-RoPE + 64 RoPE = 192, v_dim = 128). Also: num_layers,
+/// num_heads, batch_size, dtype, device, check_finite (detail::CacheOptionsBase). Checked by
+/// validate(), which the cache calls when built.
 ///
 /// Example:
 /// \code
 ///   auto opts = kvevict::MlaCacheOptions(/*num_layers=*/61, /*num_heads=*/128)
 ///                   .dtype(at::kBFloat16).device(at::Device("cuda:0"));
 /// \endcode
-struct MlaCacheOptions {
-  MlaCacheOptions(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
-
-  /// Throws c10::ValueError naming the offending value: a size < 1 or a non-floating dtype.
-  void validate() const {
-    KVEVICT_CHECK_VALUE(num_layers_ >= 1, "MlaCacheOptions: num_layers must be >= 1, got ", num_layers_);
-    KVEVICT_CHECK_VALUE(batch_size_ >= 1, "MlaCacheOptions: batch_size must be >= 1, got ", batch_size_);
-    KVEVICT_CHECK_VALUE(num_heads_ >= 1, "MlaCacheOptions: num_heads must be >= 1, got ", num_heads_);
-    KVEVICT_CHECK_VALUE(qk_dim_ >= 1, "MlaCacheOptions: qk_dim must be >= 1, got ", qk_dim_);
-    KVEVICT_CHECK_VALUE(v_dim_ >= 1, "MlaCacheOptions: v_dim must be >= 1, got ", v_dim_);
-    KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_),
-                        "MlaCacheOptions: dtype must be a floating type (float32, float16, bfloat16), got ",
-                        dtype_);
+struct MlaCacheOptions : detail::CacheOptionsBase<MlaCacheOptions> {
+  static constexpr const char* kName = "MlaCacheOptions";
+  MlaCacheOptions(int64_t num_layers, int64_t num_heads) : CacheOptionsBase(num_layers, num_heads) {}
+  void validate_layout() const {
+    KVEVICT_CHECK_VALUE(qk_dim_ >= 1, kName, ": qk_dim must be >= 1, got ", qk_dim_);
+    KVEVICT_CHECK_VALUE(v_dim_ >= 1, kName, ": v_dim must be >= 1, got ", v_dim_);
   }
 
-  /// Decoder layers, each with its own buffers and eviction state.
-  KVEVICT_ARG(int64_t, num_layers);
-  /// Attention heads per layer (DeepSeek-V3: 128).
-  KVEVICT_ARG(int64_t, num_heads);
-  /// Sequences decoded together (B). Default: 1.
-  KVEVICT_ARG(int64_t, batch_size) = 1;
   /// Key width per head: qk_nope + qk_rope. Default: 192 (128 + 64).
   KVEVICT_ARG(int64_t, qk_dim) = 192;
   /// Value width per head. Default: 128.
   KVEVICT_ARG(int64_t, v_dim) = 128;
-  /// Storage dtype of keys and values. Default: at::kFloat.
-  KVEVICT_ARG(at::ScalarType, dtype) = at::kFloat;
-  /// Device of every buffer; inputs must be on it. Default: CPU.
-  KVEVICT_ARG(at::Device, device) = at::Device(at::kCPU);
-  /// Reject non-finite observed scores (throws, state unchanged). On CUDA this costs one
-  /// host sync per observe; switch it off for a sync-free step. Default: true.
-  KVEVICT_ARG(bool, check_finite) = true;
+};
+
+/// Shape, dtype and device of a latent-layout cache (MlaLatentCache): per layer, the
+/// compressed KV `ckv [batch_size, S, kv_lora_rank]` (after kv_a_layernorm) and the RoPE key
+/// `kpe [batch_size, S, qk_rope_dim]` (after RoPE), shared by all heads (DeepSeek-V3: 512 and
+/// 64). Also: num_layers, num_heads, batch_size, dtype, device, check_finite. Checked by
+/// validate(), which the cache calls when built.
+///
+/// Example:
+/// \code
+///   auto opts = kvevict::MlaLatentCacheOptions(/*num_layers=*/61, /*num_heads=*/128).dtype(at::kBFloat16);
+/// \endcode
+struct MlaLatentCacheOptions : detail::CacheOptionsBase<MlaLatentCacheOptions> {
+  static constexpr const char* kName = "MlaLatentCacheOptions";
+  MlaLatentCacheOptions(int64_t num_layers, int64_t num_heads) : CacheOptionsBase(num_layers, num_heads) {}
+  void validate_layout() const {
+    KVEVICT_CHECK_VALUE(kv_lora_rank_ >= 1, kName, ": kv_lora_rank must be >= 1, got ", kv_lora_rank_);
+    KVEVICT_CHECK_VALUE(qk_rope_dim_ >= 1, kName, ": qk_rope_dim must be >= 1, got ", qk_rope_dim_);
+    KVEVICT_CHECK_VALUE(qk_nope_dim_ >= 0, kName, ": qk_nope_dim must be >= 0, got ", qk_nope_dim_);
+  }
+
+  /// Width of the compressed KV (ckv). Default: 512.
+  KVEVICT_ARG(int64_t, kv_lora_rank) = 512;
+  /// Width of the shared RoPE key (kpe). Default: 64.
+  KVEVICT_ARG(int64_t, qk_rope_dim) = 64;
+  /// No-RoPE query/key width per head; only sets the default attention scale
+  /// 1/sqrt(qk_nope_dim + qk_rope_dim). Default: 128.
+  KVEVICT_ARG(int64_t, qk_nope_dim) = 128;
 };
 
 }  // namespace kvevict

@@ -1,0 +1,560 @@
+// validate_eviction: the seed's 1000-step validation of the eviction contract (DESIGN.md),
+// driven either by a real DeepSeek-V3 MLA attention forward (--scores attention, the default)
+// or by the seed's mock (--scores random: random K/V rows, softmax(randn) as the attention).
+//
+// Per step and layer: append one token, observe attention over the live slots, evict. Checks
+// linear warm-up growth, exact stabilisation at capacity, one pass per due step and layer,
+// and that sinks and the recent window survive every pass. Exit code 0: all PASS; 1: a FAIL
+// or a runtime error; 2: a bad command line.
+//
+// Usage: validate_eviction [--steps N] [--budget N] [--n-sink N] [--n-recent N] [--layers N]
+//          [--heads N] [--evict-every N] [--dtype fp32|fp16|bf16] [--device cpu|cuda|cuda:N]
+//          [--scores random|attention] [--out-csv PATH] [--threads N]
+#include <kvevict/kvevict.hpp>
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kExitFail = 1;
+constexpr int kExitUsage = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+struct Args {
+  int64_t steps = 1000;
+  int64_t budget = 64;
+  int64_t n_sink = 4;
+  int64_t n_recent = 16;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t evict_every = 1;
+  std::string dtype = "fp32";
+  std::string device = "cpu";
+  std::string scores = "attention";
+  std::string out_csv;  // empty: no CSV
+  int64_t threads = 1;
+};
+
+constexpr const char* kUsage = R"(Usage: validate_eviction [options]
+
+Runs STEPS decode steps through a kvevict::MlaCache (batch 1) and checks the eviction contract.
+
+Options (default in brackets):
+  --steps N          decode steps [1000]
+  --budget N         heavy hitters kept per row, >= 0 [64]
+  --n-sink N         attention sinks kept, >= 0 [4]
+  --n-recent N       recent window kept, >= 0 [16]
+  --layers N         decoder layers, >= 1 [4]
+  --heads N          attention heads, >= 1 [4]
+  --evict-every N    a pass at most every N updates, >= 1 [1]
+  --dtype T          cache dtype: fp32, fp16 or bf16 [fp32]
+  --device D         cpu, cuda or cuda:N [cpu]
+  --scores S         attention: a random-init DeepSeek-V3 MLA attention forward per layer and
+                     step feeds its probabilities; random: the seed's mock, random K/V rows and
+                     softmax(randn [B, H, 1, S]) [attention]
+  --out-csv PATH     write step,max,avg,events per step to PATH [none]
+  --threads N        intra-op threads (at::set_num_threads), >= 1 [1]
+  --help             print this and exit
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
+  int64_t value = 0;
+  size_t used = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
+  if (value < min) throw UsageError(flag + " must be >= " + std::to_string(min) + ", got " + text);
+  return value;
+}
+
+std::string parse_choice(const std::string& flag, const std::string& text, const std::vector<std::string>& choices) {
+  if (std::find(choices.begin(), choices.end(), text) != choices.end()) return text;
+  std::string list;
+  for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
+  throw UsageError(flag + " must be one of " + list + ", got '" + text + "'");
+}
+
+/// Parses argv; throws UsageError on an unknown flag, a missing value or a bad value.
+/// Accepts `--flag value` and `--flag=value`. Returns false for --help.
+bool parse_args(int argc, char** argv, Args& a) {
+  const std::map<std::string, std::function<void(const std::string&, const std::string&)>> flags{
+      {"--steps", [&](auto& f, auto& v) { a.steps = parse_int(f, v, 1); }},
+      {"--budget", [&](auto& f, auto& v) { a.budget = parse_int(f, v, 0); }},
+      {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
+      {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
+      {"--layers", [&](auto& f, auto& v) { a.layers = parse_int(f, v, 1); }},
+      {"--heads", [&](auto& f, auto& v) { a.heads = parse_int(f, v, 1); }},
+      {"--evict-every", [&](auto& f, auto& v) { a.evict_every = parse_int(f, v, 1); }},
+      {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
+      {"--dtype", [&](auto& f, auto& v) { a.dtype = parse_choice(f, v, {"fp32", "fp16", "bf16"}); }},
+      {"--scores", [&](auto& f, auto& v) { a.scores = parse_choice(f, v, {"random", "attention"}); }},
+      {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
+      {"--out-csv",
+       [&](auto& f, auto& v) {
+         if (v.empty()) throw UsageError(f + " expects a path");
+         a.out_csv = v;
+       }},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    if (flag == "--help" || flag == "-h") return false;
+    const auto eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    const auto it = flags.find(flag);
+    if (it == flags.end()) throw UsageError("unknown argument '" + flag + "'");
+    if (!inline_value) {
+      if (i + 1 >= argc) throw UsageError(flag + " expects a value");
+      value = argv[++i];
+    }
+    it->second(flag, value);
+  }
+  return true;
+}
+
+at::ScalarType make_dtype(const std::string& name) {
+  return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
+}
+
+/// "cpu", "cuda" or "cuda:N", on a machine that has it; throws UsageError otherwise.
+at::Device make_device(const std::string& name) {
+  const bool cuda = name == "cuda" || name.rfind("cuda:", 0) == 0;
+  if (name != "cpu" && !cuda) throw UsageError("--device must be cpu, cuda or cuda:N, got '" + name + "'");
+  if (cuda) {
+    const std::string index = name == "cuda" ? "0" : name.substr(5);
+    const auto n = parse_int("--device cuda:N", index, 0);
+    if (!at::hasCUDA()) throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
+    const int64_t count = at::detail::getCUDAHooks().getNumGPUs();
+    if (n >= count) {
+      throw UsageError("--device " + name + ": device index must be < " + std::to_string(count) + " (GPUs present)");
+    }
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(n));
+  }
+  return at::Device(at::kCPU);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A small random-init DeepSeek-V3 decoder (attention only; the MLP is left out: it does not
+// touch the cache). Dimensions as DeepSeek-V3 except hidden size and q_lora_rank.
+
+struct MlaDims {
+  int64_t hidden = 256;        // DeepSeek-V3: 7168
+  int64_t q_lora_rank = 64;    // DeepSeek-V3: 1536
+  int64_t kv_lora_rank = 512;  // as DeepSeek-V3
+  int64_t qk_nope = 128;
+  int64_t qk_rope = 64;
+  int64_t v_head = 128;
+  int64_t heads = 4;
+  int64_t qk_dim() const { return qk_nope + qk_rope; }
+};
+
+/// x [B, n] * rsqrt(mean(x^2) + eps) * weight [n] (DeepseekV3RMSNorm), fp32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) {
+  return x.mul(x.pow(2).mean(-1, /*keepdim=*/true).add(1e-6).rsqrt()).mul(weight);
+}
+
+/// [in, out] weights, randn / sqrt(in): unit-variance inputs give unit-variance outputs.
+at::Tensor linear_weight(int64_t in, int64_t out, const at::TensorOptions& opts) {
+  return at::randn({in, out}, opts).div(std::sqrt(static_cast<double>(in)));
+}
+
+/// Rotary embedding tables for positions [0, max_positions): cos and sin [P, rope_dim]
+/// (HF's layout: the rope_dim/2 frequencies repeated twice, theta 10000).
+struct Rope {
+  at::Tensor cos, sin;
+  Rope(int64_t max_positions, int64_t rope_dim, const at::TensorOptions& opts) {
+    const auto inv_freq = at::pow(10000.0, at::arange(0, rope_dim, 2, opts).div(static_cast<double>(rope_dim))).reciprocal();
+    const auto freqs = at::outer(at::arange(max_positions, opts), inv_freq);  // [P, rope_dim / 2]
+    const auto emb = at::cat({freqs, freqs}, -1);                            // [P, rope_dim]
+    cos = emb.cos();
+    sin = emb.sin();
+  }
+  /// x [..., rope_dim] rotated to `position`: x * cos + rotate_half(x) * sin.
+  at::Tensor apply(const at::Tensor& x, int64_t position) const {
+    const int64_t half = x.size(-1) / 2;
+    const auto rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+    return x.mul(cos[position]).add(rotated.mul(sin[position]));
+  }
+};
+
+/// What one layer's attention needs for one new token.
+struct MlaStep {
+  at::Tensor q;  // [B, H, 1, qk_dim] cache dtype, RoPE applied to the last qk_rope dims
+  at::Tensor k;  // [B, H, 1, qk_dim] cache dtype: cat(k_nope, k_pe), k_pe shared by the heads
+  at::Tensor v;  // [B, H, 1, v_head] cache dtype
+};
+
+/// One DeepSeek-V3 MLA attention layer (DeepseekV3Attention, q_lora_rank set), random init.
+class MlaLayer {
+ public:
+  MlaLayer(const MlaDims& d, const at::TensorOptions& opts) : d_(d) {
+    const auto ones = [&](int64_t n) { return at::ones({n}, opts); };
+    input_norm_ = ones(d.hidden);
+    q_a_proj_ = linear_weight(d.hidden, d.q_lora_rank, opts);
+    q_a_norm_ = ones(d.q_lora_rank);
+    q_b_proj_ = linear_weight(d.q_lora_rank, d.heads * d.qk_dim(), opts);
+    kv_a_proj_ = linear_weight(d.hidden, d.kv_lora_rank + d.qk_rope, opts);
+    kv_a_norm_ = ones(d.kv_lora_rank);
+    kv_b_proj_ = linear_weight(d.kv_lora_rank, d.heads * (d.qk_nope + d.v_head), opts);
+    o_proj_ = linear_weight(d.heads * d.v_head, d.hidden, opts);
+  }
+
+  /// Queries, keys and values of one token at `position`: x [B, hidden] fp32 -> MlaStep.
+  MlaStep project(const at::Tensor& x, int64_t position, const Rope& rope, at::ScalarType dtype) const {
+    const int64_t B = x.size(0), H = d_.heads;
+    const auto h = rms_norm(x, input_norm_);
+    // q: hidden -> q_lora_rank -> RMSNorm -> per head (q_nope 128, q_pe 64).
+    const auto q = rms_norm(h.matmul(q_a_proj_), q_a_norm_).matmul(q_b_proj_).view({B, H, d_.qk_dim()});
+    const auto q_pe = rope.apply(q.narrow(-1, d_.qk_nope, d_.qk_rope), position);
+    // kv: hidden -> (ckv 512, k_pe 64); RMSNorm(ckv) -> per head (k_nope 128, v 128).
+    const auto kv_a = h.matmul(kv_a_proj_);
+    const auto ckv = kv_a.narrow(-1, 0, d_.kv_lora_rank);
+    const auto k_pe = rope.apply(kv_a.narrow(-1, d_.kv_lora_rank, d_.qk_rope), position);  // [B, 64]
+    const auto kv = rms_norm(ckv, kv_a_norm_).matmul(kv_b_proj_).view({B, H, d_.qk_nope + d_.v_head});
+    const auto k = at::cat({kv.narrow(-1, 0, d_.qk_nope), k_pe.unsqueeze(1).expand({B, H, d_.qk_rope})}, -1);
+    const auto q_full = at::cat({q.narrow(-1, 0, d_.qk_nope), q_pe}, -1);
+    return {q_full.unsqueeze(2).to(dtype), k.unsqueeze(2).to(dtype),
+            kv.narrow(-1, d_.qk_nope, d_.v_head).unsqueeze(2).to(dtype)};
+  }
+
+  /// The residual stream after this layer: x + o_proj(attn), attn [B, H, 1, v_head].
+  at::Tensor output(const at::Tensor& x, const at::Tensor& attn) const {
+    return x.add(attn.to(at::kFloat).reshape({x.size(0), d_.heads * d_.v_head}).matmul(o_proj_));
+  }
+
+ private:
+  MlaDims d_;
+  at::Tensor input_norm_;  // [hidden]
+  at::Tensor q_a_proj_;    // [hidden, q_lora_rank]
+  at::Tensor q_a_norm_;    // [q_lora_rank]
+  at::Tensor q_b_proj_;    // [q_lora_rank, H * 192]
+  at::Tensor kv_a_proj_;   // [hidden, kv_lora_rank + 64]
+  at::Tensor kv_a_norm_;   // [kv_lora_rank]
+  at::Tensor kv_b_proj_;   // [kv_lora_rank, H * (128 + 128)]
+  at::Tensor o_proj_;      // [H * 128, hidden]
+};
+
+/// softmax(q K^T / sqrt(qk_dim)) V over the live slots, as kvevict::attend computes it (fp16 on
+/// CPU in fp32, softmax in fp32), without observing: the caller times observe() on its own.
+/// q [B, H, 1, qk_dim], k [B, H, S, qk_dim], v [B, H, S, v_dim] -> {probs fp32 [B, H, 1, S],
+/// out [B, H, 1, v_dim] in k's dtype}. One query (the newest token): no mask needed.
+std::pair<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const auto compute = k.is_cpu() && k.scalar_type() == at::kHalf ? at::kFloat : k.scalar_type();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const auto logits = at::matmul(q.to(compute), k.to(compute).transpose(-2, -1)).mul(scale);
+  const auto probs = at::softmax(logits, -1, at::kFloat);
+  return {probs, at::matmul(probs.to(compute), v.to(compute)).to(k.scalar_type())};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks
+
+/// The contract's schedule: a pass runs when a layer holds more than `capacity` tokens and
+/// `evict_every` updates happened since the last pass (or construction). With one token per
+/// step the first pass is at step max(capacity, evict_every - 1) (0-based), then every
+/// `evict_every` steps.
+struct Schedule {
+  int64_t capacity, evict_every, first_pass;
+  Schedule(int64_t cap, int64_t every) : capacity(cap), evict_every(every), first_pass(std::max(cap, every - 1)) {}
+  bool due(int64_t step) const { return step >= first_pass && (step - first_pass) % evict_every == 0; }
+  int64_t passes(int64_t steps) const { return steps > first_pass ? (steps - 1 - first_pass) / evict_every + 1 : 0; }
+};
+
+/// A named check: passes until the first failure, whose message it keeps.
+struct Check {
+  std::string name;
+  bool ok = true;
+  std::string first_failure;
+  void expect(bool cond, const std::function<std::string()>& what) {
+    if (!cond && ok) {
+      ok = false;
+      first_failure = what();
+    }
+  }
+};
+
+/// True when every row of positions [B, S] (int64, CPU) holds S distinct positions in [0, seen),
+/// including the sinks 0 .. n_sink - 1 and the recent window seen - n_recent .. seen - 1.
+/// On failure writes a description to `why`.
+bool sinks_and_recent_present(const at::Tensor& positions, int64_t seen, int64_t n_sink, int64_t n_recent,
+                              std::vector<int64_t>& row, std::string& why) {
+  const auto pos = positions.to(at::kCPU).contiguous();
+  const int64_t B = pos.size(0), S = pos.size(1);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    row.assign(p + b * S, p + (b + 1) * S);
+    std::sort(row.begin(), row.end());
+    if (std::adjacent_find(row.begin(), row.end()) != row.end() || (S > 0 && (row.front() < 0 || row.back() >= seen))) {
+      why = fmt::format("row {}: positions not distinct or outside [0, {})", b, seen);
+      return false;
+    }
+    const auto has = [&](int64_t x) { return std::binary_search(row.begin(), row.end(), x); };
+    for (int64_t x = 0; x < std::min(n_sink, seen); ++x) {
+      if (!has(x)) {
+        why = fmt::format("row {}: sink position {} missing", b, x);
+        return false;
+      }
+    }
+    for (int64_t x = std::max<int64_t>(seen - n_recent, 0); x < seen; ++x) {
+      if (!has(x)) {
+        why = fmt::format("row {}: recent position {} missing (seen {})", b, x, seen);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+struct CsvRow {
+  int64_t step, max;
+  double avg;
+  int64_t events;
+};
+
+int run(const Args& a) {
+  const auto dtype = make_dtype(a.dtype);
+  const auto device = make_device(a.device);
+  const bool use_attention = a.scores == "attention";
+  at::set_num_threads(static_cast<int>(a.threads));
+  at::manual_seed(0);
+
+  const auto eviction =
+      kvevict::EvictionOptions(a.budget).n_sink(a.n_sink).n_recent(a.n_recent).evict_every(a.evict_every);
+  try {
+    eviction.validate();
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  const int64_t B = 1;
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(a.layers, a.heads).batch_size(B).dtype(dtype).device(device),
+                          eviction);
+  const int64_t cap = cache.capacity();
+  const Schedule schedule(cap, a.evict_every);
+
+  // The decoder (attention mode): weights, RoPE tables and token embeddings, fp32 on the device.
+  const auto fopts = at::TensorOptions().dtype(at::kFloat).device(device);
+  MlaDims dims;
+  dims.heads = a.heads;
+  const int64_t vocab = 1024;
+  std::vector<MlaLayer> decoder;
+  at::Tensor embedding;  // [vocab, hidden]
+  std::unique_ptr<Rope> rope;
+  if (use_attention) {
+    for (int64_t l = 0; l < a.layers; ++l) decoder.emplace_back(dims, fopts);
+    embedding = at::randn({vocab, dims.hidden}, fopts);
+    rope = std::make_unique<Rope>(a.steps, dims.qk_rope, fopts);
+  }
+  const auto kv_opts = at::TensorOptions().dtype(dtype).device(device);
+
+  // On CUDA the timer brackets device work: wait for the stream before and after (a 1-element
+  // device-to-host copy); on CPU this is a no-op.
+  const auto sync_probe = at::zeros({1}, fopts);
+  const auto sync = [&] {
+    if (device.is_cuda()) (void)sync_probe.item<float>();
+  };
+
+  fmt::print("validate_eviction: {} steps, {} layers, {} heads, capacity {} = n_sink {} + budget {} + n_recent {}, "
+             "evict_every {}, {} on {}, {} thread(s)\n",
+             a.steps, a.layers, a.heads, cap, a.n_sink, a.budget, a.n_recent, a.evict_every, a.dtype, device.str(),
+             a.threads);
+  if (use_attention) {
+    fmt::print("scores: attention of a random-init DeepSeek-V3 MLA decoder (hidden {}, q_lora_rank {}, "
+               "kv_lora_rank {}, qk {} + {}, v {}, RoPE at the true position)\n",
+               dims.hidden, dims.q_lora_rank, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head);
+  } else {
+    fmt::print("scores: random (the seed's mock: randn K/V rows, softmax(randn [B, H, 1, S]) observed)\n");
+  }
+
+  Check warmup{"linear warm-up growth"};
+  Check stable{"exact stabilisation at capacity"};
+  Check passes{"one pass per post-cap step per layer"};
+  Check kept{"sinks and recent window present after every pass"};
+  Check finite{"decoder stays finite"};
+  const int64_t bound = cap + a.evict_every - 1;  // most tokens a layer holds after evict()
+
+  std::vector<CsvRow> rows;
+  rows.reserve(a.steps);
+  std::vector<int64_t> sizes(a.layers), scratch;
+  int64_t events = 0, max_cache = 0;
+  double cache_seconds = 0;
+  using clock = std::chrono::steady_clock;
+  const auto seconds_since = [](clock::time_point t0) {
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+
+  const auto t_start = clock::now();
+  for (int64_t step = 0; step < a.steps; ++step) {
+    at::Tensor x;  // [B, hidden] residual stream of this step's token
+    if (use_attention) x = embedding.index_select(0, at::randint(vocab, {B}, fopts.dtype(at::kLong)));
+    for (int64_t l = 0; l < a.layers; ++l) {
+      const int64_t position = cache.seen_tokens(l);
+      MlaStep in;
+      if (use_attention) {
+        in = decoder[l].project(x, position, *rope, dtype);
+      } else {
+        in.k = at::randn({B, a.heads, 1, 192}, kv_opts);
+        in.v = at::randn({B, a.heads, 1, 128}, kv_opts);
+      }
+
+      sync();
+      auto t0 = clock::now();
+      const auto kv = cache.update(l, in.k, in.v);
+      sync();
+      cache_seconds += seconds_since(t0);
+      const int64_t size_before = kv.first.size(2);
+
+      at::Tensor probs, attn;  // [B, H, 1, S] fp32; [B, H, 1, v_head]
+      if (use_attention) {
+        std::tie(probs, attn) = attention(in.q, kv.first, kv.second);
+      } else {
+        probs = at::softmax(at::randn({B, a.heads, 1, size_before}, fopts), -1);
+      }
+
+      sync();
+      t0 = clock::now();
+      cache.observe(l, probs);
+      const int64_t evicted = cache.evict(l);
+      sync();
+      cache_seconds += seconds_since(t0);
+
+      if (use_attention) x = decoder[l].output(x, attn);
+      const int64_t size = cache.size(l);
+      sizes[l] = size;
+      events += evicted > 0;
+
+      if (step < schedule.first_pass) {
+        warmup.expect(size == step + 1, [&] {
+          return fmt::format("layer {} step {}: size {} != {}", l, step, size, step + 1);
+        });
+      } else {
+        const bool exact = a.evict_every == 1 || evicted > 0;
+        stable.expect(exact ? size == cap : (size >= cap && size <= bound), [&] {
+          return exact ? fmt::format("layer {} step {}: size {} != capacity {}", l, step, size, cap)
+                       : fmt::format("layer {} step {}: size {} outside [{}, {}]", l, step, size, cap, bound);
+        });
+      }
+      passes.expect((evicted > 0) == schedule.due(step) && (evicted == 0 || evicted == size_before - cap), [&] {
+        return fmt::format("layer {} step {}: evicted {} tokens, expected {}", l, step, evicted,
+                           schedule.due(step) ? size_before - cap : 0);
+      });
+      if (evicted > 0 && kept.ok) {
+        std::string why;
+        const bool ok =
+            sinks_and_recent_present(cache.positions(l), cache.seen_tokens(l), a.n_sink, a.n_recent, scratch, why);
+        kept.expect(ok, [&] { return fmt::format("layer {} step {}: {}", l, step, why); });
+      }
+    }
+    if (use_attention && finite.ok) {
+      const bool ok = at::isfinite(x).all().item<bool>();
+      finite.expect(ok, [&] { return fmt::format("step {}: the residual stream holds a NaN or inf", step); });
+    }
+
+    const int64_t step_max = *std::max_element(sizes.begin(), sizes.end());
+    double avg = 0;
+    for (auto s : sizes) avg += static_cast<double>(s);
+    avg /= static_cast<double>(a.layers);
+    max_cache = std::max(max_cache, step_max);
+    rows.push_back({step, step_max, avg, events});
+    if ((step + 1) % 50 == 0 || step + 1 == a.steps) {
+      fmt::print("[step {}/{}] max={} avg={:.2f} events={}\n", step + 1, a.steps, step_max, avg, events);
+    }
+  }
+  const double elapsed = seconds_since(t_start);
+
+  // The totals must agree with the schedule and with the cache's own counters.
+  const int64_t expected_events = schedule.passes(a.steps) * a.layers;
+  const auto stats = cache.stats();
+  passes.expect(events == expected_events && stats.eviction_events == events, [&] {
+    return fmt::format("{} events counted, cache stats say {}, expected {}", events, stats.eviction_events,
+                       expected_events);
+  });
+
+  const int64_t expected_cap = std::min(bound, a.steps);
+  fmt::print("max_cache={} expected_cap={} over_cap={}{}\n", max_cache, expected_cap, max_cache > expected_cap ? 1 : 0,
+             a.evict_every > 1 ? fmt::format(" (capacity {} + evict_every {} - 1)", cap, a.evict_every) : "");
+  fmt::print("events={} expected_events={} ({} per layer)\n", events, expected_events, schedule.passes(a.steps));
+  fmt::print("steps/sec: {:.1f}\n", static_cast<double>(a.steps) / elapsed);
+  fmt::print("cache_us_per_step: {:.1f}\n", 1e6 * cache_seconds / static_cast<double>(a.steps));
+  fmt::print("bytes_held: {}\n", stats.bytes_allocated);
+
+  const auto report = [](const Check& c, const std::string& detail) {
+    if (c.ok) {
+      fmt::print("PASS {}: {}\n", c.name, detail);
+    } else {
+      fmt::print("FAIL {}: {}\n", c.name, c.first_failure);
+    }
+    return c.ok;
+  };
+  const bool reached = a.steps > schedule.first_pass;
+  bool all = true;
+  all &= report(warmup, fmt::format("size after step i == i + 1 for i < {}", std::min(schedule.first_pass, a.steps)));
+  all &= report(stable, !reached ? std::string("capacity not reached")
+                        : a.evict_every == 1
+                            ? fmt::format("size == {} after every step from step {} on", cap, schedule.first_pass)
+                            : fmt::format("size == {} after every pass, within [{}, {}] between passes", cap, cap, bound));
+  all &= report(passes, fmt::format("{} events == expected {} ({} layers x {} passes, one every {} step(s) from step {})",
+                                    events, expected_events, a.layers, schedule.passes(a.steps), a.evict_every,
+                                    schedule.first_pass));
+  all &= report(kept, !reached ? std::string("no pass ran")
+                               : fmt::format("positions 0..{} and seen-{}..seen-1 in every row after {} passes",
+                                             a.n_sink - 1, a.n_recent, events));
+  if (use_attention) all &= report(finite, "residual stream finite after every step");
+
+  if (!a.out_csv.empty()) {
+    std::FILE* f = std::fopen(a.out_csv.c_str(), "w");
+    if (!f) {
+      fmt::print(stderr, "error: cannot write --out-csv {}\n", a.out_csv);
+      return kExitFail;
+    }
+    fmt::print(f, "step,max,avg,events\n");
+    for (const auto& r : rows) fmt::print(f, "{},{},{:.2f},{}\n", r.step, r.max, r.avg, r.events);
+    std::fclose(f);
+    fmt::print("wrote {} ({} rows)\n", a.out_csv, rows.size());
+  }
+  return all ? EXIT_SUCCESS : kExitFail;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    if (!parse_args(argc, argv, args)) {
+      fmt::print("{}", kUsage);
+      return EXIT_SUCCESS;
+    }
+    return run(args);
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "validate_eviction: {}\n(see validate_eviction --help)\n", e.what());
+    return kExitUsage;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "validate_eviction: error: {}\n", e.what_without_backtrace());
+    return kExitFail;
+  }
+}
