@@ -12,6 +12,8 @@
 //          [--scores random|attention] [--out-csv PATH] [--threads N]
 #include <kvevict/kvevict.hpp>
 
+#include <ATen/Parallel.h>
+
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -239,8 +241,8 @@ class MlaLayer {
     const auto kv = rms_norm(ckv, kv_a_norm_).matmul(kv_b_proj_).view({B, H, d_.qk_nope + d_.v_head});
     const auto k = at::cat({kv.narrow(-1, 0, d_.qk_nope), k_pe.unsqueeze(1).expand({B, H, d_.qk_rope})}, -1);
     const auto q_full = at::cat({q.narrow(-1, 0, d_.qk_nope), q_pe}, -1);
-    return {q_full.unsqueeze(2).to(dtype), k.unsqueeze(2).to(dtype),
-            kv.narrow(-1, d_.qk_nope, d_.v_head).unsqueeze(2).to(dtype)};
+    const auto v = kv.narrow(-1, d_.qk_nope, d_.v_head);
+    return {q_full.unsqueeze(2).to(dtype), k.unsqueeze(2).to(dtype), v.unsqueeze(2).to(dtype).contiguous()};
   }
 
   /// The residual stream after this layer: x + o_proj(attn), attn [B, H, 1, v_head].
@@ -259,18 +261,6 @@ class MlaLayer {
   at::Tensor kv_b_proj_;   // [kv_lora_rank, H * (128 + 128)]
   at::Tensor o_proj_;      // [H * 128, hidden]
 };
-
-/// softmax(q K^T / sqrt(qk_dim)) V over the live slots, as kvevict::attend computes it (fp16 on
-/// CPU in fp32, softmax in fp32), without observing: the caller times observe() on its own.
-/// q [B, H, 1, qk_dim], k [B, H, S, qk_dim], v [B, H, S, v_dim] -> {probs fp32 [B, H, 1, S],
-/// out [B, H, 1, v_dim] in k's dtype}. One query (the newest token): no mask needed.
-std::pair<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const auto compute = k.is_cpu() && k.scalar_type() == at::kHalf ? at::kFloat : k.scalar_type();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const auto logits = at::matmul(q.to(compute), k.to(compute).transpose(-2, -1)).mul(scale);
-  const auto probs = at::softmax(logits, -1, at::kFloat);
-  return {probs, at::matmul(probs.to(compute), v.to(compute)).to(k.scalar_type())};
-}
 
 // ---------------------------------------------------------------------------------------------
 // Checks
@@ -351,6 +341,13 @@ int run(const Args& a) {
   } catch (const c10::Error& e) {
     throw UsageError(e.what_without_backtrace());
   }
+  // Open the CSV first: a path that cannot be written is a usage error, found before the run.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> csv(nullptr, &std::fclose);
+  if (!a.out_csv.empty()) {
+    csv.reset(std::fopen(a.out_csv.c_str(), "w"));
+    if (!csv) throw UsageError("--out-csv: cannot open '" + a.out_csv + "' for writing");
+  }
+
   const int64_t B = 1;
   kvevict::MlaCache cache(kvevict::MlaCacheOptions(a.layers, a.heads).batch_size(B).dtype(dtype).device(device),
                           eviction);
@@ -431,7 +428,9 @@ int run(const Args& a) {
 
       at::Tensor probs, attn;  // [B, H, 1, S] fp32; [B, H, 1, v_head]
       if (use_attention) {
-        std::tie(probs, attn) = attention(in.q, kv.first, kv.second);
+        // The attention math stays outside the timer: attend() without observing, then
+        // observe() is timed with evict() below.
+        attn = kvevict::attend(in.q, cache, l, c10::nullopt, &probs, /*observe=*/false);
       } else {
         probs = at::softmax(at::randn({B, a.heads, 1, size_before}, fopts), -1);
       }
@@ -495,8 +494,7 @@ int run(const Args& a) {
                        expected_events);
   });
 
-  const int64_t expected_cap = std::min(bound, a.steps);
-  fmt::print("max_cache={} expected_cap={} over_cap={}{}\n", max_cache, expected_cap, max_cache > expected_cap ? 1 : 0,
+  fmt::print("max_cache={} expected_cap={} over_cap={}{}\n", max_cache, bound, max_cache > bound ? 1 : 0,
              a.evict_every > 1 ? fmt::format(" (capacity {} + evict_every {} - 1)", cap, a.evict_every) : "");
   fmt::print("events={} expected_events={} ({} per layer)\n", events, expected_events, schedule.passes(a.steps));
   fmt::print("steps/sec: {:.1f}\n", static_cast<double>(a.steps) / elapsed);
@@ -518,23 +516,20 @@ int run(const Args& a) {
                         : a.evict_every == 1
                             ? fmt::format("size == {} after every step from step {} on", cap, schedule.first_pass)
                             : fmt::format("size == {} after every pass, within [{}, {}] between passes", cap, cap, bound));
-  all &= report(passes, fmt::format("{} events == expected {} ({} layers x {} passes, one every {} step(s) from step {})",
+  all &= report(passes, fmt::format("{} events == expected {} ({} layer(s) x {} pass(es), one every {} step(s) from step {})",
                                     events, expected_events, a.layers, schedule.passes(a.steps), a.evict_every,
                                     schedule.first_pass));
+  const auto sinks = a.n_sink > 0 ? fmt::format("positions 0..{}", a.n_sink - 1) : std::string("no sinks");
+  const auto recent = a.n_recent > 0 ? fmt::format("seen-{}..seen-1", a.n_recent) : std::string("no recent window");
   all &= report(kept, !reached ? std::string("no pass ran")
-                               : fmt::format("positions 0..{} and seen-{}..seen-1 in every row after {} passes",
-                                             a.n_sink - 1, a.n_recent, events));
+                               : fmt::format("{} and {} in every row after {} passes", sinks, recent, events));
   if (use_attention) all &= report(finite, "residual stream finite after every step");
 
-  if (!a.out_csv.empty()) {
-    std::FILE* f = std::fopen(a.out_csv.c_str(), "w");
-    if (!f) {
-      fmt::print(stderr, "error: cannot write --out-csv {}\n", a.out_csv);
-      return kExitFail;
-    }
+  if (csv) {
+    std::FILE* f = csv.get();
     fmt::print(f, "step,max,avg,events\n");
     for (const auto& r : rows) fmt::print(f, "{},{},{:.2f},{}\n", r.step, r.max, r.avg, r.events);
-    std::fclose(f);
+    csv.reset();
     fmt::print("wrote {} ({} rows)\n", a.out_csv, rows.size());
   }
   return all ? EXIT_SUCCESS : kExitFail;

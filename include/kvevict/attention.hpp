@@ -37,9 +37,10 @@ at::ScalarType compute_dtype(const Cache& cache) {
 }
 
 /// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens, causal by
-/// position inside a multi-token append; observes the fp32 probabilities and returns them.
+/// position inside a multi-token append; observes the fp32 probabilities (if `observe`) and
+/// returns them.
 template <class Cache>
-at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer) {
+at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer, bool observe) {
   const int64_t T = logits.size(2), S = logits.size(3);
   if (T > 1) {
     const int64_t seen = cache.seen_tokens(layer);
@@ -49,7 +50,7 @@ at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer) {
     logits = logits.masked_fill(future, -std::numeric_limits<double>::infinity());
   }
   auto probs = at::softmax(logits, -1, at::kFloat);
-  cache.observe(layer, probs);
+  if (observe) cache.observe(layer, probs);
   return probs;
 }
 
@@ -64,6 +65,8 @@ at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer) {
 /// \param scale      logit scale; default 1/sqrt(qk_dim). DeepSeek-V3 with YaRN multiplies it
 ///                   by mscale^2: pass that here.
 /// \param probs_out  if given, receives the fp32 probabilities [B, H, T, S] (slot order).
+/// \param observe    false: do not feed the probabilities to the scorer (the caller calls
+///                   cache.observe(layer, *probs_out) itself, e.g. to time it apart).
 /// \return [B, H, T, v_dim] attention output in the cache dtype, on the cache device.
 /// \throws c10::Error on a bad layer, shape, dtype or device, or what observe() throws; the
 ///         cache is unchanged then.
@@ -71,14 +74,15 @@ at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer) {
 ///       always taken in fp32.
 template <class Policy>
 at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t layer,
-                  c10::optional<double> scale = c10::nullopt, at::Tensor* probs_out = nullptr) {
+                  c10::optional<double> scale = c10::nullopt, at::Tensor* probs_out = nullptr,
+                  bool observe = true) {
   const auto k = cache.keys(layer);  // [B, H, S, qk_dim]
   const auto v = cache.values(layer);
   detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
   const auto dt = detail::compute_dtype(cache);
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
   const auto logits = at::matmul(q.to(dt), k.to(dt).transpose(-2, -1)).mul(s);  // [B, H, T, S]
-  const auto probs = detail::observed_softmax(logits, cache, layer);
+  const auto probs = detail::observed_softmax(logits, cache, layer, observe);
   if (probs_out) *probs_out = probs;
   return at::matmul(probs.to(dt), v.to(dt)).to(cache.dtype());
 }
@@ -93,13 +97,14 @@ at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t lay
 /// \param scale       logit scale; default 1/sqrt(qk_nope_dim + qk_rope_dim) = 1/sqrt(192)
 ///                    for DeepSeek-V3 (pass the YaRN-adjusted scale where the model uses one).
 /// \param probs_out   if given, receives the fp32 probabilities [B, H, T, S] (slot order).
+/// \param observe     false: do not feed the probabilities to the scorer (see attend()).
 /// \return [B, H, T, kv_lora_rank] latent output in the cache dtype.
 /// \throws c10::Error on a bad layer, shape, dtype or device, or what observe() throws; the
 ///         cache is unchanged then.
 template <class Policy>
 at::Tensor attend_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, BasicMlaLatentCache<Policy>& cache,
                            int64_t layer, c10::optional<double> scale = c10::nullopt,
-                           at::Tensor* probs_out = nullptr) {
+                           at::Tensor* probs_out = nullptr, bool observe = true) {
   const auto& o = cache.options();
   const auto ckv = cache.ckv(layer).unsqueeze(1);  // [B, 1, S, kv_lora_rank]
   const auto kpe = cache.kpe(layer).unsqueeze(1);  // [B, 1, S, qk_rope_dim]
@@ -112,7 +117,7 @@ at::Tensor attend_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe,
   const auto logits = at::matmul(q_absorbed.to(dt), latent.transpose(-2, -1))
                           .add(at::matmul(q_pe.to(dt), kpe.to(dt).transpose(-2, -1)))
                           .mul(s);  // [B, H, T, S]
-  const auto probs = detail::observed_softmax(logits, cache, layer);
+  const auto probs = detail::observed_softmax(logits, cache, layer, observe);
   if (probs_out) *probs_out = probs;
   return at::matmul(probs.to(dt), latent).to(cache.dtype());
 }
