@@ -1,6 +1,8 @@
-// memory_table: the seed's memory table, from kvevict's memory model. Bytes per token of the
-// seed's configuration (DeepSeek-V3 expanded layout: 61 layers, 64 heads, 192 + 128 dims per
-// head, fp16), then a full vs capped cache for one sequence at 8K .. 1M tokens.
+// memory_table: the seed's memory table, from kvevict's memory model, for both cache layouts.
+// Bytes per token (61 layers, fp16) of the expanded layout at the seed's 64 heads and at
+// DeepSeek-V3's 128 heads (192 + 128 dims per head), and of the latent layout (ckv 512 + kpe
+// 64, shared by the heads); then a full vs capped cache for one sequence at 8K .. 1M tokens in
+// each, so the table shows what eviction buys on top of the latent layout.
 //
 // Usage: memory_table [--budget N] [--n-sink S] [--n-recent R]
 //   capacity = n_sink + budget + n_recent (defaults 4 + 4592 + 16 = 4612 tokens).
@@ -9,6 +11,7 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
@@ -21,9 +24,11 @@ constexpr int kExitUsage = 2;
 
 constexpr const char* kUsage = R"(Usage: memory_table [--budget N] [--n-sink S] [--n-recent R]
 
-Prints the KV-cache bytes per token of DeepSeek-V3's expanded layout as the seed sized it
-(61 layers, 64 heads, 192 + 128 dims per head, fp16) and a full vs capped cache for one
-sequence at 8K .. 1M tokens, capped at capacity = n_sink + budget + n_recent tokens.
+Prints the KV-cache bytes per token of DeepSeek-V3 (61 layers, fp16) in the expanded layout
+(per-head keys 192 + values 128) at the seed's 64 heads and at the model's 128 heads, and in
+the latent layout (ckv 512 + kpe 64, shared by the heads), then a full vs capped cache for
+one sequence at 8K .. 1M tokens in each layout, capped at capacity = n_sink + budget + n_recent
+tokens.
 
 Options (default in brackets):
   --budget N     heavy hitters kept per row, >= 0 [4592]
@@ -72,8 +77,9 @@ int64_t parse_count(const std::string& flag, const std::string& text) {
   }
   if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
   if (value < 0) throw UsageError(flag + " must be >= 0, got " + text);
-  // Keeps capacity * bytes per token inside int64 (3 * 2^40 tokens * 2.5 MB < 2^63 bytes).
-  if (value > (int64_t{1} << 40)) throw UsageError(flag + " must be <= 2^40, got " + text);
+  // Keeps capacity * bytes per token inside int64 for the largest column, the expanded layout
+  // at 128 heads: 3 * 2^39 tokens * 4,997,120 bytes < 2^63 bytes.
+  if (value > (int64_t{1} << 39)) throw UsageError(flag + " must be <= 2^39, got " + text);
   return value;
 }
 
@@ -116,31 +122,67 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
 
-  kvevict::MlaMemoryConfig seed;  // DeepSeek-V3 dims, 2 bytes per element (fp16)
-  seed.num_heads = 64;            // the seed's table assumes 64 heads (DeepSeek-V3 has 128)
-  const auto expanded = kvevict::Layout::kExpanded;
-  const int64_t per_token = kvevict::bytes_per_token(seed, expanded);
+  // DeepSeek-V3 dims, 2 bytes per element (fp16); the seed's table assumed 64 heads.
+  kvevict::MlaMemoryConfig seed, v3;
+  seed.num_heads = 64;
+  struct Column {
+    std::string name;         // table heading
+    std::string description;  // bytes-per-token line
+    kvevict::MlaMemoryConfig config;
+    kvevict::Layout layout;
+  };
+  const std::vector<Column> columns{
+      {"expanded, 64 heads",
+       fmt::format("expanded, {} heads x ({} + {}) dims (the seed's table)", seed.num_heads, seed.qk_dim, seed.v_dim),
+       seed, kvevict::Layout::kExpanded},
+      {"expanded, 128 heads",
+       fmt::format("expanded, {} heads x ({} + {}) dims (DeepSeek-V3)", v3.num_heads, v3.qk_dim, v3.v_dim), v3,
+       kvevict::Layout::kExpanded},
+      {"latent", fmt::format("latent, ckv {} + kpe {}, shared by the heads", v3.kv_lora_rank, v3.qk_rope_dim), v3,
+       kvevict::Layout::kLatent},
+  };
   const int64_t capacity = eviction.capacity();
 
-  fmt::print("KV cache, DeepSeek-V3 expanded layout as the seed sized it: {} layers x {} heads x ({} + {}) dims x "
-             "{} bytes (fp16)\n",
-             seed.num_layers, seed.num_heads, seed.qk_dim, seed.v_dim, seed.bytes_per_element);
-  fmt::print("bytes per token: {} ({} per layer)\n", with_commas(per_token),
-             with_commas(kvevict::bytes_per_token_per_layer(seed, expanded)));
-  fmt::print("  (latent layout, ckv {} + kpe {}: {} bytes per token)\n", seed.kv_lora_rank, seed.qk_rope_dim,
-             with_commas(kvevict::bytes_per_token(seed, kvevict::Layout::kLatent)));
-  fmt::print("capacity: {} tokens = {} sinks + {} heavy hitters (budget) + {} recent; capped cache {} per sequence\n\n",
-             capacity, eviction.n_sink(), eviction.budget(), eviction.n_recent(),
-             human(kvevict::capped_cache_bytes(seed, expanded, capacity, capacity)));
+  fmt::print("KV cache bytes per token, DeepSeek-V3: {} layers, fp16 ({} bytes per element), K/V data only\n",
+             v3.num_layers, v3.bytes_per_element);
+  std::string capped;  // "10.73 GiB / 21.46 GiB / 309.08 MiB"
+  for (const auto& c : columns) {
+    fmt::print("  {:<58} {:>9} ({} per layer)\n", c.description + ":",
+               with_commas(kvevict::bytes_per_token(c.config, c.layout)),
+               with_commas(kvevict::bytes_per_token_per_layer(c.config, c.layout)));
+    if (!capped.empty()) capped += " / ";
+    capped += human(kvevict::capped_cache_bytes(c.config, c.layout, capacity, capacity));
+  }
+  fmt::print("capacity: {} tokens = {} sinks + {} heavy hitters (budget) + {} recent; capped cache {} per sequence "
+             "(expanded 64 / expanded 128 / latent)\n\n",
+             capacity, eviction.n_sink(), eviction.budget(), eviction.n_recent(), capped);
 
-  fmt::print("{:>24}  {:>12}  {:>12}  {:>8}\n", "tokens", "full cache", "capped", "ratio");
+  // One sequence: full and capped cache per layout; full / capped is the same in every layout.
+  fmt::print("{:>16}", "");
+  for (const auto& c : columns) fmt::print("    {:^24}", c.name);
+  fmt::print("  {:>11}\n{:>16}", "full/capped", "tokens");
+  for (size_t i = 0; i < columns.size(); ++i) fmt::print("    {:>11}  {:>11}", "full", "capped");
+  fmt::print("  {:>11}\n", "(any)");
   for (int64_t k = 13; k <= 20; ++k) {
     const int64_t tokens = int64_t{1} << k;  // 8K .. 1M
-    const int64_t full = kvevict::full_cache_bytes(seed, expanded, tokens);
-    const int64_t capped = kvevict::capped_cache_bytes(seed, expanded, tokens, capacity);
-    fmt::print("{:>24}  {:>12}  {:>12}  {:>7.1f}x\n",
-               fmt::format("{} ({})", tokens_label(tokens), with_commas(tokens)), human(full), human(capped),
-               static_cast<double>(full) / static_cast<double>(capped));
+    fmt::print("{:>16}", fmt::format("{} ({})", tokens_label(tokens), with_commas(tokens)));
+    for (const auto& c : columns) {
+      fmt::print("    {:>11}  {:>11}", human(kvevict::full_cache_bytes(c.config, c.layout, tokens)),
+                 human(kvevict::capped_cache_bytes(c.config, c.layout, tokens, capacity)));
+    }
+    fmt::print("  {:>10.1f}x\n", static_cast<double>(tokens) / static_cast<double>(std::min(tokens, capacity)));
   }
+
+  // What each step buys at the longest length: the latent layout, then eviction on top of it.
+  const int64_t longest = int64_t{1} << 20;
+  const int64_t expanded_full = kvevict::full_cache_bytes(v3, kvevict::Layout::kExpanded, longest);
+  const int64_t latent_full = kvevict::full_cache_bytes(v3, kvevict::Layout::kLatent, longest);
+  const int64_t latent_capped = kvevict::capped_cache_bytes(v3, kvevict::Layout::kLatent, longest, capacity);
+  fmt::print("\nat {} tokens: expanded ({} heads) {} -> latent {} ({:.1f}x less) -> latent capped at {} tokens {} "
+             "({:.1f}x less again; {:.0f}x less than expanded)\n",
+             tokens_label(longest), v3.num_heads, human(expanded_full), human(latent_full),
+             static_cast<double>(expanded_full) / static_cast<double>(latent_full), capacity, human(latent_capped),
+             static_cast<double>(latent_full) / static_cast<double>(latent_capped),
+             static_cast<double>(expanded_full) / static_cast<double>(latent_capped));
   return EXIT_SUCCESS;
 }

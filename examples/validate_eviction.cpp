@@ -1,6 +1,9 @@
 // validate_eviction: the seed's 1000-step validation of the eviction contract (DESIGN.md),
 // driven either by a real DeepSeek-V3 MLA attention forward (--scores attention, the default)
-// or by the seed's mock (--scores random: random K/V rows, softmax(randn) as the attention).
+// or by the seed's mock (--scores random: random cached rows, softmax(randn) as the attention),
+// in either cache layout: --layout expanded (kvevict::MlaCache, per-head K/V decompressed by
+// kv_b_proj, the default) or --layout latent (kvevict::MlaLatentCache, ckv + kpe cached, the
+// attention absorbed: W_UK folded into the query, W_UV applied to the latent output).
 //
 // Per step and layer: append one token, observe attention over the live slots, evict. Checks
 // linear warm-up growth, exact stabilisation at capacity, one pass per due step and layer,
@@ -9,7 +12,7 @@
 //
 // Usage: validate_eviction [--steps N] [--budget N] [--n-sink N] [--n-recent N] [--layers N]
 //          [--heads N] [--evict-every N] [--dtype fp32|fp16|bf16] [--device cpu|cuda|cuda:N]
-//          [--scores random|attention] [--out-csv PATH] [--threads N]
+//          [--scores random|attention] [--layout expanded|latent] [--out-csv PATH] [--threads N]
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/Parallel.h>
@@ -49,13 +52,15 @@ struct Args {
   std::string dtype = "fp32";
   std::string device = "cpu";
   std::string scores = "attention";
+  std::string layout = "expanded";
   std::string out_csv;  // empty: no CSV
   int64_t threads = 1;
 };
 
 constexpr const char* kUsage = R"(Usage: validate_eviction [options]
 
-Runs STEPS decode steps through a kvevict::MlaCache (batch 1) and checks the eviction contract.
+Runs STEPS decode steps (batch 1) through a kvevict::MlaCache (--layout expanded) or a
+kvevict::MlaLatentCache (--layout latent) and checks the eviction contract.
 
 Options (default in brackets):
   --steps N          decode steps [1000]
@@ -68,8 +73,12 @@ Options (default in brackets):
   --dtype T          cache dtype: fp32, fp16 or bf16 [fp32]
   --device D         cpu, cuda or cuda:N [cpu]
   --scores S         attention: a random-init DeepSeek-V3 MLA attention forward per layer and
-                     step feeds its probabilities; random: the seed's mock, random K/V rows and
-                     softmax(randn [B, H, 1, S]) [attention]
+                     step feeds its probabilities; random: the seed's mock, random cached rows
+                     and softmax(randn [B, H, 1, S]) [attention]
+  --layout L         expanded: per-head keys [B, H, S, 192] and values [B, H, S, 128]
+                     (MlaCache, kvevict::attend); latent: ckv [B, S, 512] + kpe [B, S, 64]
+                     shared by the heads (MlaLatentCache, absorbed attention through
+                     kvevict::attend_absorbed) [expanded]
   --out-csv PATH     write step,max,avg,events per step to PATH [none]
   --threads N        intra-op threads (at::set_num_threads), >= 1 [1]
   --help             print this and exit
@@ -113,6 +122,7 @@ bool parse_args(int argc, char** argv, Args& a) {
       {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
       {"--dtype", [&](auto& f, auto& v) { a.dtype = parse_choice(f, v, {"fp32", "fp16", "bf16"}); }},
       {"--scores", [&](auto& f, auto& v) { a.scores = parse_choice(f, v, {"random", "attention"}); }},
+      {"--layout", [&](auto& f, auto& v) { a.layout = parse_choice(f, v, {"expanded", "latent"}); }},
       {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
       {"--out-csv",
        [&](auto& f, auto& v) {
@@ -205,16 +215,20 @@ struct Rope {
   }
 };
 
-/// What one layer's attention needs for one new token.
-struct MlaStep {
-  at::Tensor q;  // [B, H, 1, qk_dim] cache dtype, RoPE applied to the last qk_rope dims
-  at::Tensor k;  // [B, H, 1, qk_dim] cache dtype: cat(k_nope, k_pe), k_pe shared by the heads
-  at::Tensor v;  // [B, H, 1, v_head] cache dtype
-};
-
-/// One DeepSeek-V3 MLA attention layer (DeepseekV3Attention, q_lora_rank set), random init.
+/// One DeepSeek-V3 MLA attention layer (DeepseekV3Attention, q_lora_rank set), random init,
+/// with both ways to attend: expanded (kv_b_proj decompresses per-head keys and values) and
+/// absorbed (DeepSeek-V2 paper, Sec. 2.1.2: the k_nope half of kv_b_proj, W_UK, folded into
+/// the query; the v half, W_UV, applied to the latent output). All fp32.
 class MlaLayer {
  public:
+  /// One token's projections, before any layout-specific step.
+  struct Projected {
+    at::Tensor q_nope;  // [B, H, qk_nope]
+    at::Tensor q_pe;    // [B, H, qk_rope], RoPE applied at the token's position
+    at::Tensor ckv;     // [B, kv_lora_rank], after kv_a_layernorm
+    at::Tensor kpe;     // [B, qk_rope], RoPE applied, shared by the heads
+  };
+
   MlaLayer(const MlaDims& d, const at::TensorOptions& opts) : d_(d) {
     const auto ones = [&](int64_t n) { return at::ones({n}, opts); };
     input_norm_ = ones(d.hidden);
@@ -225,25 +239,36 @@ class MlaLayer {
     kv_a_norm_ = ones(d.kv_lora_rank);
     kv_b_proj_ = linear_weight(d.kv_lora_rank, d.heads * (d.qk_nope + d.v_head), opts);
     o_proj_ = linear_weight(d.heads * d.v_head, d.hidden, opts);
+    // kv_b_proj's columns per head: (k_nope 128, v 128).
+    const auto kv_b = kv_b_proj_.view({d.kv_lora_rank, d.heads, d.qk_nope + d.v_head});
+    w_uk_ = kv_b.narrow(-1, 0, d.qk_nope).permute({1, 2, 0}).contiguous();
+    w_uv_ = kv_b.narrow(-1, d.qk_nope, d.v_head).permute({1, 0, 2}).contiguous();
   }
 
-  /// Queries, keys and values of one token at `position`: x [B, hidden] fp32 -> MlaStep.
-  MlaStep project(const at::Tensor& x, int64_t position, const Rope& rope, at::ScalarType dtype) const {
+  /// Projections of one token at `position`: x [B, hidden] fp32 (the residual stream).
+  Projected project(const at::Tensor& x, int64_t position, const Rope& rope) const {
     const int64_t B = x.size(0), H = d_.heads;
     const auto h = rms_norm(x, input_norm_);
     // q: hidden -> q_lora_rank -> RMSNorm -> per head (q_nope 128, q_pe 64).
     const auto q = rms_norm(h.matmul(q_a_proj_), q_a_norm_).matmul(q_b_proj_).view({B, H, d_.qk_dim()});
-    const auto q_pe = rope.apply(q.narrow(-1, d_.qk_nope, d_.qk_rope), position);
-    // kv: hidden -> (ckv 512, k_pe 64); RMSNorm(ckv) -> per head (k_nope 128, v 128).
+    // kv: hidden -> (ckv 512, k_pe 64); RMSNorm (kv_a_layernorm) on ckv.
     const auto kv_a = h.matmul(kv_a_proj_);
-    const auto ckv = kv_a.narrow(-1, 0, d_.kv_lora_rank);
-    const auto k_pe = rope.apply(kv_a.narrow(-1, d_.kv_lora_rank, d_.qk_rope), position);  // [B, 64]
-    const auto kv = rms_norm(ckv, kv_a_norm_).matmul(kv_b_proj_).view({B, H, d_.qk_nope + d_.v_head});
-    const auto k = at::cat({kv.narrow(-1, 0, d_.qk_nope), k_pe.unsqueeze(1).expand({B, H, d_.qk_rope})}, -1);
-    const auto q_full = at::cat({q.narrow(-1, 0, d_.qk_nope), q_pe}, -1);
-    const auto v = kv.narrow(-1, d_.qk_nope, d_.v_head);
-    return {q_full.unsqueeze(2).to(dtype), k.unsqueeze(2).to(dtype), v.unsqueeze(2).to(dtype).contiguous()};
+    return {q.narrow(-1, 0, d_.qk_nope), rope.apply(q.narrow(-1, d_.qk_nope, d_.qk_rope), position),
+            rms_norm(kv_a.narrow(-1, 0, d_.kv_lora_rank), kv_a_norm_),
+            rope.apply(kv_a.narrow(-1, d_.kv_lora_rank, d_.qk_rope), position)};
   }
+
+  /// Expanded layout: ckv [B, kv_lora_rank] -> per-head {k_nope [B, H, qk_nope], v [B, H, v_head]}.
+  std::pair<at::Tensor, at::Tensor> decompress(const at::Tensor& ckv) const {
+    const auto kv = ckv.matmul(kv_b_proj_).view({ckv.size(0), d_.heads, d_.qk_nope + d_.v_head});
+    return {kv.narrow(-1, 0, d_.qk_nope), kv.narrow(-1, d_.qk_nope, d_.v_head)};
+  }
+
+  /// Absorbed layout: q_nope [B, H, qk_nope] -> q_nope W_UK [B, H, 1, kv_lora_rank].
+  at::Tensor absorb_query(const at::Tensor& q_nope) const { return at::matmul(q_nope.unsqueeze(2), w_uk_); }
+
+  /// Absorbed layout: latent output [B, H, 1, kv_lora_rank] (probs @ ckv) -> W_UV [B, H, 1, v_head].
+  at::Tensor up_value(const at::Tensor& latent) const { return at::matmul(latent.to(at::kFloat), w_uv_); }
 
   /// The residual stream after this layer: x + o_proj(attn), attn [B, H, 1, v_head].
   at::Tensor output(const at::Tensor& x, const at::Tensor& attn) const {
@@ -259,7 +284,97 @@ class MlaLayer {
   at::Tensor kv_a_proj_;   // [hidden, kv_lora_rank + 64]
   at::Tensor kv_a_norm_;   // [kv_lora_rank]
   at::Tensor kv_b_proj_;   // [kv_lora_rank, H * (128 + 128)]
+  at::Tensor w_uk_;        // [H, qk_nope, kv_lora_rank]: kv_b_proj's k_nope columns per head
+  at::Tensor w_uv_;        // [H, kv_lora_rank, v_head]: kv_b_proj's v columns per head
   at::Tensor o_proj_;      // [H * 128, hidden]
+};
+
+// ---------------------------------------------------------------------------------------------
+// The two cache layouts: what a step caches and how it attends. run<Layout>() drives either.
+
+/// Expanded layout: kvevict::MlaCache of per-head keys cat(k_nope, k_pe) and values from
+/// kv_b_proj; kvevict::attend.
+struct ExpandedLayout {
+  using Cache = kvevict::MlaCache;
+  static constexpr const char* kCache = "kvevict::MlaCache";
+  static constexpr const char* kRandomRows = "randn K/V rows [B, H, 1, 192] and [B, H, 1, 128]";
+  static constexpr const char* kAttention = "expanded: kv_b_proj decompresses per-head k_nope and v, kvevict::attend";
+
+  /// What one layer caches and attends with for one new token (cache dtype).
+  struct Token {
+    at::Tensor q;  // [B, H, 1, qk_dim], RoPE applied to the last qk_rope dims (attention mode)
+    at::Tensor k;  // [B, H, 1, qk_dim]: cat(k_nope, k_pe), k_pe shared by the heads
+    at::Tensor v;  // [B, H, 1, v_head]
+  };
+
+  static Cache make_cache(const MlaDims& d, int64_t layers, int64_t B, at::ScalarType dtype, at::Device device,
+                          const kvevict::EvictionOptions& eviction) {
+    return Cache(kvevict::MlaCacheOptions(layers, d.heads)
+                     .qk_dim(d.qk_dim())
+                     .v_dim(d.v_head)
+                     .batch_size(B)
+                     .dtype(dtype)
+                     .device(device),
+                 eviction);
+  }
+  static Token random(const MlaDims& d, int64_t B, const at::TensorOptions& opts) {
+    return {at::Tensor(), at::randn({B, d.heads, 1, d.qk_dim()}, opts), at::randn({B, d.heads, 1, d.v_head}, opts)};
+  }
+  static Token project(const MlaLayer& layer, const MlaLayer::Projected& p, const MlaDims& d, at::ScalarType dtype) {
+    const auto kv = layer.decompress(p.ckv);
+    const auto k_pe = p.kpe.unsqueeze(1).expand({p.kpe.size(0), d.heads, d.qk_rope});
+    return {at::cat({p.q_nope, p.q_pe}, -1).unsqueeze(2).to(dtype),
+            at::cat({kv.first, k_pe}, -1).unsqueeze(2).to(dtype), kv.second.unsqueeze(2).to(dtype).contiguous()};
+  }
+  static void update(Cache& cache, int64_t l, const Token& t) { cache.update(l, t.k, t.v); }
+  /// Attention without observing: output [B, H, 1, v_head], fp32 probabilities [B, H, 1, S] in *probs.
+  static at::Tensor attend(Cache& cache, int64_t l, const Token& t, const MlaLayer&, at::Tensor* probs) {
+    return kvevict::attend(t.q, cache, l, c10::nullopt, probs, /*observe=*/false);
+  }
+};
+
+/// Latent layout: kvevict::MlaLatentCache of ckv (after kv_a_layernorm) and kpe (after RoPE);
+/// the query absorbed through W_UK, kvevict::attend_absorbed, W_UV on its latent output.
+struct LatentLayout {
+  using Cache = kvevict::MlaLatentCache;
+  static constexpr const char* kCache = "kvevict::MlaLatentCache";
+  static constexpr const char* kRandomRows = "randn ckv/kpe rows [B, 1, 512] and [B, 1, 64]";
+  static constexpr const char* kAttention =
+      "absorbed: ckv + kpe cached, q_nope W_UK, kvevict::attend_absorbed, W_UV on the latent output";
+
+  /// What one layer caches and attends with for one new token (cache dtype).
+  struct Token {
+    at::Tensor q_absorbed;  // [B, H, 1, kv_lora_rank]: q_nope W_UK (attention mode)
+    at::Tensor q_pe;        // [B, H, 1, qk_rope], RoPE applied (attention mode)
+    at::Tensor ckv;         // [B, 1, kv_lora_rank], after kv_a_layernorm
+    at::Tensor kpe;         // [B, 1, qk_rope], RoPE applied
+  };
+
+  static Cache make_cache(const MlaDims& d, int64_t layers, int64_t B, at::ScalarType dtype, at::Device device,
+                          const kvevict::EvictionOptions& eviction) {
+    return Cache(kvevict::MlaLatentCacheOptions(layers, d.heads)
+                     .kv_lora_rank(d.kv_lora_rank)
+                     .qk_rope_dim(d.qk_rope)
+                     .qk_nope_dim(d.qk_nope)
+                     .batch_size(B)
+                     .dtype(dtype)
+                     .device(device),
+                 eviction);
+  }
+  static Token random(const MlaDims& d, int64_t B, const at::TensorOptions& opts) {
+    return {at::Tensor(), at::Tensor(), at::randn({B, 1, d.kv_lora_rank}, opts), at::randn({B, 1, d.qk_rope}, opts)};
+  }
+  static Token project(const MlaLayer& layer, const MlaLayer::Projected& p, const MlaDims&, at::ScalarType dtype) {
+    return {layer.absorb_query(p.q_nope).to(dtype), p.q_pe.unsqueeze(2).to(dtype), p.ckv.unsqueeze(1).to(dtype),
+            p.kpe.unsqueeze(1).to(dtype)};
+  }
+  static void update(Cache& cache, int64_t l, const Token& t) { cache.update(l, t.ckv, t.kpe); }
+  /// Attention without observing: output [B, H, 1, v_head] fp32 (W_UV applied), fp32
+  /// probabilities [B, H, 1, S] in *probs.
+  static at::Tensor attend(Cache& cache, int64_t l, const Token& t, const MlaLayer& layer, at::Tensor* probs) {
+    return layer.up_value(kvevict::attend_absorbed(t.q_absorbed, t.q_pe, cache, l, c10::nullopt, probs,
+                                                   /*observe=*/false));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -327,6 +442,7 @@ struct CsvRow {
   int64_t events;
 };
 
+template <class Layout>
 int run(const Args& a) {
   const auto dtype = make_dtype(a.dtype);
   const auto device = make_device(a.device);
@@ -349,15 +465,14 @@ int run(const Args& a) {
   }
 
   const int64_t B = 1;
-  kvevict::MlaCache cache(kvevict::MlaCacheOptions(a.layers, a.heads).batch_size(B).dtype(dtype).device(device),
-                          eviction);
+  MlaDims dims;
+  dims.heads = a.heads;
+  auto cache = Layout::make_cache(dims, a.layers, B, dtype, device, eviction);
   const int64_t cap = cache.capacity();
   const Schedule schedule(cap, a.evict_every);
 
   // The decoder (attention mode): weights, RoPE tables and token embeddings, fp32 on the device.
   const auto fopts = at::TensorOptions().dtype(at::kFloat).device(device);
-  MlaDims dims;
-  dims.heads = a.heads;
   const int64_t vocab = 1024;
   std::vector<MlaLayer> decoder;
   at::Tensor embedding;  // [vocab, hidden]
@@ -376,16 +491,17 @@ int run(const Args& a) {
     if (device.is_cuda()) (void)sync_probe.item<float>();
   };
 
-  fmt::print("validate_eviction: {} steps, {} layers, {} heads, capacity {} = n_sink {} + budget {} + n_recent {}, "
-             "evict_every {}, {} on {}, {} thread(s)\n",
-             a.steps, a.layers, a.heads, cap, a.n_sink, a.budget, a.n_recent, a.evict_every, a.dtype, device.str(),
-             a.threads);
+  fmt::print("validate_eviction: {} layout ({}), {} steps, {} layers, {} heads, capacity {} = n_sink {} + budget {} + "
+             "n_recent {}, evict_every {}, {} on {}, {} thread(s)\n",
+             a.layout, Layout::kCache, a.steps, a.layers, a.heads, cap, a.n_sink, a.budget, a.n_recent, a.evict_every,
+             a.dtype, device.str(), a.threads);
   if (use_attention) {
     fmt::print("scores: attention of a random-init DeepSeek-V3 MLA decoder (hidden {}, q_lora_rank {}, "
-               "kv_lora_rank {}, qk {} + {}, v {}, RoPE at the true position)\n",
-               dims.hidden, dims.q_lora_rank, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head);
+               "kv_lora_rank {}, qk {} + {}, v {}, RoPE at the true position), {}\n",
+               dims.hidden, dims.q_lora_rank, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head,
+               Layout::kAttention);
   } else {
-    fmt::print("scores: random (the seed's mock: randn K/V rows, softmax(randn [B, H, 1, S]) observed)\n");
+    fmt::print("scores: random (the seed's mock: {}, softmax(randn [B, H, 1, S]) observed)\n", Layout::kRandomRows);
   }
 
   Check warmup{"linear warm-up growth"};
@@ -411,26 +527,22 @@ int run(const Args& a) {
     if (use_attention) x = embedding.index_select(0, at::randint(vocab, {B}, fopts.dtype(at::kLong)));
     for (int64_t l = 0; l < a.layers; ++l) {
       const int64_t position = cache.seen_tokens(l);
-      MlaStep in;
-      if (use_attention) {
-        in = decoder[l].project(x, position, *rope, dtype);
-      } else {
-        in.k = at::randn({B, a.heads, 1, 192}, kv_opts);
-        in.v = at::randn({B, a.heads, 1, 128}, kv_opts);
-      }
+      const auto in = use_attention
+                          ? Layout::project(decoder[l], decoder[l].project(x, position, *rope), dims, dtype)
+                          : Layout::random(dims, B, kv_opts);
 
       sync();
       auto t0 = clock::now();
-      const auto kv = cache.update(l, in.k, in.v);
+      Layout::update(cache, l, in);
       sync();
       cache_seconds += seconds_since(t0);
-      const int64_t size_before = kv.first.size(2);
+      const int64_t size_before = cache.size(l);
 
       at::Tensor probs, attn;  // [B, H, 1, S] fp32; [B, H, 1, v_head]
       if (use_attention) {
-        // The attention math stays outside the timer: attend() without observing, then
+        // The attention math stays outside the timer: attend without observing, then
         // observe() is timed with evict() below.
-        attn = kvevict::attend(in.q, cache, l, c10::nullopt, &probs, /*observe=*/false);
+        attn = Layout::attend(cache, l, in, decoder[l], &probs);
       } else {
         probs = at::softmax(at::randn({B, a.heads, 1, size_before}, fopts), -1);
       }
@@ -544,7 +656,7 @@ int main(int argc, char** argv) {
       fmt::print("{}", kUsage);
       return EXIT_SUCCESS;
     }
-    return run(args);
+    return args.layout == "latent" ? run<LatentLayout>(args) : run<ExpandedLayout>(args);
   } catch (const UsageError& e) {
     fmt::print(stderr, "validate_eviction: {}\n(see validate_eviction --help)\n", e.what());
     return kExitUsage;

@@ -1,0 +1,424 @@
+// kvevict::attend against a naive oracle: softmax(q K^T * scale) V in double, by loops over the
+// position-sorted keys and values of ordered(), causal by position for multi-token appends.
+#include "support.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using Catch::Matchers::Contains;
+
+namespace {
+
+using kvevict::BasicMlaCache;
+using kvevict::EvictionOptions;
+using kvevict::EvictionPolicy;
+using kvevict::MlaCache;
+using kvevict::MlaCacheOptions;
+using kvevict_test::ForceTensorPath;
+
+constexpr int64_t kQk = 8, kV = 5;
+
+MlaCacheOptions options(int64_t batch, int64_t heads, at::ScalarType dtype = at::kFloat) {
+  return MlaCacheOptions(1, heads).batch_size(batch).qk_dim(kQk).v_dim(kV).dtype(dtype);
+}
+
+/// The oracle's answer for the T newest tokens' queries.
+struct Naive {
+  int64_t B, H, T, S, D;
+  std::vector<double> out;          // [B, H, T, v_dim]
+  std::vector<double> probs;        // [B, H, T, S], S in position order
+  std::vector<int64_t> positions;   // [B, S] ascending
+  double out_at(int64_t b, int64_t h, int64_t t, int64_t d) const { return out[((b * H + h) * T + t) * D + d]; }
+  double prob_at(int64_t b, int64_t h, int64_t t, int64_t i) const { return probs[((b * H + h) * T + t) * S + i]; }
+  /// Index of `position` in row b (position order).
+  int64_t index_of(int64_t b, int64_t position) const {
+    const auto first = positions.begin() + b * S, last = first + S;
+    const auto it = std::lower_bound(first, last, position);
+    REQUIRE((it != last && *it == position));
+    return it - first;
+  }
+};
+
+std::vector<double> doubles(const at::Tensor& t) {
+  const auto c = t.to(at::kCPU).to(at::kDouble).contiguous();
+  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+/// softmax(q K^T * scale) V over the live tokens, with query t at position seen - T + t seeing
+/// the keys at positions <= its own; plain loops in double over ordered() data.
+template <class Cache>
+Naive naive_attention(const at::Tensor& q, const Cache& cache, int64_t layer, double scale) {
+  const kvevict::OrderedLayer o = cache.ordered(layer);
+  Naive n;
+  n.B = q.size(0);
+  n.H = q.size(1);
+  n.T = q.size(2);
+  n.S = o.keys.size(2);
+  n.D = o.values.size(3);
+  const auto qd = doubles(q), kd = doubles(o.keys), vd = doubles(o.values);
+  const at::Tensor pos = o.positions.to(at::kCPU).contiguous();
+  n.positions.assign(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + pos.numel());
+  const int64_t seen = cache.seen_tokens(layer), Dk = q.size(3);
+  n.out.assign(n.B * n.H * n.T * n.D, 0.0);
+  n.probs.assign(n.B * n.H * n.T * n.S, 0.0);
+  for (int64_t b = 0; b < n.B; ++b) {
+    for (int64_t h = 0; h < n.H; ++h) {
+      for (int64_t t = 0; t < n.T; ++t) {
+        const int64_t query_position = seen - n.T + t;
+        std::vector<double> logit(n.S, -std::numeric_limits<double>::infinity());
+        double max_logit = -std::numeric_limits<double>::infinity();
+        for (int64_t i = 0; i < n.S; ++i) {
+          if (n.positions[b * n.S + i] > query_position) continue;  // a future token
+          double dot = 0;
+          for (int64_t d = 0; d < Dk; ++d) dot += qd[((b * n.H + h) * n.T + t) * Dk + d] * kd[((b * n.H + h) * n.S + i) * Dk + d];
+          logit[i] = dot * scale;
+          max_logit = std::max(max_logit, logit[i]);
+        }
+        double total = 0;
+        for (int64_t i = 0; i < n.S; ++i) total += std::exp(logit[i] - max_logit);
+        for (int64_t i = 0; i < n.S; ++i) {
+          const double p = std::exp(logit[i] - max_logit) / total;
+          n.probs[((b * n.H + h) * n.T + t) * n.S + i] = p;
+          for (int64_t d = 0; d < n.D; ++d) {
+            n.out[((b * n.H + h) * n.T + t) * n.D + d] += p * vd[((b * n.H + h) * n.S + i) * n.D + d];
+          }
+        }
+      }
+    }
+  }
+  return n;
+}
+
+/// Largest |attend - oracle| over the output, and over the probabilities (mapped from slot
+/// order to position order with positions()).
+struct Errors {
+  double out = 0, probs = 0, row_sum = 0;
+};
+
+template <class Cache>
+Errors compare(const at::Tensor& out, const at::Tensor& probs, const Cache& cache, int64_t layer, const Naive& n) {
+  Errors e;
+  const auto od = doubles(out), pd = doubles(probs);
+  const at::Tensor pos = cache.positions(layer).to(at::kCPU).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n.B; ++b) {
+    for (int64_t h = 0; h < n.H; ++h) {
+      for (int64_t t = 0; t < n.T; ++t) {
+        for (int64_t d = 0; d < n.D; ++d) {
+          e.out = std::max(e.out, std::abs(od[((b * n.H + h) * n.T + t) * n.D + d] - n.out_at(b, h, t, d)));
+        }
+        double sum = 0;
+        for (int64_t s = 0; s < n.S; ++s) {
+          const double p = pd[((b * n.H + h) * n.T + t) * n.S + s];
+          sum += p;
+          e.probs = std::max(e.probs, std::abs(p - n.prob_at(b, h, t, n.index_of(b, pp[b * n.S + s]))));
+        }
+        e.row_sum = std::max(e.row_sum, std::abs(sum - 1.0));
+      }
+    }
+  }
+  return e;
+}
+
+/// One attend call checked against the oracle (computed before the call, from the same data).
+template <class Cache>
+void check_attend(Cache& cache, const at::Tensor& q, c10::optional<double> scale, double tol_out, double tol_probs) {
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(kQk)));
+  const auto n = naive_attention(q, cache, 0, s);
+  at::Tensor probs;
+  const auto out = kvevict::attend(q, cache, 0, scale, &probs);
+  CHECK(out.sizes() == at::IntArrayRef{q.size(0), q.size(1), q.size(2), kV});
+  CHECK(out.scalar_type() == cache.dtype());
+  REQUIRE(probs.defined());
+  CHECK(probs.sizes() == at::IntArrayRef{q.size(0), q.size(1), q.size(2), cache.size(0)});
+  CHECK(probs.scalar_type() == at::kFloat);
+  const auto e = compare(out, probs, cache, 0, n);
+  CHECK(e.out <= tol_out);
+  CHECK(e.probs <= tol_probs);
+  CHECK(e.row_sum <= 1e-5);
+}
+
+void append(MlaCache& cache, int64_t T, at::ScalarType dtype = at::kFloat) {
+  const int64_t B = cache.batch_size(), H = cache.num_heads();
+  cache.update(0, at::randn({B, H, T, kQk}).to(dtype), at::randn({B, H, T, kV}).to(dtype));
+}
+
+at::Tensor query(const MlaCache& cache, int64_t T, at::ScalarType dtype = at::kFloat) {
+  return at::randn({cache.batch_size(), cache.num_heads(), T, kQk}).mul(2).to(dtype);
+}
+
+const char* path_name(bool tensor_path) { return tensor_path ? "tensor-op path" : "CPU host path"; }
+
+bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const auto x = a.to(at::kCPU).contiguous(), y = b.to(at::kCPU).contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("attend over decode steps equals the naive oracle", "[attention][cpu]") {
+  at::manual_seed(20);
+  MlaCache cache(options(2, 3), EvictionOptions(64));  // no eviction here
+  append(cache, 6);
+  for (int step = 0; step < 5; ++step) {
+    append(cache, 1);
+    check_attend(cache, query(cache, 1), c10::nullopt, 1e-5, 1e-6);
+  }
+  // Without probs_out the output is the same (attend observes, but scores do not change it).
+  append(cache, 1);
+  const auto q = query(cache, 1);
+  const auto out = kvevict::attend(q, cache, 0);
+  at::Tensor probs;
+  const auto again = kvevict::attend(q, cache, 0, c10::nullopt, &probs);
+  CHECK(bit_equal(out, again));
+  CHECK(probs.sizes() == at::IntArrayRef{2, 3, 1, 12});
+}
+
+TEST_CASE("attend is causal by position inside a multi-token append", "[attention][cpu]") {
+  at::manual_seed(21);
+  MlaCache cache(options(2, 2), EvictionOptions(64));
+  append(cache, 5);  // a prefill of 5 attends to itself, causally
+  const auto q = query(cache, 5);
+  at::Tensor probs;
+  kvevict::attend(q, cache, 0, c10::nullopt, &probs);
+  // The first query (position 0) sees only position 0; the third sees positions 0..2.
+  CHECK(probs[1][1][0][0].item<float>() == Approx(1.f).margin(1e-6));
+  CHECK(probs.select(2, 0).narrow(2, 1, 4).abs().max().item<float>() == 0.f);
+  CHECK(probs.select(2, 2).narrow(2, 3, 2).abs().max().item<float>() == 0.f);
+  CHECK(probs.select(2, 2).narrow(2, 0, 3).min().item<float>() > 0.f);
+
+  append(cache, 5);
+  check_attend(cache, query(cache, 5), c10::nullopt, 1e-5, 1e-6);
+  append(cache, 3);
+  check_attend(cache, query(cache, 3), c10::nullopt, 1e-5, 1e-6);
+  // Fewer queries than the last append: the newest T tokens are the queries.
+  append(cache, 4);
+  check_attend(cache, query(cache, 2), c10::nullopt, 1e-5, 1e-6);
+  // As many queries as live tokens.
+  check_attend(cache, query(cache, cache.size(0)), c10::nullopt, 1e-5, 1e-6);
+}
+
+TEST_CASE("attend after evictions (slot order is not position order) equals the oracle", "[attention][cpu]") {
+  for (bool tensor_path : {false, true}) {
+    INFO(path_name(tensor_path));
+    ForceTensorPath guard(tensor_path);
+    at::manual_seed(22);
+    // capacity 1 + 3 + 2 = 6, evict_every 2; rows of the batch keep different tokens.
+    MlaCache cache(options(3, 2), EvictionOptions(3).n_sink(1).n_recent(2).evict_every(2));
+    append(cache, 7);
+    check_attend(cache, query(cache, 7), c10::nullopt, 1e-5, 1e-6);
+    int64_t passes = 0;
+    for (int step = 0; step < 30; ++step) {
+      INFO("step " << step);
+      const int64_t T = step % 5 == 4 ? 3 : 1;
+      append(cache, T);
+      check_attend(cache, query(cache, T), c10::nullopt, 1e-5, 1e-6);
+      passes += cache.evict(0) > 0;
+    }
+    CHECK(passes >= 10);
+    // The rows really kept different tokens.
+    CHECK(kvevict_test::kept_positions(cache, 0, 0) != kvevict_test::kept_positions(cache, 0, 1));
+  }
+}
+
+TEST_CASE("attend uses the given scale", "[attention][cpu]") {
+  at::manual_seed(23);
+  MlaCache cache(options(2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+  append(cache, 6);
+  cache.add_scores(0, at::rand({2, 6}));
+  cache.evict(0);
+  for (double scale : {0.37, 1.0, 2.5}) {
+    INFO("scale " << scale);
+    append(cache, 2);
+    check_attend(cache, query(cache, 2), scale, 1e-5, 1e-6);
+    cache.evict(0);
+  }
+  // Scale 0: every visible token gets the same probability, the output is the mean of the
+  // visible values (hand-worked: 4 + 1 live tokens; of the 2 queries, the first (the previous
+  // newest token, kept as the recent window) sees 4 of them, the second all 5).
+  append(cache, 1);
+  REQUIRE(cache.size(0) == 5);
+  at::Tensor probs;
+  const auto out = kvevict::attend(query(cache, 2), cache, 0, 0.0, &probs);
+  const auto pos = cache.positions(0);
+  const int64_t newest = cache.seen_tokens(0) - 1;
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t s = 0; s < 5; ++s) {
+      const bool future = pos[b][s].item<int64_t>() == newest;
+      CHECK(probs[b][1][0][s].item<float>() == Approx(future ? 0.f : 0.25f).margin(1e-7));
+      CHECK(probs[b][1][1][s].item<float>() == Approx(0.2f).margin(1e-7));
+    }
+    const auto mean_all = cache.values(0)[b].mean(1);  // [H, v_dim]
+    CHECK(out[b].select(1, 1).sub(mean_all).abs().max().item<float>() < 1e-6);
+  }
+}
+
+TEST_CASE("attend feeds its probabilities to the scorer", "[attention][cpu]") {
+  SECTION("CumulativeAttention adds the head mean of the sum over queries") {
+    for (bool tensor_path : {false, true}) {
+      INFO(path_name(tensor_path));
+      ForceTensorPath guard(tensor_path);
+      at::manual_seed(24);
+      MlaCache cache(options(2, 4), EvictionOptions(2).n_sink(1).n_recent(1));
+      append(cache, 5);
+      cache.add_scores(0, at::rand({2, 5}));
+      cache.evict(0);
+      append(cache, 3);
+      const auto before = cache.scores(0);
+      const auto q = query(cache, 3);
+      const auto n = naive_attention(q, cache, 0, 1.0 / std::sqrt(static_cast<double>(kQk)));
+      kvevict::attend(q, cache, 0);
+      const auto after = cache.scores(0);
+      const auto pos = cache.positions(0);
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t s = 0; s < cache.size(0); ++s) {
+          const int64_t i = n.index_of(b, pos[b][s].item<int64_t>());
+          double expected = 0;
+          for (int64_t h = 0; h < 4; ++h) {
+            for (int64_t t = 0; t < 3; ++t) expected += n.prob_at(b, h, t, i);
+          }
+          expected /= 4;
+          CHECK(after[b][s].item<float>() - before[b][s].item<float>() == Approx(expected).margin(1e-5));
+        }
+      }
+    }
+  }
+  SECTION("LatestAttention takes the head mean of the last query") {
+    for (bool tensor_path : {false, true}) {
+      INFO(path_name(tensor_path));
+      ForceTensorPath guard(tensor_path);
+      at::manual_seed(24);
+      BasicMlaCache<EvictionPolicy<kvevict::LatestAttention>> cache(options(2, 4), EvictionOptions(8));
+      cache.update(0, at::randn({2, 4, 4, kQk}), at::randn({2, 4, 4, kV}));
+      const auto q = at::randn({2, 4, 2, kQk});
+      const auto n = naive_attention(q, cache, 0, 0.5);
+      kvevict::attend(q, cache, 0, 0.5);
+      const auto sc = cache.scores(0);
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t s = 0; s < 4; ++s) {
+          double expected = 0;
+          for (int64_t h = 0; h < 4; ++h) expected += n.prob_at(b, h, 1, s) / 4;  // no eviction: slot = position
+          CHECK(sc[b][s].item<float>() == Approx(expected).margin(1e-6));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("attend on fp16 and bf16 caches on CPU", "[attention][cpu]") {
+  for (auto dtype : {at::kHalf, at::kBFloat16}) {
+    INFO("dtype " << dtype);
+    at::manual_seed(25);
+    MlaCache cache(options(2, 2, dtype), EvictionOptions(3).n_sink(1).n_recent(2));
+    // fp16 is computed in fp32: only the output is rounded to fp16. bf16 is computed in bf16.
+    const double tol_out = dtype == at::kHalf ? 4e-3 : 6e-2;
+    const double tol_probs = dtype == at::kHalf ? 1e-5 : 3e-2;
+    append(cache, 6, dtype);
+    check_attend(cache, query(cache, 6, dtype), c10::nullopt, tol_out, tol_probs);
+    for (int step = 0; step < 8; ++step) {
+      const int64_t T = step % 3 == 2 ? 2 : 1;
+      append(cache, T, dtype);
+      check_attend(cache, query(cache, T, dtype), c10::nullopt, tol_out, tol_probs);
+      cache.evict(0);
+    }
+    CHECK(cache.stats(0).eviction_events > 0);
+  }
+}
+
+TEST_CASE("attend rejects bad queries and leaves the cache unchanged", "[attention][errors][cpu]") {
+  for (bool tensor_path : {false, true}) {
+    INFO(path_name(tensor_path));
+    ForceTensorPath guard(tensor_path);
+    at::manual_seed(26);
+    MlaCache cache(options(2, 2), EvictionOptions(2).n_sink(1).n_recent(1).evict_every(2));
+    append(cache, 6);
+    cache.add_scores(0, at::rand({2, 6}));
+    append(cache, 1);
+    cache.evict(0);
+    append(cache, 1);  // 5 live tokens, 1 update since the pass
+    REQUIRE(cache.size(0) == 5);
+    const auto keys = cache.keys(0).clone(), values = cache.values(0).clone();
+    const auto positions = cache.positions(0).clone(), scores = cache.scores(0);
+    auto unchanged = [&] {
+      CHECK(cache.size(0) == 5);
+      CHECK(cache.seen_tokens(0) == 8);
+      CHECK(bit_equal(cache.keys(0), keys));
+      CHECK(bit_equal(cache.values(0), values));
+      CHECK(bit_equal(cache.positions(0), positions));
+      CHECK(bit_equal(cache.scores(0), scores));
+      CHECK(cache.stats(0).eviction_events == 1);
+    };
+    at::Tensor probs;
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, kQk}), cache, 0),
+                      Contains("q must be [B, H, T, qk_dim] = [2, 2, T, 8], got [2, 2, 8]"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 3, 1, kQk}), cache, 0), Contains("got [2, 3, 1, 8]"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({1, 2, 1, kQk}), cache, 0), Contains("got [1, 2, 1, 8]"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk + 1}), cache, 0), Contains("got [2, 2, 1, 9]"));
+    CHECK_THROWS_WITH(kvevict::attend(at::Tensor(), cache, 0), Contains("q must be a defined tensor"));
+    CHECK_THROWS_AS(kvevict::attend(at::randn({2, 2, 1, kQk}, at::kDouble), cache, 0), c10::TypeError);
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}).to(at::kHalf), cache, 0),
+                      Contains("q must have the cache's dtype Float, got Half"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 6, kQk}), cache, 0),
+                      Contains("T must be in [1, 5] (live tokens), got 6"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 0, kQk}), cache, 0, c10::nullopt, &probs),
+                      Contains("T must be in [1, 5] (live tokens), got 0"));
+    CHECK_FALSE(probs.defined());
+    CHECK_THROWS_AS(kvevict::attend(at::randn({2, 2, 1, kQk}), cache, 1), c10::IndexError);
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}), cache, -1), Contains("layer must be in [0, 1), got -1"));
+    unchanged();
+    // A NaN query makes non-finite probabilities: observe throws (check_finite on), nothing changes.
+    auto q = at::randn({2, 2, 1, kQk});
+    q[1][0][0][3] = std::numeric_limits<float>::quiet_NaN();
+    CHECK_THROWS_WITH(kvevict::attend(q, cache, 0, c10::nullopt, &probs), Contains("non-finite"));
+    CHECK_FALSE(probs.defined());
+    unchanged();
+    CHECK(cache.evict(0) == 0);  // still 1 update since the pass
+    // The cache still works.
+    check_attend(cache, query(cache, 1), c10::nullopt, 1e-5, 1e-6);
+  }
+}
+
+TEST_CASE("attend on an empty layer throws", "[attention][errors][cpu]") {
+  MlaCache cache(options(1, 2), EvictionOptions(4));
+  CHECK_THROWS_WITH(kvevict::attend(at::randn({1, 2, 1, kQk}), cache, 0),
+                    Contains("T must be in [1, 0] (live tokens), got 1"));
+  CHECK(cache.size(0) == 0);
+  CHECK(cache.seen_tokens(0) == 0);
+}
+
+TEST_CASE("CUDA: attend equals the CPU result; a CPU query is rejected", "[attention][cuda]") {
+  KVEVICT_REQUIRE_CUDA_OR_RETURN();
+  const at::Device cuda("cuda:0");
+  at::manual_seed(27);
+  // No eviction (capacity 84): slot order is position order on both devices, and scores from
+  // softmax rounding cannot pick different tokens.
+  MlaCache cpu(options(2, 2), EvictionOptions());
+  MlaCache gpu(options(2, 2).device(cuda), EvictionOptions());
+  for (int step = 0; step < 12; ++step) {
+    const int64_t T = step == 0 ? 6 : 1 + step % 2;
+    const auto k = at::randn({2, 2, T, kQk}), v = at::randn({2, 2, T, kV}), q = at::randn({2, 2, T, kQk});
+    cpu.update(0, k, v);
+    gpu.update(0, k.to(cuda), v.to(cuda));
+    at::Tensor pc, pg;
+    const auto oc = kvevict::attend(q, cpu, 0, c10::nullopt, &pc);
+    const auto og = kvevict::attend(q.to(cuda), gpu, 0, c10::nullopt, &pg);
+    CHECK(og.device() == cuda);
+    CHECK(pg.device() == cuda);
+    CHECK(oc.sub(og.cpu()).abs().max().item<float>() < 1e-4);
+    CHECK(pc.sub(pg.cpu()).abs().max().item<float>() < 1e-5);
+    CHECK(cpu.scores(0).sub(gpu.scores(0).cpu()).abs().max().item<float>() < 1e-4);
+  }
+  CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}), gpu, 0),
+                    Contains("q must be on the cache's device cuda:0, got cpu"));
+  CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}, cuda), cpu, 0),
+                    Contains("q must be on the cache's device cpu, got cuda:0"));
+}
