@@ -481,3 +481,16 @@ TEST_CASE("Scorers match a reference model over random streams of appends, obser
     }
   });
 }
+
+TEST_CASE("check_finite rejects a score that overflows fp32, not only non-finite input", "[scorers][errors][cpu]") {
+  for (bool tensor_path : {false, true}) {
+    kvevict_test::ForceTensorPath force(tensor_path);
+    INFO("tensor_path=" << tensor_path);
+    kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 2).qk_dim(4).v_dim(4), EvictionOptions(1).n_sink(1).n_recent(1));
+    cache.update(0, at::zeros({1, 2, 3, 4}), at::zeros({1, 2, 3, 4}));
+    const auto big = at::full({1, 3}, 3e38f);  // finite; twice it is not
+    cache.add_scores(0, big);
+    CHECK_THROWS_WITH(cache.add_scores(0, big), Contains("fp32 overflow"));
+    CHECK(at::equal(cache.scores(0), big));  // unchanged by the throw
+  }
+}
