@@ -85,4 +85,14 @@ struct ForceTensorPath {
   bool previous;
 };
 
+/// Runs `f` twice: on the default CPU path and on the tensor-op (CUDA) path.
+template <class F>
+void on_both_paths(F&& f) {
+  for (bool tensor_path : {false, true}) {
+    INFO("tensor path: " << tensor_path);
+    ForceTensorPath force(tensor_path);
+    f();
+  }
+}
+
 }  // namespace kvevict_test

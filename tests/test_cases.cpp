@@ -114,14 +114,6 @@ void check_unchanged(const MlaCache& c, const Snapshot& s) {
   CHECK(at::equal(c.values(0), s.values));
 }
 
-template <class F>
-void on_both_paths(F&& f) {
-  for (bool tensor_path : {false, true}) {
-    INFO("tensor path: " << tensor_path);
-    kvevict_test::ForceTensorPath force(tensor_path);
-    f();
-  }
-}
 
 Positions keep_indices_row(const EvictionOptions& e, const Rows& r, at::Device device, int64_t b = 0) {
   return to_vec<int64_t>(kvevict::EvictionPolicy<>(e).keep_indices(rows_tensor(r).to(device))[b]);
@@ -603,30 +595,30 @@ void case_12_dead_slots(at::Device device) {
 // ---- CPU: every case on the default host path and on the tensor-op path -------------------
 
 TEST_CASE("Case 1a: below capacity nothing is evicted and K/V stay bit-identical", "[cases][cpu]") {
-  on_both_paths([] { case_1a(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_1a(at::kCPU); });
 }
 
 TEST_CASE("Case 1b: n_recent 0 keeps no tail (no '-0:' slice)", "[cases][cpu]") {
-  on_both_paths([] { case_1b(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_1b(at::kCPU); });
 }
 
 // Case 1c: see test_options.cpp, "EvictionOptions rejects bad values naming them".
 
 TEST_CASE("Case 2a: all scores equal degrade to sinks + the newest tokens", "[cases][cpu]") {
-  on_both_paths([] { case_2a(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_2a(at::kCPU); });
 }
 
 TEST_CASE("Case 2b: ties resolve to the newer position, identically over 100 runs", "[cases][cpu]") {
-  on_both_paths([] { case_2b(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_2b(at::kCPU); });
 }
 
 TEST_CASE("Case 3: batch rows choose their own tokens", "[cases][cpu]") {
-  on_both_paths([] { case_3(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_3(at::kCPU); });
 }
 
 TEST_CASE("Case 4a: attention with fewer heads than the cache is rejected, nothing changes",
           "[cases][errors][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     at::manual_seed(1041);
     auto c = make_cache(EvictionOptions(1).n_sink(1).n_recent(1), 1, 4);
     const auto kv = random_kv(1, 4, 6);
@@ -648,16 +640,16 @@ TEST_CASE("Case 4a: attention with fewer heads than the cache is rejected, nothi
 }
 
 TEST_CASE("Case 4b: all H heads count, and all heads keep the same tokens", "[cases][cpu]") {
-  on_both_paths([] { case_4b(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_4b(at::kCPU); });
 }
 
 TEST_CASE("Case 5: keys 192 wide and values 128 wide move together, fp32/fp16/bf16", "[cases][cpu]") {
-  on_both_paths([] { case_5(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_5(at::kCPU); });
 }
 
 TEST_CASE("Case 5: K and V that disagree on B, H, S or width are rejected, nothing changes",
           "[cases][errors][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     auto c = make_cache(EvictionOptions(1).n_sink(1).n_recent(1), 1, 2, at::kCPU, at::kFloat, true, 192, 128);
     const auto kv = case_5_kv(7);
     update(c, kv.first, kv.second, 0, 6);
@@ -685,50 +677,50 @@ TEST_CASE("Case 5: K and V that disagree on B, H, S or width are rejected, nothi
 
 TEST_CASE("Case 6: kept positions in ascending order, each slot reporting its original position",
           "[cases][cpu]") {
-  on_both_paths([] { case_6(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_6(at::kCPU); });
 }
 
 TEST_CASE("Case 7: MLA RoPE dims travel untouched, fp32 and bf16", "[cases][cpu]") {
-  on_both_paths([] { case_7(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_7(at::kCPU); });
 }
 
 TEST_CASE("Case 8a: a new zero-score token competes on score when n_recent is 0", "[cases][cpu]") {
-  on_both_paths([] { case_8a(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_8a(at::kCPU); });
 }
 
 TEST_CASE("Case 8b: the newest token is protected by the window, not by its score", "[cases][cpu]") {
-  on_both_paths([] { case_8b(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_8b(at::kCPU); });
 }
 
 TEST_CASE("Case 8c: the newest position is kept on every step", "[cases][cpu]") {
-  on_both_paths([] { case_8c(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_8c(at::kCPU); });
 }
 
 TEST_CASE("Case 9: the window counts exactly n_recent tokens, newest included", "[cases][cpu]") {
-  on_both_paths([] { case_9(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_9(at::kCPU); });
 }
 
 TEST_CASE("Case 11a: prefill compression keeps scattered positions and decode attends to them",
           "[cases][cpu]") {
-  on_both_paths([] { case_11a(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_11a(at::kCPU); });
 }
 
 TEST_CASE("Case 11b: attention over fewer tokens than the layer holds is a length error",
           "[cases][errors][cpu]") {
-  on_both_paths([] { case_11b(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_11b(at::kCPU); });
 }
 
 TEST_CASE("Case 12: non-finite observations are rejected by default, nothing changes",
           "[cases][errors][cpu]") {
-  on_both_paths([] { case_12_checked(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_12_checked(at::kCPU); });
 }
 
 TEST_CASE("Case 12: with finiteness checks off, non-finite scores rank lowest", "[cases][cpu]") {
-  on_both_paths([] { case_12_unchecked(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_12_unchecked(at::kCPU); });
 }
 
 TEST_CASE("Case 12: slots that hold no token never enter selection or attention", "[cases][cpu]") {
-  on_both_paths([] { case_12_dead_slots(at::kCPU); });
+  kvevict_test::on_both_paths([] { case_12_dead_slots(at::kCPU); });
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------

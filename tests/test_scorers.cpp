@@ -69,14 +69,6 @@ void check_scores(const at::Tensor& got, const Rows& expected) {
   }
 }
 
-template <class F>
-void on_both_paths(F&& f) {
-  for (bool tensor_path : {false, true}) {
-    INFO("tensor path: " << tensor_path);
-    kvevict_test::ForceTensorPath force(tensor_path);
-    f();
-  }
-}
 
 // The observation script shared by the three scorer tests (B = 2, H = 2):
 //   prefill 3 tokens; observe Q = 2 (queries at positions 1, 2); append position 3;
@@ -269,7 +261,7 @@ void run_random_stream(const EvictionOptions& e, uint32_t seed) {
 }  // namespace
 
 TEST_CASE("CumulativeAttention adds mean over heads of the sum over queries", "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     const auto s = run_script<CumulativeAttention>();
     check_scores(s[0], {{0, 0, 0}, {0, 0, 0}});
     // Row 0: sum_q h0 [.75 .75 .5], h1 [1 .5 .5] -> mean [.875 .625 .5];
@@ -285,7 +277,7 @@ TEST_CASE("CumulativeAttention adds mean over heads of the sum over queries", "[
 
 TEST_CASE("MeanObservedAttention divides by the queries that could see each token, 0 before any",
           "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     const auto s = run_script<MeanObservedAttention>();
     check_scores(s[0], {{0, 0, 0}, {0, 0, 0}});
     // Queries at positions 1 and 2: tokens 0 and 1 seen twice, token 2 once.
@@ -300,7 +292,7 @@ TEST_CASE("MeanObservedAttention divides by the queries that could see each toke
 }
 
 TEST_CASE("LatestAttention replaces the score with the last query's mean over heads", "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     const auto s = run_script<LatestAttention>();
     check_scores(s[0], {{0, 0, 0}, {0, 0, 0}});
     // Last query only: row 0 mean([.25 .25 .5], [0 .5 .5]), row 1 mean([0 0 1], [.5 .25 .25]).
@@ -324,7 +316,7 @@ TEST_CASE("Scorers on a causal multi-query observation through attend", "[scorer
     CHECK(p[0][1][1][2].item<float>() == 0.f);  // position 2 is in the future of query 1
     return cache.scores(0);
   };
-  on_both_paths([&] {
+  kvevict_test::on_both_paths([&] {
     check_scores(run(make_cache<CumulativeAttention>(1, 2)), {{25.0 / 12, 13.0 / 12, 7.0 / 12, 0.25}});
     check_scores(run(make_cache<MeanObservedAttention>(1, 2)), {{25.0 / 48, 13.0 / 36, 7.0 / 24, 0.25}});
     check_scores(run(make_cache<LatestAttention>(1, 2)), {{0.25, 0.25, 0.25, 0.25}});
@@ -332,7 +324,7 @@ TEST_CASE("Scorers on a causal multi-query observation through attend", "[scorer
 }
 
 TEST_CASE("add_scores: adds, adds and counts one observation, or replaces", "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     auto cum = make_cache<CumulativeAttention>(1, 3);
     auto mean = make_cache<MeanObservedAttention>(1, 3);
     auto latest = make_cache<LatestAttention>(1, 3);
@@ -359,7 +351,7 @@ TEST_CASE("add_scores: adds, adds and counts one observation, or replaces", "[sc
 }
 
 TEST_CASE("Observed probabilities of any floating dtype give the same scores", "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     for (auto dtype : {at::kHalf, at::kBFloat16, at::kDouble}) {
       INFO("probs dtype " << dtype);
       auto cache = make_cache<CumulativeAttention>(2, 2);
@@ -372,7 +364,7 @@ TEST_CASE("Observed probabilities of any floating dtype give the same scores", "
 
 TEST_CASE("Scores accumulate in fp32 even for a bf16 cache fed bf16 probabilities", "[scorers][cpu]") {
   // 512 observations of 2^-9: exactly 1 in fp32; a bf16 accumulator stalls at 0.5.
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     auto cache = make_cache<CumulativeAttention>(1, 2, EvictionOptions(64), at::kBFloat16);
     append(cache, 1);
     const auto p = at::full({1, 2, 1, 1}, 1.0 / 512, at::kBFloat16);
@@ -397,7 +389,7 @@ TEST_CASE("Eviction ranks by the scorer's score: sum, mean over observations, or
     return kvevict_test::kept_positions(cache, 0);
   };
   const auto e = EvictionOptions(1).n_sink(0).n_recent(1);
-  on_both_paths([&] {
+  kvevict_test::on_both_paths([&] {
     CHECK(run(make_cache<CumulativeAttention>(1, 2, e)) == std::vector<int64_t>{0, 3});
     CHECK(run(make_cache<MeanObservedAttention>(1, 2, e)) == std::vector<int64_t>{2, 3});
     CHECK(run(make_cache<LatestAttention>(1, 2, e)) == std::vector<int64_t>{2, 3});
@@ -423,7 +415,7 @@ TEST_CASE("Scores travel with their tokens through eviction, and a new token sta
       CHECK(sc[s] == Approx(after[0][k]));
     }
   };
-  on_both_paths([&] {
+  kvevict_test::on_both_paths([&] {
     const auto e = EvictionOptions(1).n_sink(1).n_recent(1);
     run(make_cache<CumulativeAttention>(1, 2, e), {{1, 9, 2, 0}});
     run(make_cache<MeanObservedAttention>(1, 2, e), {{1, 9, 2, 0}});
@@ -432,7 +424,7 @@ TEST_CASE("Scores travel with their tokens through eviction, and a new token sta
 }
 
 TEST_CASE("scores() is a copy", "[scorers][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     auto cache = make_cache<CumulativeAttention>(1, 2);
     append(cache, 2);
     cache.add_scores(0, rows_tensor({{1, 2}}));
@@ -443,7 +435,7 @@ TEST_CASE("scores() is a copy", "[scorers][cpu]") {
 
 TEST_CASE("observe and add_scores reject bad Q, shape or dtype and leave scores unchanged",
           "[scorers][errors][cpu]") {
-  on_both_paths([] {
+  kvevict_test::on_both_paths([] {
     auto cache = make_cache<MeanObservedAttention>(1, 2);
     append(cache, 3);
     cache.add_scores(0, rows_tensor({{1, 2, 3}}));
@@ -470,7 +462,7 @@ TEST_CASE("Scorers match a reference model over random streams of appends, obser
   const std::vector<EvictionOptions> configs = {EvictionOptions(2).n_sink(1).n_recent(2),
                                                 EvictionOptions(3).n_sink(0).n_recent(1).evict_every(2),
                                                 EvictionOptions(1).n_sink(2).n_recent(0).evict_every(3)};
-  on_both_paths([&] {
+  kvevict_test::on_both_paths([&] {
     uint32_t seed = 1;
     for (const auto& e : configs) {
       INFO("n_sink=" << e.n_sink() << " budget=" << e.budget() << " n_recent=" << e.n_recent()
