@@ -1,4 +1,4 @@
-// validate_eviction: the seed's 1000-step validation of the eviction contract (DESIGN.md),
+// validate_eviction: the seed's 1000-step validation of the eviction contract (docs/DESIGN.md),
 // driven either by a real DeepSeek-V3 MLA attention forward (--scores attention, the default)
 // or by the seed's mock (--scores random: random cached rows, softmax(randn) as the attention),
 // in either cache layout: --layout expanded (kvevict::MlaCache, per-head K/V decompressed by

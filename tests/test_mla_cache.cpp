@@ -445,7 +445,7 @@ TEST_CASE("observe reduces probabilities: mean over heads of the sum over querie
   }
 }
 
-TEST_CASE("MeanObservedAttention and LatestAttention scores follow DESIGN.md", "[mla_cache][cpu]") {
+TEST_CASE("MeanObservedAttention and LatestAttention scores follow docs/DESIGN.md", "[mla_cache][cpu]") {
   for (bool tensor_path : {false, true}) {
     INFO(path_name(tensor_path));
     ForceTensorPath guard(tensor_path);
@@ -868,7 +868,7 @@ namespace {
 
 /// The reference: one layer, per batch row a list of tokens sorted by position, each with its
 /// own copy of its K/V bytes, its score (double) and observation count. Written from the
-/// contract in DESIGN.md; the selection is support.hpp's oracle_keep (a full sort).
+/// contract in docs/DESIGN.md; the selection is support.hpp's oracle_keep (a full sort).
 template <class Scorer>
 class ReferenceLayer {
  public:
@@ -1301,4 +1301,20 @@ TEST_CASE("CUDA: inputs on the wrong device are rejected naming both devices", "
   p[0][1][0][2] = kNaN;
   CHECK_THROWS_WITH(gpu.observe(0, p), Contains("non-finite"));
   CHECK(same_state(before, snapshot(gpu)));
+}
+
+TEST_CASE("Inputs that require grad leave the cache's buffers out of any autograd graph", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    const auto w = at::ones({1}).requires_grad_();
+    kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 2).qk_dim(4).v_dim(4), kvevict::EvictionOptions(1).n_sink(1).n_recent(1));
+    for (int step = 0; step < 6; ++step) {
+      cache.update(0, at::randn({1, 2, 1, 4}).mul(w), at::randn({1, 2, 1, 4}).mul(w));
+      cache.observe(0, at::rand({1, 2, 1, cache.size(0)}).mul(w));
+      cache.evict(0);
+    }
+    CHECK_FALSE(cache.keys(0).requires_grad());
+    CHECK_FALSE(cache.values(0).requires_grad());
+    CHECK_FALSE(cache.scores(0).requires_grad());
+    CHECK_FALSE(cache.ordered(0).keys.requires_grad());
+  });
 }

@@ -1,6 +1,6 @@
 // EvictionPolicy on plain tensors: keep_indices (prefill compression), evict_slots (the tensor
 // path the caches run on CUDA) and evict_slots_row (the host path the caches run on CPU),
-// against the brute-force oracle and the contract rules one by one (DESIGN.md, "The contract").
+// against the brute-force oracle and the contract rules one by one (docs/DESIGN.md, "The contract").
 #include "support.hpp"
 
 #include <kvevict/kvevict.hpp>

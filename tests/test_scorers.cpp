@@ -1,4 +1,4 @@
-// The three scorers through an MlaCache, with hand-worked scores (DESIGN.md, "Scorers"):
+// The three scorers through an MlaCache, with hand-worked scores (docs/DESIGN.md, "Scorers"):
 //   CumulativeAttention    score += mean_h sum_q p[b, h, q, s]
 //   MeanObservedAttention  the cumulative sum / number of observed queries that could see s
 //   LatestAttention        score  = mean_h p[b, h, Q-1, s]
@@ -112,7 +112,7 @@ std::vector<at::Tensor> run_script() {
   return out;
 }
 
-// A reference model of one layer, written from DESIGN.md alone: per row, position ->
+// A reference model of one layer, written from docs/DESIGN.md alone: per row, position ->
 // (sum, observed-query count, latest), in double. Fed the same random stream as the cache.
 template <class Scorer>
 struct Reference {

@@ -1,5 +1,5 @@
 #pragma once
-// EvictionPolicy: the pure selection of the contract (DESIGN.md), over plain tensors.
+// EvictionPolicy: the pure selection of the contract (docs/DESIGN.md), over plain tensors.
 
 #include <kvevict/check.hpp>
 #include <kvevict/options.hpp>
@@ -73,7 +73,7 @@ inline float lowest_key(const float* x, int64_t n) noexcept {
 /// `n_sink` positions), every recent-window token (the `n_recent` largest positions), and the
 /// `budget` other tokens with the highest score; evict the rest. Lower score is evicted first,
 /// among equal scores the older position, and non-finite scores rank below all finite ones
-/// (DESIGN.md, contract rules 2, 3, 9). Rows never share scores. Heavy hitters as in H2O
+/// (docs/DESIGN.md, contract rules 2, 3, 9). Rows never share scores. Heavy hitters as in H2O
 /// (Zhang et al. 2023, Sec. 3.2), but cross-head: all heads of a row keep the same tokens.
 ///
 /// `Scorer` (CumulativeAttention, MeanObservedAttention or LatestAttention) says how the caches
@@ -151,6 +151,7 @@ class EvictionPolicy {
   /// \param seen       tokens ever appended (positions >= seen - n_recent are the window).
   /// \param out        [S - capacity] receives the slots to evict, ascending.
   /// \param scratch    reused between calls (no allocation once it has grown to S).
+  /// \throws c10::Error if the sinks or the recent window are not all among `positions`.
   void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
                        int64_t* out, std::vector<detail::Candidate>& scratch) const {
     const int64_t n_evict = S - capacity();
@@ -176,8 +177,10 @@ class EvictionPolicy {
 
  private:
   void check_candidates(int64_t n_candidates, int64_t n_evict) const {
-    TORCH_INTERNAL_ASSERT(n_candidates == n_evict + options_.budget(), "kvevict: candidates ", n_candidates,
-                          " != evicted ", n_evict, " + budget ", options_.budget());
+    KVEVICT_CHECK(n_candidates == n_evict + options_.budget(),
+                  "evict_slots_row: positions must hold every sink (0..n_sink-1) and the whole recent window "
+                  "(seen-n_recent..seen-1), leaving evicted + budget = ",
+                  n_evict + options_.budget(), " heavy-hitter candidates, got ", n_candidates);
   }
 
   /// The slot of the candidate (n_sink <= position < recent_from) evicted first, by the order of

@@ -29,8 +29,9 @@ struct MlaMemoryConfig {
   int64_t bytes_per_element = 2;
 };
 
-/// Bytes one token takes in one layer (K/V data only; the cache's own fp32 score and int64
-/// position add 12 bytes per token and layer, independent of the layout).
+/// Bytes one token takes in one layer (K/V data only; the caches' own bookkeeping adds 16 bytes
+/// per slot and layer, independent of the layout: fp32 score, int64 position, fp32 scratch,
+/// plus 4 for MeanObservedAttention's count; and a layer holds capacity + evict_every slots).
 /// \throws c10::ValueError if a dimension is < 1.
 inline int64_t bytes_per_token_per_layer(const MlaMemoryConfig& c, Layout layout) {
   KVEVICT_CHECK_VALUE(c.num_layers >= 1 && c.num_heads >= 1 && c.qk_dim >= 1 && c.v_dim >= 1 &&

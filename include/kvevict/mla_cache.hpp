@@ -21,7 +21,7 @@ struct OrderedLayer {
 /// A KV cache in the expanded MLA layout (as HF DeepseekV3 decompresses it): per layer, keys
 /// [B, H, slots, qk_dim] (RoPE already applied to the last 64 dims) and values
 /// [B, H, slots, v_dim], fp32/fp16/bf16, on CPU or CUDA, kept at capacity() tokens per row by
-/// `Policy` (DESIGN.md, "The contract"). Live tokens fill slots [0, size) of each row; slot
+/// `Policy` (docs/DESIGN.md, "The contract"). Live tokens fill slots [0, size) of each row; slot
 /// order is not position order (see positions(), ordered()).
 ///
 /// One decode step for layer l:
@@ -67,9 +67,11 @@ class BasicMlaCache : public detail::SlotCache<Policy> {
     return {views[0], views[1]};
   }
 
-  /// [B, H, S, qk_dim] keys of the live slots (a view, slot order). \throws c10::IndexError.
+  /// [B, H, S, qk_dim] keys of the live slots (a view, slot order, cache device); invalidated
+  /// by the next update() or evict() of the layer. \throws c10::IndexError.
   at::Tensor keys(int64_t layer) const { return Base::live(Base::at(layer))[0]; }
-  /// [B, H, S, v_dim] values of the live slots (a view, slot order). \throws c10::IndexError.
+  /// [B, H, S, v_dim] values of the live slots (a view, slot order, cache device); invalidated
+  /// by the next update() or evict() of the layer. \throws c10::IndexError.
   at::Tensor values(int64_t layer) const { return Base::live(Base::at(layer))[1]; }
 
   /// Copies of the live keys, values and positions of `layer` sorted by position per row.

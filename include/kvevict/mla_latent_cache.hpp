@@ -29,6 +29,8 @@ struct OrderedLatentLayer {
 /// detail::SlotCache): eviction is per token and cross-head, so all heads share the kept
 /// tokens, as the latent layout needs. Attention goes through attend_absorbed().
 ///
+/// Not thread-safe; one cache per sequence batch.
+///
 /// \tparam Policy EvictionPolicy<Scorer>.
 template <class Policy = EvictionPolicy<CumulativeAttention>>
 class BasicMlaLatentCache : public detail::SlotCache<Policy> {
@@ -60,9 +62,11 @@ class BasicMlaLatentCache : public detail::SlotCache<Policy> {
     return {views[0], views[1]};
   }
 
-  /// [B, S, kv_lora_rank] live compressed KV (a view, slot order). \throws c10::IndexError.
+  /// [B, S, kv_lora_rank] live compressed KV (a view, slot order, cache device); invalidated
+  /// by the next update() or evict() of the layer. \throws c10::IndexError.
   at::Tensor ckv(int64_t layer) const { return Base::live(Base::at(layer))[0]; }
-  /// [B, S, qk_rope_dim] live RoPE keys (a view, slot order). \throws c10::IndexError.
+  /// [B, S, qk_rope_dim] live RoPE keys (a view, slot order, cache device); invalidated by
+  /// the next update() or evict() of the layer. \throws c10::IndexError.
   at::Tensor kpe(int64_t layer) const { return Base::live(Base::at(layer))[1]; }
 
   /// Copies of the live ckv, kpe and positions of `layer`, sorted by position per row.

@@ -24,17 +24,23 @@ struct EvictionOptions {
   /// \param budget  heavy hitters kept per row, >= 0.
   explicit EvictionOptions(int64_t budget) : budget_(budget) {}
 
+  /// The largest value any count may take (2^40 tokens), so sums of them never overflow.
+  static constexpr int64_t kMaxTokens = int64_t{1} << 40;
+
   /// Tokens per row a layer holds after an eviction pass: n_sink + budget + n_recent.
   int64_t capacity() const noexcept { return n_sink_ + budget_ + n_recent_; }
 
-  /// Throws c10::ValueError naming the offending value(s): any count < 0, evict_every < 1,
-  /// or capacity < 1.
+  /// Throws c10::ValueError naming the offending value(s): any count < 0 or > 2^40,
+  /// evict_every < 1, or capacity < 1.
   void validate() const {
-    KVEVICT_CHECK_VALUE(budget_ >= 0, "EvictionOptions: budget must be >= 0, got ", budget_);
-    KVEVICT_CHECK_VALUE(n_sink_ >= 0, "EvictionOptions: n_sink must be >= 0, got ", n_sink_);
-    KVEVICT_CHECK_VALUE(n_recent_ >= 0, "EvictionOptions: n_recent must be >= 0, got ", n_recent_);
-    KVEVICT_CHECK_VALUE(evict_every_ >= 1, "EvictionOptions: evict_every must be >= 1, got ",
-                        evict_every_);
+    KVEVICT_CHECK_VALUE(budget_ >= 0 && budget_ <= kMaxTokens, "EvictionOptions: budget must be in [0, 2^40], got ",
+                        budget_);
+    KVEVICT_CHECK_VALUE(n_sink_ >= 0 && n_sink_ <= kMaxTokens, "EvictionOptions: n_sink must be in [0, 2^40], got ",
+                        n_sink_);
+    KVEVICT_CHECK_VALUE(n_recent_ >= 0 && n_recent_ <= kMaxTokens,
+                        "EvictionOptions: n_recent must be in [0, 2^40], got ", n_recent_);
+    KVEVICT_CHECK_VALUE(evict_every_ >= 1 && evict_every_ <= kMaxTokens,
+                        "EvictionOptions: evict_every must be in [1, 2^40], got ", evict_every_);
     KVEVICT_CHECK_VALUE(capacity() >= 1,
                         "EvictionOptions: capacity = n_sink + budget + n_recent must be >= 1, got n_sink=",
                         n_sink_, ", budget=", budget_, ", n_recent=", n_recent_);
@@ -65,7 +71,7 @@ struct CacheOptionsBase {
     KVEVICT_CHECK_VALUE(batch_size_ >= 1, type, ": batch_size must be >= 1, got ", batch_size_);
     KVEVICT_CHECK_VALUE(num_heads_ >= 1, type, ": num_heads must be >= 1, got ", num_heads_);
     KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_), type,
-                        ": dtype must be a floating type (float32, float16, bfloat16), got ", dtype_);
+                        ": dtype must be a floating type (float32, float16, bfloat16, float64), got ", dtype_);
     static_cast<const Derived&>(*this).validate_layout();
   }
 

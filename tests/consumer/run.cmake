@@ -1,11 +1,13 @@
 # The find_package test (ctest `consumer`), run with `cmake -P`:
 #   1. install the main project's build tree into a fresh prefix,
 #   2. configure tests/consumer against that prefix (find_package(kvevict REQUIRED)),
-#   3. build it and run the program, which checks a few cache steps.
+#   3. build it and run the program, which checks a few cache steps;
+#   4. the same with kvevict vendored by add_subdirectory(KVEVICT_SOURCE_DIR), if given.
 # Any failing step fails the test with the step's output.
 #
 # Variables (-D...):
 #   KVEVICT_BINARY_DIR   the main project's build directory (required)
+#   KVEVICT_SOURCE_DIR   the main project's source directory (optional: step 4)
 #   CONSUMER_SOURCE_DIR  this directory (required)
 #   CONSUMER_WORK_DIR    scratch directory, emptied first (required)
 #   CONSUMER_GENERATOR   CMake generator for the consumer (default: CMake's default)
@@ -62,11 +64,24 @@ if(at EQUAL -1)
   message(FATAL_ERROR "consumer: kvevict was not found in ${prefix}: ${kvevict_dir_line}")
 endif()
 
-consumer_step("build" "${CMAKE_COMMAND}" --build "${build}" --config "${CONSUMER_BUILD_TYPE}")
+# Builds the configured consumer in `dir` and runs it.
+function(consumer_build_and_run dir)
+  consumer_step("build" "${CMAKE_COMMAND}" --build "${dir}" --config "${CONSUMER_BUILD_TYPE}")
+  set(exe "${dir}/kvevict_consumer")
+  if(NOT EXISTS "${exe}" AND EXISTS "${dir}/${CONSUMER_BUILD_TYPE}/kvevict_consumer")
+    set(exe "${dir}/${CONSUMER_BUILD_TYPE}/kvevict_consumer")  # multi-config generators
+  endif()
+  consumer_step("run" "${exe}")
+  message(STATUS "${consumer_output}")
+endfunction()
 
-set(exe "${build}/kvevict_consumer")
-if(NOT EXISTS "${exe}" AND EXISTS "${build}/${CONSUMER_BUILD_TYPE}/kvevict_consumer")
-  set(exe "${build}/${CONSUMER_BUILD_TYPE}/kvevict_consumer")  # multi-config generators
+consumer_build_and_run("${build}")
+
+if(KVEVICT_SOURCE_DIR)
+  set(vendored "${CONSUMER_WORK_DIR}/vendored")
+  list(TRANSFORM configure_args REPLACE "^${build}$" "${vendored}")
+  list(FILTER configure_args EXCLUDE REGEX "^-DCMAKE_PREFIX_PATH=")
+  consumer_step("configure (add_subdirectory)" "${CMAKE_COMMAND}" ${configure_args}
+                "-DKVEVICT_SOURCE_DIR=${KVEVICT_SOURCE_DIR}")
+  consumer_build_and_run("${vendored}")
 endif()
-consumer_step("run" "${exe}")
-message(STATUS "${consumer_output}")

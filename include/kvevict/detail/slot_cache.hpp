@@ -116,7 +116,7 @@ class SlotCache {
     return rank_scores(L).clone();
   }
 
-  /// Feeds attention probabilities of the newest Q tokens to the scorer (DESIGN.md, Scorers).
+  /// Feeds attention probabilities of the newest Q tokens to the scorer (docs/DESIGN.md, Scorers).
   ///
   /// \param probs  [B, H, Q, S] attention probabilities, any floating dtype, cache device;
   ///               S = size(layer), slot order (as update()/positions() return them),
@@ -218,13 +218,26 @@ class SlotCache {
   SlotCache(int64_t num_layers, int64_t batch, int64_t heads, std::vector<BufferSpec> specs,
             at::ScalarType dtype, at::Device device, bool check_finite, Policy policy)
       : policy_(std::move(policy)), specs_(std::move(specs)), batch_(batch), heads_(heads), dtype_(dtype),
-        device_(device), check_finite_(check_finite),
+        device_(resolved(device)), check_finite_(check_finite),
         fast_(device.is_cpu() && !force_tensor_path()), layers_(num_layers) {
     const int64_t initial = capacity() + policy_.options().evict_every();
-    for (auto& L : layers_) {
-      L.seen_device = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device_));
-      grow(L, initial);
+    try {
+      for (auto& L : layers_) {
+        L.seen_device = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device_));
+        grow(L, initial);
+      }
+    } catch (const c10::Error& e) {
+      KVEVICT_CHECK(false, "could not allocate ", num_layers, " layer(s) of capacity + evict_every = ", initial,
+                    " slots per row (n_sink=", policy_.options().n_sink(), ", budget=", policy_.options().budget(),
+                    ", n_recent=", policy_.options().n_recent(), ", evict_every=", policy_.options().evict_every(),
+                    ") on ", device_, ": ", e.what_without_backtrace());
     }
+  }
+
+  /// The device tensors made on `device` report: "cuda" becomes the current "cuda:N", and
+  /// "cpu:0" becomes "cpu", so device checks compare like with like.
+  static at::Device resolved(const at::Device& device) {
+    return at::empty({0}, at::TensorOptions().device(device)).device();
   }
 
   /// \throws c10::IndexError unless 0 <= layer < num_layers.
@@ -280,20 +293,12 @@ class SlotCache {
   /// Appends T checked tokens (rows as in check_rows); returns views over slots [0, size) of
   /// every buffer.
   std::vector<at::Tensor> append(int64_t layer, const std::vector<at::Tensor>& rows) {
+    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     auto& L = at(layer);
     const int64_t T = check_rows(rows);
     if (L.size + T > L.slots) grow(L, std::max(L.size + T, 2 * L.slots));
     if (fast_) {
-      for (size_t i = 0; i < specs_.size(); ++i) {
-        const auto src = rows[i].contiguous();
-        const int64_t row_bytes = specs_[i].inner * src.element_size();
-        const int64_t groups = batch_ * outer_numel(i);
-        const auto* s = static_cast<const char*>(src.data_ptr());
-        auto* d = static_cast<char*>(L.data[i].data_ptr());
-        for (int64_t g = 0; g < groups; ++g) {
-          std::memcpy(d + (g * L.slots + L.size) * row_bytes, s + g * T * row_bytes, T * row_bytes);
-        }
-      }
+      for (size_t i = 0; i < specs_.size(); ++i) copy_rows_cpu(L, i, rows[i], T);
       auto* pos = L.position.template data_ptr<int64_t>();
       auto* score = L.score.template data_ptr<float>();
       auto* count = L.count.defined() ? L.count.template data_ptr<float>() : nullptr;
@@ -317,6 +322,35 @@ class SlotCache {
     L.seen += T;
     L.updates_since_pass += 1;
     return live(L);
+  }
+
+  /// CPU: copies the T new rows of buffer `i` (checked) into slots [size, size + T) of every
+  /// [B, outer...] group. Rows are read in place whenever each is contiguous (stride 1 in the
+  /// last dim), so a v_new narrowed from a wider projection or a transposed prefill chunk costs
+  /// no temporary copy (and no allocation); other layouts go through contiguous() first.
+  void copy_rows_cpu(Layer& L, size_t i, const at::Tensor& rows, int64_t T) {
+    const int64_t tdim = token_dim(i);
+    const auto src = rows.stride(tdim + 1) == 1 ? rows : rows.contiguous();
+    const auto sizes = src.sizes();
+    const auto strides = src.strides();
+    const int64_t elem = src.element_size(), row_bytes = specs_[i].inner * elem;
+    const bool packed = T == 1 || strides[tdim] == specs_[i].inner;  // the T rows are back to back
+    const auto* s = static_cast<const char*>(src.data_ptr());
+    auto* d = static_cast<char*>(L.data[i].data_ptr());
+    const int64_t groups = batch_ * outer_numel(i);
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t offset = 0, rest = g;  // element offset of group g in src: g over dims [0, tdim)
+      for (int64_t dim = tdim - 1; dim >= 0; --dim) {
+        offset += rest % sizes[dim] * strides[dim];
+        rest /= sizes[dim];
+      }
+      char* dst = d + (g * L.slots + L.size) * row_bytes;
+      if (packed) {
+        std::memcpy(dst, s + offset * elem, T * row_bytes);
+      } else {
+        for (int64_t t = 0; t < T; ++t) std::memcpy(dst + t * row_bytes, s + (offset + t * strides[tdim]) * elem, row_bytes);
+      }
+    }
   }
 
   /// Views over slots [0, size) of every buffer of `layer`.
@@ -356,6 +390,7 @@ class SlotCache {
 
   /// Reallocates `L`'s buffers with `slots` slots per row, keeping the live tokens.
   void grow(Layer& L, int64_t slots) {
+    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     const auto fopts = at::TensorOptions().dtype(at::kFloat).device(device_);
     Layer N;
     for (size_t i = 0; i < specs_.size(); ++i) {
@@ -405,6 +440,7 @@ class SlotCache {
 
   /// Applies one observation: `in` is probs [B, H, Q, S] or (direct) scores [B, S].
   void accumulate(Layer& L, const at::Tensor& in, bool direct) {
+    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     const int64_t S = L.size;
     const int64_t Q = direct ? 1 : in.size(2);
     if (fast_) {
@@ -535,6 +571,7 @@ class SlotCache {
   /// pair with the tail slots stable-sorted kept-first: the first pairs fill holes below
   /// capacity from kept tail rows, the rest copy dead tail rows onto dead tail rows.
   void evict_tensor(Layer& L, int64_t n) {
+    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     using namespace at::indexing;
     const int64_t cap = capacity();
     const auto e = policy_.evict_slots(rank_scores(L), positions_of(L));  // [B, n] ascending

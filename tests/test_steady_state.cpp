@@ -1,0 +1,300 @@
+// The decode steady state (docs/DESIGN.md, "Performance principles"; issue 4): update + observe +
+// evict allocate nothing on CPU, a CUDA graph of the step replays like eager, and a long run
+// holds the cache's memory flat.
+#include "support.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <c10/core/CPUAllocator.h>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+// CUDA graphs need the CUDA headers and libtorch_cuda. A CPU-only LibTorch may still ship
+// ATen/cuda headers (Debian's does) without the CUDA runtime headers or library, so the build
+// can say for sure (-DKVEVICT_TEST_CUDA_GRAPHS=0/1, from TORCH_CUDA_LIBRARIES); otherwise guess
+// from the headers that CUDAGraph.h itself needs.
+#ifndef KVEVICT_TEST_CUDA_GRAPHS
+#if __has_include(<ATen/cuda/CUDAGraph.h>) && __has_include(<cuda_runtime_api.h>)
+#define KVEVICT_TEST_CUDA_GRAPHS 1
+#else
+#define KVEVICT_TEST_CUDA_GRAPHS 0
+#endif
+#endif
+#if KVEVICT_TEST_CUDA_GRAPHS
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace {
+
+/// Counts the allocations of the CPU allocator it wraps while installed (c10::SetCPUAllocator);
+/// restores the previous allocator when destroyed. Tensor storage on CPU comes from here; views
+/// share their base's storage and do not.
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  CountingCpuAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
+  ~CountingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
+  CountingCpuAllocator(const CountingCpuAllocator&) = delete;
+  CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
+
+  /// Allocations since construction or the last reset().
+  int64_t count() const { return count_.load(); }
+  void reset() { count_ = 0; }
+
+  // LibTorch 1.13 declares `allocate(size_t) const`, 2.3+ `allocate(size_t)`: define both, no
+  // `override`, so whichever the base declares is overridden and the other is a plain overload.
+  c10::DataPtr allocate(size_t n) const { return counted(n); }
+  c10::DataPtr allocate(size_t n) { return counted(n); }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  // Pure virtual in LibTorch 2.x only: no `override`, so it compiles against 1.13 too.
+  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
+
+ private:
+  static constexpr uint8_t kPriority = 255;  // above the default allocator's registration
+  c10::DataPtr counted(size_t n) const {
+    ++count_;
+    return inner_->allocate(n);
+  }
+  c10::Allocator* inner_;
+  mutable std::atomic<int64_t> count_{0};
+};
+
+/// Drives one layer of `Cache` (MlaCache or MlaLatentCache shapes) in the decode steady state:
+/// full at capacity, each step appends 1 token, observes [B, H, 1, capacity + 1] and evicts 1.
+template <class Cache>
+struct SteadyState {
+  Cache cache;
+  std::vector<at::Tensor> rows;  // one token's rows, as update() takes them
+  at::Tensor probs;              // [B, H, 1, capacity + 1] fp32, allocated once
+
+  SteadyState(Cache c, std::vector<std::vector<int64_t>> token_shapes, std::vector<std::vector<int64_t>> fill_shapes)
+      : cache(std::move(c)) {
+    const int64_t B = cache.batch_size(), H = cache.num_heads(), cap = cache.capacity();
+    const auto filled = [&](const std::vector<int64_t>& shape) { return at::randn(shape); };
+    for (const auto& s : token_shapes) rows.push_back(filled(s));
+    std::vector<at::Tensor> prefill;
+    for (const auto& s : fill_shapes) prefill.push_back(filled(s));
+    cache.update(0, prefill[0], prefill[1]);  // capacity tokens at once: no pass yet
+    probs = at::softmax(at::randn({B, H, 1, cap + 1}), -1);
+  }
+
+  /// One decode step; returns the tokens evicted per row.
+  int64_t step() {
+    cache.update(0, rows[0], rows[1]);
+    cache.observe(0, probs);
+    return cache.evict(0);
+  }
+};
+
+template <class Policy>
+SteadyState<kvevict::BasicMlaCache<Policy>> expanded(int64_t B, int64_t H, int64_t cap, bool check_finite) {
+  const int64_t qk = 24, v = 16;
+  kvevict::BasicMlaCache<Policy> cache(
+      kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).check_finite(check_finite),
+      kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4));
+  return {std::move(cache), {{B, H, 1, qk}, {B, H, 1, v}}, {{B, H, cap, qk}, {B, H, cap, v}}};
+}
+
+template <class Policy>
+SteadyState<kvevict::BasicMlaLatentCache<Policy>> latent(int64_t B, int64_t H, int64_t cap, bool check_finite) {
+  const int64_t rank = 32, rope = 8;
+  kvevict::BasicMlaLatentCache<Policy> cache(
+      kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(rank).qk_rope_dim(rope).check_finite(check_finite),
+      kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4));
+  return {std::move(cache), {{B, 1, rank}, {B, 1, rope}}, {{B, cap, rank}, {B, cap, rope}}};
+}
+
+/// Runs `steps` steady-state steps under the counting allocator; checks that every step evicted
+/// one token, that no CPU allocation happened and that the buffers never moved.
+template <class State>
+void require_no_allocation(State& s, int64_t steps) {
+  for (int i = 0; i < 8; ++i) s.step();  // warm-up: the first pass and scratch have run
+  const auto storage = s.cache.positions(0).data_ptr();
+  const auto bytes = s.cache.stats().bytes_allocated;
+  int64_t evicted = 0, allocations = 0;
+  {
+    CountingCpuAllocator counting;
+    for (int64_t i = 0; i < steps; ++i) evicted += s.step();
+    allocations = counting.count();
+  }
+  CHECK(evicted == steps);
+  CHECK(allocations == 0);
+  CHECK(s.cache.positions(0).data_ptr() == storage);
+  CHECK(s.cache.stats().bytes_allocated == bytes);
+  CHECK(s.cache.size(0) == s.cache.capacity());
+}
+
+}  // namespace
+
+TEST_CASE("the counting allocator sees CPU tensor storage but not views", "[steady_state][cpu]") {
+  const auto base = at::zeros({4, 8});
+  CountingCpuAllocator counting;
+  auto view = base.narrow(1, 0, 4);
+  CHECK(counting.count() == 0);
+  auto fresh = at::empty({16});
+  CHECK(counting.count() == 1);
+  auto copy = view.contiguous();  // not contiguous: a copy
+  CHECK(counting.count() == 2);
+}
+
+TEMPLATE_TEST_CASE("1,000 steady-state decode steps allocate nothing on CPU", "[steady_state][cpu]",
+                   kvevict::CumulativeAttention, kvevict::MeanObservedAttention, kvevict::LatestAttention) {
+  using Policy = kvevict::EvictionPolicy<TestType>;
+  const bool check_finite = GENERATE(true, false);
+  CAPTURE(check_finite);
+  SECTION("expanded layout, batch 1") {
+    auto s = expanded<Policy>(1, 4, 84, check_finite);
+    require_no_allocation(s, 1000);
+  }
+  SECTION("expanded layout, batch 3") {
+    auto s = expanded<Policy>(3, 2, 40, check_finite);
+    require_no_allocation(s, 1000);
+  }
+  SECTION("latent layout, batch 2") {
+    auto s = latent<Policy>(2, 4, 84, check_finite);
+    require_no_allocation(s, 1000);
+  }
+}
+
+TEST_CASE("update returns views over the cache's buffers, without allocating", "[steady_state][cpu]") {
+  auto s = expanded<kvevict::EvictionPolicy<>>(2, 4, 20, true);
+  s.step();
+  CountingCpuAllocator counting;
+  const auto kv = s.cache.update(0, s.rows[0], s.rows[1]);
+  CHECK(counting.count() == 0);
+  CHECK(kv.first.sizes() == at::IntArrayRef({2, 4, 21, 24}));
+  CHECK(kv.second.sizes() == at::IntArrayRef({2, 4, 21, 16}));
+  CHECK(kv.first.data_ptr() == s.cache.keys(0).data_ptr());
+  CHECK(kv.second.data_ptr() == s.cache.values(0).data_ptr());
+  // The newest token is in the last live slot, as the views show it.
+  CHECK(at::equal(kv.first.select(2, 20), s.rows[0].select(2, 0)));
+  CHECK(at::equal(kv.second.select(2, 20), s.rows[1].select(2, 0)));
+}
+
+TEST_CASE("update reads strided rows in place: no copy, the same values", "[steady_state][cpu]") {
+  const int64_t B = 2, H = 3, qk = 24, v = 16, T = 5;
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v),
+                          kvevict::EvictionOptions(8).n_sink(1).n_recent(2));
+  // A prefill chunk as models produce it: keys transposed from [B, T, H, qk], values narrowed
+  // from a wider per-head projection (and, for the rows of one decode token, the same).
+  const auto k = at::randn({B, T, H, qk}).transpose(1, 2);
+  const auto v_wide = at::randn({B, H, T, 40});
+  const auto v_new = v_wide.narrow(-1, 8, v);
+  const auto k1 = at::randn({B, 1, H, qk}).transpose(1, 2);
+  const auto v1 = at::randn({B, H, 1, 3 * v}).narrow(-1, v, v);
+  REQUIRE_FALSE(k.is_contiguous());
+  REQUIRE_FALSE(v_new.is_contiguous());
+  REQUIRE_FALSE(v1.is_contiguous());
+  {
+    CountingCpuAllocator counting;
+    cache.update(0, k, v_new);
+    cache.update(0, k1, v1);
+    CHECK(counting.count() == 0);
+  }
+  CHECK(at::equal(cache.keys(0), at::cat({k, k1}, 2)));
+  CHECK(at::equal(cache.values(0), at::cat({v_new, v1}, 2)));
+  // Rows that are not contiguous themselves (stride 2 in the last dim) are copied first.
+  const auto k2 = at::randn({B, H, 1, 2 * qk}).slice(-1, 0, 2 * qk, 2);
+  const auto v2 = at::randn({B, H, 1, v});
+  cache.update(0, k2, v2);
+  CHECK(at::equal(cache.keys(0).narrow(2, T + 1, 1), k2));
+  CHECK(at::equal(cache.values(0).narrow(2, T + 1, 1), v2));
+}
+
+TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_state][cuda]") {
+  KVEVICT_REQUIRE_CUDA_OR_RETURN();
+#if !KVEVICT_TEST_CUDA_GRAPHS
+  WARN("built without CUDA graph support (KVEVICT_TEST_CUDA_GRAPHS=0): this CUDA test passes trivially");
+#else
+  const at::Device cuda("cuda:0");
+  const int64_t B = 2, H = 4, qk = 24, v = 16, cap = 40, steps = 50;
+  const auto eviction = kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4);
+  const auto options = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).device(cuda).check_finite(false);
+  kvevict::MlaCache eager(options, eviction), graphed(options, eviction);
+
+  const auto fopts = at::TensorOptions().device(cuda);
+  const auto k0 = at::randn({B, H, cap, qk}, fopts), v0 = at::randn({B, H, cap, v}, fopts);
+  eager.update(0, k0, v0);
+  graphed.update(0, k0, v0);
+  // Per-step inputs, prepared up front; the graph reads them from static tensors.
+  std::vector<at::Tensor> ks, vs, ps;
+  for (int64_t i = 0; i < steps + 1; ++i) {
+    ks.push_back(at::randn({B, H, 1, qk}, fopts));
+    vs.push_back(at::randn({B, H, 1, v}, fopts));
+    ps.push_back(at::softmax(at::randn({B, H, 1, cap + 1}, fopts), -1));
+  }
+  auto k_in = ks[0].clone(), v_in = vs[0].clone(), p_in = ps[0].clone();
+  const auto step = [](kvevict::MlaCache& c, const at::Tensor& k, const at::Tensor& vv, const at::Tensor& p) {
+    c.update(0, k, vv);
+    c.observe(0, p);
+    c.evict(0);
+  };
+
+  // Capture on a side stream (capture is illegal on the default stream). The first step runs
+  // eagerly there as warm-up (lazy library initialisation must not happen inside a capture).
+  auto stream = c10::cuda::getStreamFromPool();
+  at::cuda::CUDAGraph graph;
+  {
+    c10::cuda::CUDAStreamGuard guard(stream);
+    step(graphed, k_in, v_in, p_in);  // warm-up: step 0
+    k_in.copy_(ks[1]);
+    v_in.copy_(vs[1]);
+    p_in.copy_(ps[1]);
+    graph.capture_begin();
+    step(graphed, k_in, v_in, p_in);  // captured: records step 1 but runs nothing
+    graph.capture_end();
+  }
+  stream.synchronize();
+  step(eager, ks[0], vs[0], ps[0]);
+  for (int64_t i = 1; i <= steps; ++i) {
+    step(eager, ks[i], vs[i], ps[i]);
+    k_in.copy_(ks[i]);
+    v_in.copy_(vs[i]);
+    p_in.copy_(ps[i]);
+    graph.replay();
+  }
+  c10::cuda::getCurrentCUDAStream().synchronize();
+  // Host-side counters advanced once during capture, the device-side ones on every replay: the
+  // tensors are what must agree.
+  CHECK(at::equal(graphed.positions(0), eager.positions(0)));
+  CHECK(at::equal(graphed.scores(0), eager.scores(0)));
+  CHECK(at::equal(graphed.keys(0), eager.keys(0)));
+  CHECK(at::equal(graphed.values(0), eager.values(0)));
+  const auto pos = eager.positions(0).to(at::kCPU);
+  CHECK(pos.max().item<int64_t>() == cap + steps);  // the newest token, at its true position
+#endif
+}
+
+TEST_CASE("100,000 decode steps hold the cache's memory flat", "[steady_state][cpu][.slow]") {
+  const int64_t layers = 2, B = 2, H = 2, qk = 8, v = 8, steps = 100000;
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(layers, H).batch_size(B).qk_dim(qk).v_dim(v),
+                          kvevict::EvictionOptions(32).n_sink(4).n_recent(8));
+  const auto k = at::randn({B, H, 1, qk}), vv = at::randn({B, H, 1, v});
+  std::vector<at::Tensor> probs;  // one per live size: [B, H, 1, S], S = 1 .. capacity + 1
+  for (int64_t S = 1; S <= cache.capacity() + 1; ++S) probs.push_back(at::softmax(at::randn({B, H, 1, S}), -1));
+  const auto step = [&] {
+    for (int64_t l = 0; l < layers; ++l) {
+      cache.update(l, k, vv);
+      cache.observe(l, probs[cache.size(l) - 1]);
+      cache.evict(l);
+    }
+  };
+  const int64_t warm_up = 2 * cache.capacity();
+  for (int64_t i = 0; i < warm_up; ++i) step();
+  const auto bytes = cache.stats().bytes_allocated;
+  CountingCpuAllocator counting;
+  for (int64_t i = warm_up; i < steps; ++i) {
+    step();
+    if (i % 10000 == 0) REQUIRE(cache.stats().bytes_allocated == bytes);
+  }
+  CHECK(counting.count() == 0);
+  CHECK(cache.stats().bytes_allocated == bytes);
+  CHECK(cache.stats().eviction_events == layers * (steps - cache.capacity()));
+  CHECK(cache.seen_tokens(0) == steps);
+  CHECK(cache.size(0) == cache.capacity());
+}
