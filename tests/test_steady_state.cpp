@@ -270,7 +270,7 @@ TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_s
 #endif
 }
 
-TEST_CASE("100,000 decode steps hold the cache's memory flat", "[steady_state][cpu][.slow]") {
+TEST_CASE("100,000 decode steps hold the cache's memory flat", "[long_run][cpu][.slow]") {
   const int64_t layers = 2, B = 2, H = 2, qk = 8, v = 8, steps = 100000;
   kvevict::MlaCache cache(kvevict::MlaCacheOptions(layers, H).batch_size(B).qk_dim(qk).v_dim(v),
                           kvevict::EvictionOptions(32).n_sink(4).n_recent(8));

@@ -36,6 +36,9 @@ inline bool evicted_before(const Candidate& a, const Candidate& b) noexcept {
   return a.position < b.position;
 }
 
+/// Tag: the caller guarantees evict_slots_row()'s precondition (see there).
+struct TrustedPositions {};
+
 /// The key a score ranks by (contract rule 9): itself if finite, else -inf (NaN included).
 inline float rank_key(float score) noexcept {
   return std::fabs(score) <= std::numeric_limits<float>::max() ? score : -std::numeric_limits<float>::infinity();
@@ -154,11 +157,27 @@ class EvictionPolicy {
   /// \throws c10::Error if the sinks or the recent window are not all among `positions`.
   void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
                        int64_t* out, std::vector<detail::Candidate>& scratch) const {
+    select_row(scores, positions, S, seen, out, scratch, /*check=*/true);
+  }
+
+  /// evict_slots_row() for a caller that guarantees the precondition (the caches: their positions
+  /// always hold the sinks and the recent window). One evicted token, the decode step, then costs
+  /// a single scan that reads a slot's position only when its score could win, without first
+  /// counting the candidates.
+  void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
+                       int64_t* out, std::vector<detail::Candidate>& scratch, detail::TrustedPositions) const {
+    select_row(scores, positions, S, seen, out, scratch, /*check=*/false);
+  }
+
+ private:
+  void select_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen, int64_t* out,
+                  std::vector<detail::Candidate>& scratch, bool check) const {
     const int64_t n_evict = S - capacity();
     if (n_evict <= 0) return;
     const int64_t recent_from = seen - options_.n_recent();
     if (n_evict == 1) {
       // The decode steady state (one token in, one out): a single scan, no candidate list.
+      if (check) check_candidates(count_candidates(positions, S, recent_from), n_evict);
       out[0] = lowest_candidate(scores, positions, S, recent_from);
       return;
     }
@@ -175,7 +194,13 @@ class EvictionPolicy {
     std::sort(out, out + n_evict);
   }
 
- private:
+  /// Slots whose position is a heavy-hitter candidate: n_sink <= position < recent_from.
+  int64_t count_candidates(const int64_t* positions, int64_t S, int64_t recent_from) const {
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) n += positions[s] >= options_.n_sink() && positions[s] < recent_from;
+    return n;
+  }
+
   void check_candidates(int64_t n_candidates, int64_t n_evict) const {
     KVEVICT_CHECK(n_candidates == n_evict + options_.budget(),
                   "evict_slots_row: positions must hold every sink (0..n_sink-1) and the whole recent window "

@@ -536,7 +536,7 @@ class SlotCache {
         rank_b = rank + base;
       }
       int64_t* ev = L.evicted.data();
-      policy_.evict_slots_row(rank_b, pos + base, L.size, L.seen, ev, L.candidates);
+      policy_.evict_slots_row(rank_b, pos + base, L.size, L.seen, ev, L.candidates, TrustedPositions{});
       std::fill(L.tail_evicted.begin(), L.tail_evicted.begin() + n, 0);
       for (int64_t i = 0; i < n; ++i) {
         if (ev[i] >= cap) L.tail_evicted[ev[i] - cap] = 1;

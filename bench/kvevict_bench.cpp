@@ -1,0 +1,678 @@
+// kvevict_bench: what eviction costs per layer and decode step, next to the attention it serves
+// and to the naive gather, measured side by side in one run (DESIGN.md, "Performance
+// principles"; issue 4). A timing CLI of our own (std::chrono, printf): it builds wherever
+// LibTorch does, offline GPU machines included.
+//
+// Per configuration (layout, heads, dims, dtype, device, capacity, batch) one layer is filled
+// to capacity; from then on every decode step appends one token, observes [B, H, 1, S]
+// probabilities and evicts one token (the steady state). Per step, each the median over --reps
+// repetitions after a warm-up:
+//   update+evict  cache.update + cache.evict: the bookkeeping without the probabilities
+//   observe       cache.observe of fp32 probabilities [B, H, 1, capacity + 1]
+//   u+o+e         update + observe + evict: the whole bookkeeping of a step
+//   attend        kvevict::attend (expanded) or attend_absorbed (latent) over capacity + 1 slots
+//                 (its observe included): the attention decode step the bookkeeping serves
+//   u+o+e graph   (CUDA only) one replay of a CUDA graph of update + observe + evict, captured
+//                 on a second cache with check_finite off: the step without launch overhead
+//   naive         the same bookkeeping done by gathering (seed_reference.py's maybe_evict, in
+//                 LibTorch): cat the new token onto every buffer and a 0 onto the scores, add
+//                 the head-mean probabilities, top-k the middle, gather the kept rows into new
+//                 tensors
+// and the ratios ue/attend, uoe/attend, naive/attend, naive/ue.
+//
+// A layout is a small traits struct (Expanded, Latent below): its cache type, the shapes of
+// one token's rows, the queries and the attention call. Everything else is layout-generic.
+#include <kvevict/kvevict.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// CUDA graphs need the CUDA headers and libtorch_cuda: bench/CMakeLists.txt says whether this
+// LibTorch has them (from TORCH_CUDA_LIBRARIES); otherwise guess from the headers.
+#ifndef KVEVICT_BENCH_CUDA_GRAPHS
+#if __has_include(<ATen/cuda/CUDAGraph.h>) && __has_include(<cuda_runtime_api.h>)
+#define KVEVICT_BENCH_CUDA_GRAPHS 1
+#else
+#define KVEVICT_BENCH_CUDA_GRAPHS 0
+#endif
+#endif
+#if KVEVICT_BENCH_CUDA_GRAPHS
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace {
+
+constexpr int kExitUsage = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+struct Args {
+  std::vector<std::string> layouts{"expanded"};
+  std::vector<int64_t> heads{64};
+  int64_t qk_dim = 192, v_dim = 128;              // expanded
+  int64_t kv_lora_rank = 512, qk_rope_dim = 64;   // latent
+  std::vector<std::string> dtypes{"fp32"};
+  std::string device = "cpu";
+  std::vector<int64_t> capacities{1024, 4612, 16384};
+  std::vector<int64_t> batches{1};
+  int64_t n_sink = 4, n_recent = 16;
+  int64_t threads = 1;
+  bool check_finite = true;
+  int64_t reps = 5;
+  double min_time = 0.2;  // seconds per repetition, when --iters is not given
+  int64_t iters = 0;      // steps per repetition; 0: from --min-time
+  bool naive = true;
+  bool tensor_path = false;  // CPU: time the tensor-op path CUDA takes instead of the host loops
+  std::string out_csv, out_json;
+};
+
+constexpr const char* kUsage = R"(Usage: kvevict_bench [options]
+
+Times the eviction bookkeeping of one layer per decode step (update+evict, observe, all three),
+the attention decode step over the same cache, and the naive gather, side by side. One line per
+configuration; LIST options take comma-separated values and run every combination.
+
+Options (default in brackets):
+  --layout LIST        expanded (MlaCache) or latent (MlaLatentCache) [expanded]
+  --heads LIST         attention heads [64]
+  --qk-dim N           expanded key width per head [192]
+  --v-dim N            expanded value width per head [128]
+  --kv-lora-rank N     latent ckv width [512]
+  --qk-rope-dim N      latent kpe width [64]
+  --dtype LIST         fp32, fp16, bf16 [fp32]
+  --device D           cpu, cuda or cuda:N [cpu]
+  --capacity LIST      tokens per row after a pass (n_sink + budget + n_recent) [1024,4612,16384]
+  --batch LIST         batch rows [1]
+  --n-sink N           sinks [4]
+  --n-recent N         recent window [16]
+  --threads N          intra-op threads (at::set_num_threads) [1]
+  --check-finite B     on or off: the cache's check_finite [on]
+  --reps N             repetitions; the median is reported [5]
+  --min-time SEC       seconds per repetition (sets the steps per repetition) [0.2]
+  --iters N            steps per repetition (overrides --min-time) [from --min-time]
+  --no-naive           skip the naive gather (it needs 3x the cache's memory)
+  --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
+                       host loops
+  --out-csv PATH       also write the results as CSV
+  --out-json PATH      also write the results as JSON
+  --help               print this and exit
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
+  if (value < min) throw UsageError(flag + " must be >= " + std::to_string(min) + ", got " + text);
+  return value;
+}
+
+std::vector<int64_t> parse_ints(const std::string& flag, const std::string& text, int64_t min) {
+  std::vector<int64_t> out;
+  for (const auto& item : split(text)) out.push_back(parse_int(flag, item, min));
+  if (out.empty()) throw UsageError(flag + " expects a comma-separated list, got '" + text + "'");
+  return out;
+}
+
+std::vector<std::string> parse_choices(const std::string& flag, const std::string& text,
+                                       const std::vector<std::string>& choices) {
+  auto out = split(text);
+  if (out.empty()) throw UsageError(flag + " expects a comma-separated list, got '" + text + "'");
+  for (const auto& item : out) {
+    if (std::find(choices.begin(), choices.end(), item) == choices.end()) {
+      std::string list;
+      for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
+      throw UsageError(flag + " values must be among " + list + ", got '" + item + "'");
+    }
+  }
+  return out;
+}
+
+/// Parses argv (`--flag value` or `--flag=value`); returns false for --help.
+bool parse_args(int argc, char** argv, Args& a) {
+  using Setter = std::function<void(const std::string&, const std::string&)>;
+  const std::map<std::string, Setter> flags{
+      {"--layout", [&](auto& f, auto& v) { a.layouts = parse_choices(f, v, {"expanded", "latent"}); }},
+      {"--heads", [&](auto& f, auto& v) { a.heads = parse_ints(f, v, 1); }},
+      {"--qk-dim", [&](auto& f, auto& v) { a.qk_dim = parse_int(f, v, 1); }},
+      {"--v-dim", [&](auto& f, auto& v) { a.v_dim = parse_int(f, v, 1); }},
+      {"--kv-lora-rank", [&](auto& f, auto& v) { a.kv_lora_rank = parse_int(f, v, 1); }},
+      {"--qk-rope-dim", [&](auto& f, auto& v) { a.qk_rope_dim = parse_int(f, v, 1); }},
+      {"--dtype", [&](auto& f, auto& v) { a.dtypes = parse_choices(f, v, {"fp32", "fp16", "bf16"}); }},
+      {"--device", [&](auto&, auto& v) { a.device = v; }},
+      {"--capacity", [&](auto& f, auto& v) { a.capacities = parse_ints(f, v, 1); }},
+      {"--batch", [&](auto& f, auto& v) { a.batches = parse_ints(f, v, 1); }},
+      {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
+      {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
+      {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
+      {"--check-finite", [&](auto& f, auto& v) { a.check_finite = parse_choices(f, v, {"on", "off"})[0] == "on"; }},
+      {"--reps", [&](auto& f, auto& v) { a.reps = parse_int(f, v, 1); }},
+      {"--iters", [&](auto& f, auto& v) { a.iters = parse_int(f, v, 1); }},
+      {"--min-time",
+       [&](auto& f, auto& v) {
+         try {
+           a.min_time = std::stod(v);
+         } catch (const std::exception&) {
+           throw UsageError(f + " expects seconds, got '" + v + "'");
+         }
+       }},
+      {"--out-csv", [&](auto&, auto& v) { a.out_csv = v; }},
+      {"--out-json", [&](auto&, auto& v) { a.out_json = v; }},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i], value;
+    if (flag == "--help" || flag == "-h") return false;
+    if (flag == "--no-naive") {
+      a.naive = false;
+      continue;
+    }
+    if (flag == "--tensor-path") {
+      a.tensor_path = true;
+      continue;
+    }
+    const auto eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    }
+    const auto it = flags.find(flag);
+    if (it == flags.end()) throw UsageError("unknown argument '" + flag + "'");
+    if (!inline_value) {
+      if (i + 1 >= argc) throw UsageError(flag + " expects a value");
+      value = argv[++i];
+    }
+    it->second(flag, value);
+  }
+  for (auto cap : a.capacities) {
+    if (cap < a.n_sink + a.n_recent) {
+      throw UsageError("--capacity " + std::to_string(cap) + " is below n_sink + n_recent = " +
+                       std::to_string(a.n_sink + a.n_recent));
+    }
+  }
+  return true;
+}
+
+at::ScalarType make_dtype(const std::string& name) {
+  return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
+}
+
+at::Device make_device(const std::string& name) {
+  if (name == "cpu") return at::Device(at::kCPU);
+  if (name != "cuda" && name.rfind("cuda:", 0) != 0) {
+    throw UsageError("--device must be cpu, cuda or cuda:N, got '" + name + "'");
+  }
+  if (!at::hasCUDA()) throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
+  return at::Device(name);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layouts: what differs between the expanded and the latent cache
+
+/// One benchmark configuration.
+struct Config {
+  std::string layout, dtype_name;
+  int64_t heads, batch, capacity;
+  at::ScalarType dtype;
+  at::Device device{at::kCPU};
+};
+
+/// The expanded layout: MlaCache, keys [B, H, S, qk_dim] and values [B, H, S, v_dim];
+/// attention is kvevict::attend.
+struct Expanded {
+  using Cache = kvevict::MlaCache;
+  static constexpr int64_t kTokenDim = 2;  // of every buffer
+
+  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e) {
+    return std::make_unique<Cache>(kvevict::MlaCacheOptions(1, c.heads)
+                                       .batch_size(c.batch)
+                                       .qk_dim(a.qk_dim)
+                                       .v_dim(a.v_dim)
+                                       .dtype(c.dtype)
+                                       .device(c.device)
+                                       .check_finite(a.check_finite),
+                                   e);
+  }
+  /// Shapes of T tokens' rows as update() takes them: {k_new, v_new}.
+  static std::vector<std::vector<int64_t>> row_shapes(const Config& c, const Args& a, int64_t T) {
+    return {{c.batch, c.heads, T, a.qk_dim}, {c.batch, c.heads, T, a.v_dim}};
+  }
+  /// Shapes of one step's queries: {q [B, H, 1, qk_dim]}.
+  static std::vector<std::vector<int64_t>> query_shapes(const Config& c, const Args& a) {
+    return {{c.batch, c.heads, 1, a.qk_dim}};
+  }
+  static at::Tensor attend(Cache& cache, const std::vector<at::Tensor>& q) { return kvevict::attend(q[0], cache, 0); }
+  /// Copies of the buffers in position order, as update() takes them.
+  static std::vector<at::Tensor> ordered(const Cache& cache) {
+    auto o = cache.ordered(0);
+    return {o.keys, o.values};
+  }
+  static std::string dims(const Args& a) {
+    return "qk=" + std::to_string(a.qk_dim) + " v=" + std::to_string(a.v_dim);
+  }
+};
+
+/// The latent layout: MlaLatentCache, ckv [B, S, kv_lora_rank] and kpe [B, S, qk_rope_dim]
+/// shared by the heads; attention is kvevict::attend_absorbed.
+struct Latent {
+  using Cache = kvevict::MlaLatentCache;
+  static constexpr int64_t kTokenDim = 1;
+
+  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e) {
+    return std::make_unique<Cache>(kvevict::MlaLatentCacheOptions(1, c.heads)
+                                       .batch_size(c.batch)
+                                       .kv_lora_rank(a.kv_lora_rank)
+                                       .qk_rope_dim(a.qk_rope_dim)
+                                       .dtype(c.dtype)
+                                       .device(c.device)
+                                       .check_finite(a.check_finite),
+                                   e);
+  }
+  /// {ckv_new [B, T, kv_lora_rank], kpe_new [B, T, qk_rope_dim]}.
+  static std::vector<std::vector<int64_t>> row_shapes(const Config& c, const Args& a, int64_t T) {
+    return {{c.batch, T, a.kv_lora_rank}, {c.batch, T, a.qk_rope_dim}};
+  }
+  /// {q_absorbed [B, H, 1, kv_lora_rank], q_pe [B, H, 1, qk_rope_dim]}.
+  static std::vector<std::vector<int64_t>> query_shapes(const Config& c, const Args& a) {
+    return {{c.batch, c.heads, 1, a.kv_lora_rank}, {c.batch, c.heads, 1, a.qk_rope_dim}};
+  }
+  static at::Tensor attend(Cache& cache, const std::vector<at::Tensor>& q) {
+    return kvevict::attend_absorbed(q[0], q[1], cache, 0);
+  }
+  static std::vector<at::Tensor> ordered(const Cache& cache) {
+    auto o = cache.ordered(0);
+    return {o.ckv, o.kpe};
+  }
+  static std::string dims(const Args& a) {
+    return "ckv=" + std::to_string(a.kv_lora_rank) + " kpe=" + std::to_string(a.qk_rope_dim);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The naive baseline
+
+/// The seeds' eviction (seed_reference.py, maybe_evict) in LibTorch: buffers in position order,
+/// a new tensor per buffer per step.
+class NaiveCache {
+ public:
+  /// `buffers`: per buffer [B, ..., S, width] in position order, token dim `token_dim`.
+  NaiveCache(std::vector<at::Tensor> buffers, int64_t token_dim, const kvevict::EvictionOptions& e)
+      : buffers_(std::move(buffers)), token_dim_(token_dim), e_(e) {
+    const int64_t B = buffers_[0].size(0), S = buffers_[0].size(token_dim);
+    score_ = at::rand({B, S}, buffers_[0].options().dtype(at::kFloat));
+  }
+
+  /// One decode step: rows as the cache's update() takes them, probs [B, H, 1, S + 1].
+  void step(const std::vector<at::Tensor>& rows, const at::Tensor& probs) {
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i] = at::cat({buffers_[i], rows[i]}, token_dim_);
+    const int64_t B = score_.size(0), S = buffers_[0].size(token_dim_);
+    score_ = at::cat({score_, at::zeros({B, 1}, score_.options())}, 1).add(probs.sum(2).mean(1));
+    if (S <= e_.capacity()) return;
+    const auto lopts = score_.options().dtype(at::kLong);
+    const auto middle = score_.narrow(1, e_.n_sink(), S - e_.n_sink() - e_.n_recent());
+    const auto top = std::get<1>(at::topk(middle, e_.budget(), -1)).add(e_.n_sink());
+    auto keep = at::cat({at::arange(e_.n_sink(), lopts).expand({B, e_.n_sink()}), top,
+                         at::arange(S - e_.n_recent(), S, lopts).expand({B, e_.n_recent()})},
+                        1);
+    keep = std::get<0>(at::sort(keep, 1));  // [B, capacity]
+    for (auto& buffer : buffers_) {
+      std::vector<int64_t> shape(buffer.dim(), 1);
+      shape[0] = B;
+      shape[token_dim_] = keep.size(1);
+      auto sizes = buffer.sizes().vec();
+      sizes[token_dim_] = keep.size(1);
+      buffer = buffer.gather(token_dim_, keep.view(shape).expand(sizes));
+    }
+    score_ = score_.gather(1, keep);
+  }
+
+ private:
+  std::vector<at::Tensor> buffers_;
+  at::Tensor score_;  // [B, S] fp32
+  int64_t token_dim_;
+  kvevict::EvictionOptions e_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+using Clock = std::chrono::steady_clock;
+
+/// Waits for the device (CUDA: a 1-element copy to the host); a no-op on CPU.
+struct DeviceSync {
+  at::Tensor probe;  // [1] on the device
+  bool cuda;
+  explicit DeviceSync(const at::Device& d) : probe(at::zeros({1}, at::TensorOptions().device(d))), cuda(d.is_cuda()) {}
+  void operator()() const {
+    if (cuda) (void)probe.item<float>();
+  }
+};
+
+/// Seconds for `n` calls of body(i), the device waited for before and after.
+template <class Body>
+double time_loop(int64_t n, Body& body, const DeviceSync& sync) {
+  sync();
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < n; ++i) body(i);
+  sync();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// Microseconds per call of body(i): warm-up and calibration (calls until --min-time/4 passes,
+/// growing x4), then --reps repetitions of n calls; the median repetition.
+template <class Body>
+double measure(Body body, const Args& a, const DeviceSync& sync) {
+  int64_t n = a.iters;
+  if (n == 0) {
+    n = 1;
+    double t = time_loop(1, body, sync);  // first call: warm-up
+    while (true) {
+      t = time_loop(n, body, sync);
+      if (t >= a.min_time / 4 || n >= (int64_t{1} << 24)) break;
+      n *= 4;
+    }
+    n = std::max<int64_t>(3, static_cast<int64_t>(std::ceil(n * a.min_time / std::max(t, 1e-9))));
+  } else {
+    time_loop(std::max<int64_t>(1, n / 10), body, sync);  // warm-up
+  }
+  std::vector<double> us;
+  for (int64_t r = 0; r < a.reps; ++r) us.push_back(1e6 * time_loop(n, body, sync) / static_cast<double>(n));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+struct Result {
+  Config config;
+  std::string dims;
+  double update_evict = 0, observe = 0, uoe = 0, attend = 0, naive = NAN, uoe_graph = NAN;  // us per step
+  int64_t bytes_held = 0;
+};
+
+/// Random tensor of `dtype` (fp16/bf16 drawn in fp32: not every LibTorch samples them on CPU).
+at::Tensor random(const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Device& device) {
+  return at::randn(shape, at::TensorOptions().device(device)).to(dtype);
+}
+
+/// Fills layer 0 of `cache` to capacity in chunks of one random block (values do not matter for
+/// the timing), then observes random probabilities once so the scores are not all 0.
+template <class Layout>
+void fill_to_capacity(typename Layout::Cache& cache, const Config& c, const Args& a) {
+  const int64_t chunk = std::min<int64_t>(c.capacity, 256);
+  std::vector<at::Tensor> block;
+  for (const auto& shape : Layout::row_shapes(c, a, chunk)) block.push_back(random(shape, c.dtype, c.device));
+  for (int64_t filled = 0; filled < c.capacity; filled += chunk) {
+    const int64_t t = std::min(chunk, c.capacity - filled);
+    cache.update(0, block[0].narrow(Layout::kTokenDim, 0, t), block[1].narrow(Layout::kTokenDim, 0, t));
+  }
+  cache.observe(0, at::softmax(at::randn({c.batch, c.heads, 1, c.capacity}, at::TensorOptions().device(c.device)), -1));
+}
+
+/// One steady-state step: update + observe + evict of layer 0.
+template <class Cache>
+void bookkeeping_step(Cache& cache, const std::vector<at::Tensor>& row, const at::Tensor& probs) {
+  cache.update(0, row[0], row[1]);
+  cache.observe(0, probs);
+  cache.evict(0);
+}
+
+#if KVEVICT_BENCH_CUDA_GRAPHS
+/// Microseconds per replay of a CUDA graph of one steady-state step, on a second cache built
+/// with check_finite off (a capture cannot wait for the host). The replay reads `row` and
+/// `probs` where they are; it shows the step's GPU time without the per-op launch cost.
+template <class Layout>
+double graph_step_us(const Config& c, Args a, const kvevict::EvictionOptions& e, const std::vector<at::Tensor>& row,
+                     const at::Tensor& probs, const DeviceSync& sync) {
+  a.check_finite = false;
+  auto cache = Layout::make_cache(c, a, e);
+  fill_to_capacity<Layout>(*cache, c, a);
+  at::cuda::CUDAGraph graph;
+  auto stream = c10::cuda::getStreamFromPool();
+  {
+    c10::cuda::CUDAStreamGuard guard(stream);  // capture is illegal on the default stream
+    for (int i = 0; i < 3; ++i) bookkeeping_step(*cache, row, probs);  // warm-up on the capture stream
+    graph.capture_begin();
+    bookkeeping_step(*cache, row, probs);
+    graph.capture_end();
+  }
+  stream.synchronize();
+  return measure([&](int64_t) { graph.replay(); }, a, sync);
+}
+#endif
+
+template <class Layout>
+Result run_config(const Config& c, const Args& a) {
+  const auto e = kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent).n_sink(a.n_sink).n_recent(a.n_recent);
+  const DeviceSync sync(c.device);
+  auto cache = Layout::make_cache(c, a, e);
+  fill_to_capacity<Layout>(*cache, c, a);
+
+  // A few different new tokens and probabilities, cycled through.
+  constexpr int64_t kPool = 4;
+  std::vector<std::vector<at::Tensor>> rows(kPool);
+  std::vector<at::Tensor> probs(kPool);
+  for (int64_t i = 0; i < kPool; ++i) {
+    for (const auto& shape : Layout::row_shapes(c, a, 1)) rows[i].push_back(random(shape, c.dtype, c.device));
+    probs[i] = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + 1}, at::TensorOptions().device(c.device)), -1);
+  }
+  std::vector<at::Tensor> queries;
+  for (const auto& shape : Layout::query_shapes(c, a)) queries.push_back(random(shape, c.dtype, c.device));
+  auto& C = *cache;
+
+  Result r{c, Layout::dims(a)};
+  r.update_evict = measure(
+      [&](int64_t i) {
+        const auto& x = rows[i % kPool];
+        C.update(0, x[0], x[1]);
+        C.evict(0);
+      },
+      a, sync);
+  r.uoe = measure([&](int64_t i) { bookkeeping_step(C, rows[i % kPool], probs[i % kPool]); }, a, sync);
+  // observe and attend are repeatable on a layer holding capacity + 1 tokens.
+  C.update(0, rows[0][0], rows[0][1]);
+  r.observe = measure([&](int64_t i) { C.observe(0, probs[i % kPool]); }, a, sync);
+  r.attend = measure([&](int64_t) { Layout::attend(C, queries); }, a, sync);
+  C.evict(0);
+  r.bytes_held = C.stats().bytes_allocated;
+
+#if KVEVICT_BENCH_CUDA_GRAPHS
+  if (c.device.is_cuda()) r.uoe_graph = graph_step_us<Layout>(c, a, e, rows[0], probs[0], sync);
+#endif
+  if (a.naive) {
+    // The naive cache starts from the same tokens, copied into position order.
+    NaiveCache naive(Layout::ordered(C), Layout::kTokenDim, e);
+    r.naive = measure([&](int64_t i) { naive.step(rows[i % kPool], probs[i % kPool]); }, a, sync);
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+std::string config_label(const Result& r) {
+  const auto& c = r.config;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%-8s H=%-3lld %s %s %s B=%lld cap=%lld", c.layout.c_str(),
+                static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(), c.device.str().c_str(),
+                static_cast<long long>(c.batch), static_cast<long long>(c.capacity));
+  return buf;
+}
+
+void print_line(const Result& r) {
+  char graph[64] = "";
+  if (std::isfinite(r.uoe_graph)) std::snprintf(graph, sizeof graph, " | u+o+e graph %9.2f us", r.uoe_graph);
+  std::printf("%s | update+evict %9.2f us | observe %9.2f us | u+o+e %9.2f us%s | attend %11.1f us | naive %11.1f us"
+              " | ue/attend %7.4f%% | uoe/attend %7.4f%% | naive/attend %6.2fx | naive/ue %8.0fx\n",
+              config_label(r).c_str(), r.update_evict, r.observe, r.uoe, graph, r.attend, r.naive,
+              100 * r.update_evict / r.attend, 100 * r.uoe / r.attend, r.naive / r.attend, r.naive / r.update_evict);
+  std::fflush(stdout);
+}
+
+void write_csv(const std::string& path, const std::vector<Result>& results, const Args& a) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) throw std::runtime_error("cannot write " + path);
+  std::fprintf(f,
+               "layout,heads,dims,dtype,device,batch,capacity,threads,check_finite,update_evict_us,observe_us,"
+               "uoe_us,uoe_graph_us,attend_us,naive_us,ue_over_attend,uoe_over_attend,naive_over_attend,naive_over_ue,bytes_held\n");
+  for (const auto& r : results) {
+    const auto& c = r.config;
+    std::fprintf(f, "%s,%lld,%s,%s,%s,%lld,%lld,%lld,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.6g,%.6g,%.6g,%.6g,%lld\n",
+                 c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
+                 c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
+                 static_cast<long long>(a.threads), a.check_finite ? 1 : 0, r.update_evict, r.observe, r.uoe,
+                 r.uoe_graph, r.attend, r.naive, r.update_evict / r.attend, r.uoe / r.attend, r.naive / r.attend,
+                 r.naive / r.update_evict, static_cast<long long>(r.bytes_held));
+  }
+  std::fclose(f);
+}
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+
+void write_json(const std::string& path, const std::vector<Result>& results, const Args& a) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) throw std::runtime_error("cannot write " + path);
+  std::fprintf(f, "[\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    const auto& c = r.config;
+    std::fprintf(f,
+                 "  {\"layout\": \"%s\", \"heads\": %lld, \"dims\": \"%s\", \"dtype\": \"%s\", \"device\": \"%s\", "
+                 "\"batch\": %lld, \"capacity\": %lld, \"threads\": %lld, \"check_finite\": %s, "
+                 "\"update_evict_us\": %s, \"observe_us\": %s, \"uoe_us\": %s, \"uoe_graph_us\": %s, \"attend_us\": %s, \"naive_us\": %s, "
+                 "\"ue_over_attend\": %s, \"uoe_over_attend\": %s, \"naive_over_attend\": %s, \"naive_over_ue\": %s, "
+                 "\"bytes_held\": %lld}%s\n",
+                 c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
+                 c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
+                 static_cast<long long>(a.threads), a.check_finite ? "true" : "false",
+                 json_number(r.update_evict).c_str(), json_number(r.observe).c_str(), json_number(r.uoe).c_str(),
+                 json_number(r.uoe_graph).c_str(), json_number(r.attend).c_str(), json_number(r.naive).c_str(),
+                 json_number(r.update_evict / r.attend).c_str(), json_number(r.uoe / r.attend).c_str(),
+                 json_number(r.naive / r.attend).c_str(), json_number(r.naive / r.update_evict).c_str(),
+                 static_cast<long long>(r.bytes_held), i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "]\n");
+  std::fclose(f);
+}
+
+/// For each group of results that differ only in capacity: update+evict at the largest capacity
+/// over update+evict at the smallest (the "nearly flat" figure).
+void print_scaling(const std::vector<Result>& results) {
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& lo = results[i];
+    const Result* hi = nullptr;
+    bool first = true;
+    for (size_t j = 0; j < results.size(); ++j) {
+      const auto& o = results[j];
+      const bool same = o.config.layout == lo.config.layout && o.config.heads == lo.config.heads &&
+                        o.config.dtype == lo.config.dtype && o.config.batch == lo.config.batch;
+      if (!same) continue;
+      if (o.config.capacity < lo.config.capacity) first = false;
+      if (!hi || o.config.capacity > hi->config.capacity) hi = &o;
+    }
+    if (!first || hi == &lo) continue;
+    std::printf("scaling %s H=%lld %s B=%lld: update+evict x%.2f, observe x%.2f, attend x%.2f, naive x%.2f "
+                "from capacity %lld to %lld\n",
+                lo.config.layout.c_str(), static_cast<long long>(lo.config.heads), lo.config.dtype_name.c_str(),
+                static_cast<long long>(lo.config.batch), hi->update_evict / lo.update_evict,
+                hi->observe / lo.observe, hi->attend / lo.attend, hi->naive / lo.naive,
+                static_cast<long long>(lo.config.capacity), static_cast<long long>(hi->config.capacity));
+  }
+}
+
+int run(const Args& a) {
+  at::set_num_threads(static_cast<int>(a.threads));
+  at::manual_seed(0);
+  kvevict::detail::force_tensor_path() = a.tensor_path;
+  const auto device = make_device(a.device);
+  char reps[96];
+  if (a.iters) {
+    std::snprintf(reps, sizeof reps, "%lld steps each", static_cast<long long>(a.iters));
+  } else {
+    std::snprintf(reps, sizeof reps, "~%.2f s each", a.min_time);
+  }
+  std::printf("kvevict_bench: one layer, per decode step in the steady state (capacity + 1 -> capacity), median of "
+              "%lld reps (%s); %lld intra-op thread(s), %u hardware threads; check_finite %s; n_sink %lld, "
+              "n_recent %lld%s\n",
+              static_cast<long long>(a.reps), reps, static_cast<long long>(a.threads),
+              std::thread::hardware_concurrency(), a.check_finite ? "on" : "off", static_cast<long long>(a.n_sink),
+              static_cast<long long>(a.n_recent), a.tensor_path ? "; tensor-op path" : "");
+  std::vector<Result> results;
+  for (const auto& layout : a.layouts) {
+    for (auto heads : a.heads) {
+      for (const auto& dtype : a.dtypes) {
+        for (auto batch : a.batches) {
+          for (auto cap : a.capacities) {
+            Config c{layout, dtype, heads, batch, cap, make_dtype(dtype), device};
+            results.push_back(layout == "latent" ? run_config<Latent>(c, a) : run_config<Expanded>(c, a));
+            print_line(results.back());
+          }
+        }
+      }
+    }
+  }
+  print_scaling(results);
+  if (!a.out_csv.empty()) write_csv(a.out_csv, results, a);
+  if (!a.out_json.empty()) write_json(a.out_json, results, a);
+  return EXIT_SUCCESS;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    if (!parse_args(argc, argv, args)) {
+      std::printf("%s", kUsage);
+      return EXIT_SUCCESS;
+    }
+    return run(args);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "kvevict_bench: %s\n(see kvevict_bench --help)\n", e.what());
+    return kExitUsage;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "kvevict_bench: error: %s\n", e.what_without_backtrace());
+    return EXIT_FAILURE;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvevict_bench: error: %s\n", e.what());
+    return EXIT_FAILURE;
+  }
+}
