@@ -74,6 +74,12 @@ struct BufferSpec {
 
 /// Per-layer slot storage plus the contract's bookkeeping; the base of every cache layout.
 /// Live tokens of a layer fill slots [0, size) of every row.
+///
+/// CUDA graphs: with check_finite off, a steady-state step (update of one token, observe,
+/// evict) has static shapes and no host sync, so it can be captured and replayed. Replays
+/// advance everything on the device (rows, positions, scores; positions come from a device-side
+/// counter), but not the host-side counters: seen_tokens() and stats() keep their values from
+/// the capture.
 template <class Policy>
 class SlotCache {
  public:
