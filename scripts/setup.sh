@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what kvevict needs on Debian 12 (apt), then configures and builds into build/.
-# Usage: scripts/setup.sh [extra cmake args...]
+# Installs what kvevict needs on Debian 12 (apt), configures build/ once (tests, examples and
+# benchmark all on, Release), then builds the given targets (all when none are given).
+# Usage: scripts/setup.sh [target ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
 fi
 
-jobs=$(nproc)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@"
-cmake --build build -j "$jobs"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_EXAMPLES=ON \
+  -DKVEVICT_BUILD_BENCH=ON
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build build -j "$(nproc)" "${targets[@]}"

@@ -60,3 +60,12 @@ TEST_CASE("A cache built on \"cpu:0\" accepts tensors that report \"cpu\"", "[op
   cache.update(0, at::zeros({1, 2, 1, 4}), at::zeros({1, 2, 1, 4}));
   CHECK(cache.size(0) == 1);
 }
+
+TEST_CASE("A cache on a device this build cannot use fails when built, naming the device", "[options][errors][cpu]") {
+  if (at::hasCUDA()) {
+    WARN("CUDA is usable here: nothing to check");
+    return;
+  }
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2).device(at::kCUDA)),
+                    Contains("options: device cuda is not usable here"));
+}

@@ -242,8 +242,15 @@ class SlotCache {
 
   /// The device tensors made on `device` report: "cuda" becomes the current "cuda:N", and
   /// "cpu:0" becomes "cpu", so device checks compare like with like.
+  /// \throws c10::Error naming the device if no tensor can be made there (e.g. CUDA without a
+  ///         CUDA build of LibTorch or without a GPU).
   static at::Device resolved(const at::Device& device) {
-    return at::empty({0}, at::TensorOptions().device(device)).device();
+    try {
+      return at::empty({0}, at::TensorOptions().device(device)).device();
+    } catch (const c10::Error& e) {
+      KVEVICT_CHECK(false, "options: device ", device, " is not usable here (", e.what_without_backtrace(), ")");
+    }
+    return device;  // not reached
   }
 
   /// \throws c10::IndexError unless 0 <= layer < num_layers.
