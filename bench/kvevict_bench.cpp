@@ -22,6 +22,8 @@
 //
 // A layout is a small traits struct (Expanded, Latent below): its cache type, the shapes of
 // one token's rows, the queries and the attention call. Everything else is layout-generic.
+#include "cli.hpp"
+
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/ATen.h>
@@ -32,10 +34,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
-#include <map>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -99,7 +98,7 @@ Options (default in brackets):
   --kv-lora-rank N     latent ckv width [512]
   --qk-rope-dim N      latent kpe width [64]
   --dtype LIST         fp32, fp16, bf16 [fp32]
-  --device D           cpu, cuda or cuda:N [cpu]
+  --device D           an at::Device: cpu, cpu:0, cuda or cuda:N [cpu]
   --capacity LIST      tokens per row after a pass (n_sink + budget + n_recent) [1024,4612,16384]
   --batch LIST         batch rows [1]
   --n-sink N           sinks [4]
@@ -107,9 +106,9 @@ Options (default in brackets):
   --threads N          intra-op threads (at::set_num_threads) [1]
   --check-finite B     on or off: the cache's check_finite [on]
   --reps N             repetitions; the median is reported [5]
-  --min-time SEC       seconds per repetition (sets the steps per repetition) [0.2]
+  --min-time SEC       seconds per repetition, > 0 (sets the steps per repetition) [0.2]
   --iters N            steps per repetition (overrides --min-time) [from --min-time]
-  --no-naive           skip the naive gather (it needs 3x the cache's memory)
+  --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
   --out-csv PATH       also write the results as CSV
@@ -117,108 +116,48 @@ Options (default in brackets):
   --help               print this and exit
 )";
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-std::vector<std::string> split(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
-
-int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
-  size_t used = 0;
-  int64_t value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
-  if (value < min) throw UsageError(flag + " must be >= " + std::to_string(min) + ", got " + text);
-  return value;
-}
-
-std::vector<int64_t> parse_ints(const std::string& flag, const std::string& text, int64_t min) {
-  std::vector<int64_t> out;
-  for (const auto& item : split(text)) out.push_back(parse_int(flag, item, min));
-  if (out.empty()) throw UsageError(flag + " expects a comma-separated list, got '" + text + "'");
-  return out;
-}
-
-std::vector<std::string> parse_choices(const std::string& flag, const std::string& text,
-                                       const std::vector<std::string>& choices) {
-  auto out = split(text);
-  if (out.empty()) throw UsageError(flag + " expects a comma-separated list, got '" + text + "'");
-  for (const auto& item : out) {
-    if (std::find(choices.begin(), choices.end(), item) == choices.end()) {
-      std::string list;
-      for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
-      throw UsageError(flag + " values must be among " + list + ", got '" + item + "'");
-    }
-  }
-  return out;
-}
+using kvevict_cli::parse_choice;
+using kvevict_cli::parse_choice_list;
+using kvevict_cli::parse_int;
+using kvevict_cli::parse_int_list;
+using kvevict_cli::UsageError;
 
 /// Parses argv (`--flag value` or `--flag=value`); returns false for --help.
 bool parse_args(int argc, char** argv, Args& a) {
-  using Setter = std::function<void(const std::string&, const std::string&)>;
-  const std::map<std::string, Setter> flags{
-      {"--layout", [&](auto& f, auto& v) { a.layouts = parse_choices(f, v, {"expanded", "latent"}); }},
-      {"--heads", [&](auto& f, auto& v) { a.heads = parse_ints(f, v, 1); }},
-      {"--qk-dim", [&](auto& f, auto& v) { a.qk_dim = parse_int(f, v, 1); }},
-      {"--v-dim", [&](auto& f, auto& v) { a.v_dim = parse_int(f, v, 1); }},
-      {"--kv-lora-rank", [&](auto& f, auto& v) { a.kv_lora_rank = parse_int(f, v, 1); }},
-      {"--qk-rope-dim", [&](auto& f, auto& v) { a.qk_rope_dim = parse_int(f, v, 1); }},
-      {"--dtype", [&](auto& f, auto& v) { a.dtypes = parse_choices(f, v, {"fp32", "fp16", "bf16"}); }},
-      {"--device", [&](auto&, auto& v) { a.device = v; }},
-      {"--capacity", [&](auto& f, auto& v) { a.capacities = parse_ints(f, v, 1); }},
-      {"--batch", [&](auto& f, auto& v) { a.batches = parse_ints(f, v, 1); }},
-      {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
-      {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
-      {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
-      {"--check-finite", [&](auto& f, auto& v) { a.check_finite = parse_choices(f, v, {"on", "off"})[0] == "on"; }},
-      {"--reps", [&](auto& f, auto& v) { a.reps = parse_int(f, v, 1); }},
-      {"--iters", [&](auto& f, auto& v) { a.iters = parse_int(f, v, 1); }},
-      {"--min-time",
-       [&](auto& f, auto& v) {
-         try {
-           a.min_time = std::stod(v);
-         } catch (const std::exception&) {
-           throw UsageError(f + " expects seconds, got '" + v + "'");
-         }
-       }},
-      {"--out-csv", [&](auto&, auto& v) { a.out_csv = v; }},
-      {"--out-json", [&](auto&, auto& v) { a.out_json = v; }},
+  const auto writable = [](std::string& path) {
+    return [&path](const std::string& f, const std::string& v) {
+      kvevict_cli::check_writable(f, v);  // before the run, not after it
+      path = v;
+    };
   };
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i], value;
-    if (flag == "--help" || flag == "-h") return false;
-    if (flag == "--no-naive") {
-      a.naive = false;
-      continue;
-    }
-    if (flag == "--tensor-path") {
-      a.tensor_path = true;
-      continue;
-    }
-    const auto eq = flag.find('=');
-    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
-    if (inline_value) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    }
-    const auto it = flags.find(flag);
-    if (it == flags.end()) throw UsageError("unknown argument '" + flag + "'");
-    if (!inline_value) {
-      if (i + 1 >= argc) throw UsageError(flag + " expects a value");
-      value = argv[++i];
-    }
-    it->second(flag, value);
-  }
+  const bool run = kvevict_cli::parse_flags(
+      argc, argv,
+      {
+          {"--layout", [&](auto& f, auto& v) { a.layouts = parse_choice_list(f, v, {"expanded", "latent"}); }},
+          {"--heads", [&](auto& f, auto& v) { a.heads = parse_int_list(f, v, 1); }},
+          {"--qk-dim", [&](auto& f, auto& v) { a.qk_dim = parse_int(f, v, 1); }},
+          {"--v-dim", [&](auto& f, auto& v) { a.v_dim = parse_int(f, v, 1); }},
+          {"--kv-lora-rank", [&](auto& f, auto& v) { a.kv_lora_rank = parse_int(f, v, 1); }},
+          {"--qk-rope-dim", [&](auto& f, auto& v) { a.qk_rope_dim = parse_int(f, v, 1); }},
+          {"--dtype", [&](auto& f, auto& v) { a.dtypes = parse_choice_list(f, v, {"fp32", "fp16", "bf16"}); }},
+          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
+          {"--capacity", [&](auto& f, auto& v) { a.capacities = parse_int_list(f, v, 1); }},
+          {"--batch", [&](auto& f, auto& v) { a.batches = parse_int_list(f, v, 1); }},
+          {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
+          {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
+          {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
+          {"--check-finite", [&](auto& f, auto& v) { a.check_finite = parse_choice(f, v, {"on", "off"}) == "on"; }},
+          {"--reps", [&](auto& f, auto& v) { a.reps = parse_int(f, v, 1); }},
+          {"--iters", [&](auto& f, auto& v) { a.iters = parse_int(f, v, 1); }},
+          {"--min-time", [&](auto& f, auto& v) { a.min_time = kvevict_cli::parse_seconds(f, v); }},
+          {"--out-csv", writable(a.out_csv)},
+          {"--out-json", writable(a.out_json)},
+      },
+      {
+          {"--no-naive", [&] { a.naive = false; }},
+          {"--tensor-path", [&] { a.tensor_path = true; }},
+      });
+  if (!run) return false;
   for (auto cap : a.capacities) {
     if (cap < a.n_sink + a.n_recent) {
       throw UsageError("--capacity " + std::to_string(cap) + " is below n_sink + n_recent = " +
@@ -232,13 +171,16 @@ at::ScalarType make_dtype(const std::string& name) {
   return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
 }
 
+/// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
+/// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
+/// Throws UsageError if it does not parse or is not usable here.
 at::Device make_device(const std::string& name) {
-  if (name == "cpu") return at::Device(at::kCPU);
-  if (name != "cuda" && name.rfind("cuda:", 0) != 0) {
-    throw UsageError("--device must be cpu, cuda or cuda:N, got '" + name + "'");
+  const auto device = kvevict_cli::parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
+  if (device.is_cuda() && !at::hasCUDA()) {
+    throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
   }
-  if (!at::hasCUDA()) throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
-  return at::Device(name);
+  return kvevict_cli::parse_as("--device", name,
+                               [&](auto&) { return at::empty({0}, at::TensorOptions().device(device)).device(); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -532,13 +474,26 @@ std::string config_label(const Result& r) {
   return buf;
 }
 
+/// `x` with `format` (a single %f-style conversion), or "-" right-aligned to `width` when `x` is
+/// not finite (a measurement skipped, e.g. --no-naive).
+std::string cell(const char* format, double x, int width) {
+  char buf[64];
+  if (std::isfinite(x)) {
+    std::snprintf(buf, sizeof buf, format, x);
+  } else {
+    std::snprintf(buf, sizeof buf, "%*s", width, "-");
+  }
+  return buf;
+}
+
 void print_line(const Result& r) {
   char graph[64] = "";
   if (std::isfinite(r.uoe_graph)) std::snprintf(graph, sizeof graph, " | u+o+e graph %9.2f us", r.uoe_graph);
-  std::printf("%s | update+evict %9.2f us | observe %9.2f us | u+o+e %9.2f us%s | attend %11.1f us | naive %11.1f us"
-              " | ue/attend %7.4f%% | uoe/attend %7.4f%% | naive/attend %6.2fx | naive/ue %8.0fx\n",
-              config_label(r).c_str(), r.update_evict, r.observe, r.uoe, graph, r.attend, r.naive,
-              100 * r.update_evict / r.attend, 100 * r.uoe / r.attend, r.naive / r.attend, r.naive / r.update_evict);
+  std::printf("%s | update+evict %9.2f us | observe %9.2f us | u+o+e %9.2f us%s | attend %11.1f us | naive %s"
+              " | ue/attend %7.4f%% | uoe/attend %7.4f%% | naive/attend %s | naive/ue %s\n",
+              config_label(r).c_str(), r.update_evict, r.observe, r.uoe, graph, r.attend,
+              cell("%11.1f us", r.naive, 14).c_str(), 100 * r.update_evict / r.attend, 100 * r.uoe / r.attend,
+              cell("%6.2fx", r.naive / r.attend, 7).c_str(), cell("%8.0fx", r.naive / r.update_evict, 9).c_str());
   std::fflush(stdout);
 }
 
@@ -609,11 +564,11 @@ void print_scaling(const std::vector<Result>& results) {
       if (!hi || o.config.capacity > hi->config.capacity) hi = &o;
     }
     if (!first || hi == &lo) continue;
-    std::printf("scaling %s H=%lld %s B=%lld: update+evict x%.2f, observe x%.2f, attend x%.2f, naive x%.2f "
+    std::printf("scaling %s H=%lld %s B=%lld: update+evict x%.2f, observe x%.2f, attend x%.2f, naive %s "
                 "from capacity %lld to %lld\n",
                 lo.config.layout.c_str(), static_cast<long long>(lo.config.heads), lo.config.dtype_name.c_str(),
                 static_cast<long long>(lo.config.batch), hi->update_evict / lo.update_evict,
-                hi->observe / lo.observe, hi->attend / lo.attend, hi->naive / lo.naive,
+                hi->observe / lo.observe, hi->attend / lo.attend, cell("x%.2f", hi->naive / lo.naive, 1).c_str(),
                 static_cast<long long>(lo.config.capacity), static_cast<long long>(hi->config.capacity));
   }
 }

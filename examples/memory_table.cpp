@@ -7,6 +7,8 @@
 // Usage: memory_table [--budget N] [--n-sink S] [--n-recent R]
 //   capacity = n_sink + budget + n_recent (defaults 4 + 4592 + 16 = 4612 tokens).
 // Exit code 0, or 2 on a bad command line.
+#include "cli.hpp"
+
 #include <kvevict/kvevict.hpp>
 
 #include <fmt/core.h>
@@ -14,7 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <exception>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,9 +33,11 @@ one sequence at 8K .. 1M tokens in each layout, capped at capacity = n_sink + bu
 tokens.
 
 Options (default in brackets):
-  --budget N     heavy hitters kept per row, >= 0 [4592]
-  --n-sink S     attention sinks kept, >= 0 [4]
-  --n-recent R   recent window kept, >= 0 [16]
+  --budget N     heavy hitters kept per row, in [0, 2^40] [4592]
+  --n-sink S     attention sinks kept, in [0, 2^40] [4]
+  --n-recent R   recent window kept, in [0, 2^40] [16]
+                 (capacity at most 1,845,737,552,201 tokens: the expanded 128-head cache's bytes
+                 at capacity must fit in int64)
   --help         print this and exit
 )";
 
@@ -61,70 +65,49 @@ std::string tokens_label(int64_t n) {
   return std::to_string(n);
 }
 
-struct UsageError : std::exception {
-  std::string message;
-  explicit UsageError(std::string m) : message(std::move(m)) {}
-  const char* what() const noexcept override { return message.c_str(); }
-};
-
-int64_t parse_count(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  int64_t value = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
-  if (value < 0) throw UsageError(flag + " must be >= 0, got " + text);
-  // Keeps capacity * bytes per token inside int64 for the largest column, the expanded layout
-  // at 128 heads: 3 * 2^39 tokens * 4,997,120 bytes < 2^63 bytes.
-  if (value > (int64_t{1} << 39)) throw UsageError(flag + " must be <= 2^39, got " + text);
-  return value;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   auto eviction = kvevict::EvictionOptions(/*budget=*/4592).n_sink(4).n_recent(16);
+  // DeepSeek-V3 dims, 2 bytes per element (fp16); the seed's table assumed 64 heads.
+  kvevict::MlaMemoryConfig seed, v3;
+  seed.num_heads = 64;
   try {
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i], value;
-      if (flag == "--help" || flag == "-h") {
-        fmt::print("{}", kUsage);
-        return EXIT_SUCCESS;
-      }
-      const auto eq = flag.find('=');
-      const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
-      if (inline_value) {
-        value = flag.substr(eq + 1);
-        flag = flag.substr(0, eq);
-      }
-      if (flag != "--budget" && flag != "--n-sink" && flag != "--n-recent") {
-        throw UsageError("unknown argument '" + flag + "'");
-      }
-      if (!inline_value) {
-        if (i + 1 >= argc) throw UsageError(flag + " expects a value");
-        value = argv[++i];
-      }
-      const int64_t n = parse_count(flag, value);
-      if (flag == "--budget") eviction.budget(n);
-      if (flag == "--n-sink") eviction.n_sink(n);
-      if (flag == "--n-recent") eviction.n_recent(n);
+    // Counts >= 0 here; eviction.validate() below holds each to the library's bound, 2^40.
+    const auto count = [](const std::string& flag, const std::string& value) {
+      return kvevict_cli::parse_int(flag, value, 0);
+    };
+    const bool run = kvevict_cli::parse_flags(
+        argc, argv,
+        {
+            {"--budget", [&](auto& f, auto& v) { eviction.budget(count(f, v)); }},
+            {"--n-sink", [&](auto& f, auto& v) { eviction.n_sink(count(f, v)); }},
+            {"--n-recent", [&](auto& f, auto& v) { eviction.n_recent(count(f, v)); }},
+        });
+    if (!run) {
+      fmt::print("{}", kUsage);
+      return EXIT_SUCCESS;
     }
     try {
       eviction.validate();
     } catch (const c10::Error& e) {
-      throw UsageError(e.what_without_backtrace());
+      throw kvevict_cli::UsageError(e.what_without_backtrace());
     }
-  } catch (const UsageError& e) {
+    // The capped column at full capacity is capacity x bytes per token, in int64: the largest
+    // per-token size (expanded, 128 heads) bounds the capacity this table can print.
+    const int64_t max_capacity =
+        std::numeric_limits<int64_t>::max() / kvevict::bytes_per_token(v3, kvevict::Layout::kExpanded);
+    if (eviction.capacity() > max_capacity) {
+      throw kvevict_cli::UsageError(fmt::format(
+          "capacity n_sink + budget + n_recent = {} is above {}: its expanded 128-head cache ({} bytes per token) "
+          "would overflow int64 bytes",
+          eviction.capacity(), max_capacity, with_commas(kvevict::bytes_per_token(v3, kvevict::Layout::kExpanded))));
+    }
+  } catch (const kvevict_cli::UsageError& e) {
     fmt::print(stderr, "memory_table: {}\n(see memory_table --help)\n", e.what());
     return kExitUsage;
   }
 
-  // DeepSeek-V3 dims, 2 bytes per element (fp16); the seed's table assumed 64 heads.
-  kvevict::MlaMemoryConfig seed, v3;
-  seed.num_heads = 64;
   struct Column {
     std::string name;         // table heading
     std::string description;  // bytes-per-token line

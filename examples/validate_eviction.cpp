@@ -11,8 +11,10 @@
 // or a runtime error; 2: a bad command line.
 //
 // Usage: validate_eviction [--steps N] [--budget N] [--n-sink N] [--n-recent N] [--layers N]
-//          [--heads N] [--evict-every N] [--dtype fp32|fp16|bf16] [--device cpu|cuda|cuda:N]
+//          [--heads N] [--evict-every N] [--dtype fp32|fp16|bf16] [--device D]
 //          [--scores random|attention] [--layout expanded|latent] [--out-csv PATH] [--threads N]
+#include "cli.hpp"
+
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/Parallel.h>
@@ -25,9 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <map>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -71,7 +71,7 @@ Options (default in brackets):
   --heads N          attention heads, >= 1 [4]
   --evict-every N    a pass at most every N updates, >= 1 [1]
   --dtype T          cache dtype: fp32, fp16 or bf16 [fp32]
-  --device D         cpu, cuda or cuda:N [cpu]
+  --device D         an at::Device: cpu, cpu:0, cuda or cuda:N [cpu]
   --scores S         attention: a random-init DeepSeek-V3 MLA attention forward per layer and
                      step feeds its probabilities; random: the seed's mock, random cached rows
                      and softmax(randn [B, H, 1, S]) [attention]
@@ -84,91 +84,50 @@ Options (default in brackets):
   --help             print this and exit
 )";
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-int64_t parse_int(const std::string& flag, const std::string& text, int64_t min) {
-  int64_t value = 0;
-  size_t used = 0;
-  try {
-    value = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) throw UsageError(flag + " expects an integer, got '" + text + "'");
-  if (value < min) throw UsageError(flag + " must be >= " + std::to_string(min) + ", got " + text);
-  return value;
-}
-
-std::string parse_choice(const std::string& flag, const std::string& text, const std::vector<std::string>& choices) {
-  if (std::find(choices.begin(), choices.end(), text) != choices.end()) return text;
-  std::string list;
-  for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
-  throw UsageError(flag + " must be one of " + list + ", got '" + text + "'");
-}
+using kvevict_cli::parse_choice;
+using kvevict_cli::parse_int;
+using kvevict_cli::UsageError;
 
 /// Parses argv; throws UsageError on an unknown flag, a missing value or a bad value.
 /// Accepts `--flag value` and `--flag=value`. Returns false for --help.
 bool parse_args(int argc, char** argv, Args& a) {
-  const std::map<std::string, std::function<void(const std::string&, const std::string&)>> flags{
-      {"--steps", [&](auto& f, auto& v) { a.steps = parse_int(f, v, 1); }},
-      {"--budget", [&](auto& f, auto& v) { a.budget = parse_int(f, v, 0); }},
-      {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
-      {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
-      {"--layers", [&](auto& f, auto& v) { a.layers = parse_int(f, v, 1); }},
-      {"--heads", [&](auto& f, auto& v) { a.heads = parse_int(f, v, 1); }},
-      {"--evict-every", [&](auto& f, auto& v) { a.evict_every = parse_int(f, v, 1); }},
-      {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
-      {"--dtype", [&](auto& f, auto& v) { a.dtype = parse_choice(f, v, {"fp32", "fp16", "bf16"}); }},
-      {"--scores", [&](auto& f, auto& v) { a.scores = parse_choice(f, v, {"random", "attention"}); }},
-      {"--layout", [&](auto& f, auto& v) { a.layout = parse_choice(f, v, {"expanded", "latent"}); }},
-      {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
-      {"--out-csv",
-       [&](auto& f, auto& v) {
-         if (v.empty()) throw UsageError(f + " expects a path");
-         a.out_csv = v;
-       }},
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i], value;
-    if (flag == "--help" || flag == "-h") return false;
-    const auto eq = flag.find('=');
-    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
-    if (inline_value) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    }
-    const auto it = flags.find(flag);
-    if (it == flags.end()) throw UsageError("unknown argument '" + flag + "'");
-    if (!inline_value) {
-      if (i + 1 >= argc) throw UsageError(flag + " expects a value");
-      value = argv[++i];
-    }
-    it->second(flag, value);
-  }
-  return true;
+  return kvevict_cli::parse_flags(
+      argc, argv,
+      {
+          {"--steps", [&](auto& f, auto& v) { a.steps = parse_int(f, v, 1); }},
+          {"--budget", [&](auto& f, auto& v) { a.budget = parse_int(f, v, 0); }},
+          {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
+          {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
+          {"--layers", [&](auto& f, auto& v) { a.layers = parse_int(f, v, 1); }},
+          {"--heads", [&](auto& f, auto& v) { a.heads = parse_int(f, v, 1); }},
+          {"--evict-every", [&](auto& f, auto& v) { a.evict_every = parse_int(f, v, 1); }},
+          {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
+          {"--dtype", [&](auto& f, auto& v) { a.dtype = parse_choice(f, v, {"fp32", "fp16", "bf16"}); }},
+          {"--scores", [&](auto& f, auto& v) { a.scores = parse_choice(f, v, {"random", "attention"}); }},
+          {"--layout", [&](auto& f, auto& v) { a.layout = parse_choice(f, v, {"expanded", "latent"}); }},
+          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
+          {"--out-csv",
+           [&](auto& f, auto& v) {
+             kvevict_cli::check_writable(f, v);
+             a.out_csv = v;
+           }},
+      });
 }
 
 at::ScalarType make_dtype(const std::string& name) {
   return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
 }
 
-/// "cpu", "cuda" or "cuda:N", on a machine that has it; throws UsageError otherwise.
+/// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
+/// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
+/// Throws UsageError if it does not parse or is not usable here.
 at::Device make_device(const std::string& name) {
-  const bool cuda = name == "cuda" || name.rfind("cuda:", 0) == 0;
-  if (name != "cpu" && !cuda) throw UsageError("--device must be cpu, cuda or cuda:N, got '" + name + "'");
-  if (cuda) {
-    const std::string index = name == "cuda" ? "0" : name.substr(5);
-    const auto n = parse_int("--device cuda:N", index, 0);
-    if (!at::hasCUDA()) throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
-    const int64_t count = at::detail::getCUDAHooks().getNumGPUs();
-    if (n >= count) {
-      throw UsageError("--device " + name + ": device index must be < " + std::to_string(count) + " (GPUs present)");
-    }
-    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(n));
+  const auto device = kvevict_cli::parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
+  if (device.is_cuda() && !at::hasCUDA()) {
+    throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
   }
-  return at::Device(at::kCPU);
+  return kvevict_cli::parse_as("--device", name,
+                               [&](auto&) { return at::empty({0}, at::TensorOptions().device(device)).device(); });
 }
 
 // ---------------------------------------------------------------------------------------------
