@@ -140,7 +140,7 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--kv-lora-rank", [&](auto& f, auto& v) { a.kv_lora_rank = parse_int(f, v, 1); }},
           {"--qk-rope-dim", [&](auto& f, auto& v) { a.qk_rope_dim = parse_int(f, v, 1); }},
           {"--dtype", [&](auto& f, auto& v) { a.dtypes = parse_choice_list(f, v, {"fp32", "fp16", "bf16"}); }},
-          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
+          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in kvevict_cli::make_device()
           {"--capacity", [&](auto& f, auto& v) { a.capacities = parse_int_list(f, v, 1); }},
           {"--batch", [&](auto& f, auto& v) { a.batches = parse_int_list(f, v, 1); }},
           {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
@@ -165,22 +165,6 @@ bool parse_args(int argc, char** argv, Args& a) {
     }
   }
   return true;
-}
-
-at::ScalarType make_dtype(const std::string& name) {
-  return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
-}
-
-/// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
-/// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
-/// Throws UsageError if it does not parse or is not usable here.
-at::Device make_device(const std::string& name) {
-  const auto device = kvevict_cli::parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
-  if (device.is_cuda() && !at::hasCUDA()) {
-    throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
-  }
-  return kvevict_cli::parse_as("--device", name,
-                               [&](auto&) { return at::empty({0}, at::TensorOptions().device(device)).device(); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -577,7 +561,7 @@ int run(const Args& a) {
   at::set_num_threads(static_cast<int>(a.threads));
   at::manual_seed(0);
   kvevict::detail::force_tensor_path() = a.tensor_path;
-  const auto device = make_device(a.device);
+  const auto device = kvevict_cli::make_device(a.device);
   char reps[96];
   if (a.iters) {
     std::snprintf(reps, sizeof reps, "%lld steps each", static_cast<long long>(a.iters));
@@ -596,7 +580,7 @@ int run(const Args& a) {
       for (const auto& dtype : a.dtypes) {
         for (auto batch : a.batches) {
           for (auto cap : a.capacities) {
-            Config c{layout, dtype, heads, batch, cap, make_dtype(dtype), device};
+            Config c{layout, dtype, heads, batch, cap, kvevict_cli::make_dtype(dtype), device};
             results.push_back(layout == "latent" ? run_config<Latent>(c, a) : run_config<Expanded>(c, a));
             print_line(results.back());
           }

@@ -1,8 +1,10 @@
 #pragma once
 // The command line of the example and benchmark tools (validate_eviction, memory_table,
 // kvevict_bench): value parsers that take the whole string or throw UsageError, and one parse
-// loop for `--flag value` and `--flag=value`. Standard library only (the benchmark builds
-// without fmt); the tools turn a UsageError into exit code 2.
+// loop for `--flag value` and `--flag=value`, plus dtype and device names. ATen and the standard
+// library only (the benchmark builds without fmt); the tools turn a UsageError into exit code 2.
+#include <ATen/ATen.h>
+
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -159,6 +161,23 @@ inline bool parse_flags(int argc, char** argv, const std::map<std::string, FlagS
     it->second(flag, value);
   }
   return true;
+}
+
+/// "fp32", "fp16" or "bf16" (already checked by parse_choice) as a dtype.
+at::ScalarType make_dtype(const std::string& name) {
+  return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
+}
+
+/// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
+/// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
+/// Throws UsageError if it does not parse or is not usable here.
+at::Device make_device(const std::string& name) {
+  const auto device = parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
+  if (device.is_cuda() && !at::hasCUDA()) {
+    throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
+  }
+  return parse_as("--device", name,
+                               [&](auto&) { return at::empty({0}, at::TensorOptions().device(device)).device(); });
 }
 
 }  // namespace kvevict_cli

@@ -105,29 +105,13 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--dtype", [&](auto& f, auto& v) { a.dtype = parse_choice(f, v, {"fp32", "fp16", "bf16"}); }},
           {"--scores", [&](auto& f, auto& v) { a.scores = parse_choice(f, v, {"random", "attention"}); }},
           {"--layout", [&](auto& f, auto& v) { a.layout = parse_choice(f, v, {"expanded", "latent"}); }},
-          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in make_device()
+          {"--device", [&](auto&, auto& v) { a.device = v; }},  // checked in kvevict_cli::make_device()
           {"--out-csv",
            [&](auto& f, auto& v) {
              kvevict_cli::check_writable(f, v);
              a.out_csv = v;
            }},
       });
-}
-
-at::ScalarType make_dtype(const std::string& name) {
-  return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
-}
-
-/// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
-/// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
-/// Throws UsageError if it does not parse or is not usable here.
-at::Device make_device(const std::string& name) {
-  const auto device = kvevict_cli::parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
-  if (device.is_cuda() && !at::hasCUDA()) {
-    throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
-  }
-  return kvevict_cli::parse_as("--device", name,
-                               [&](auto&) { return at::empty({0}, at::TensorOptions().device(device)).device(); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -403,8 +387,8 @@ struct CsvRow {
 
 template <class Layout>
 int run(const Args& a) {
-  const auto dtype = make_dtype(a.dtype);
-  const auto device = make_device(a.device);
+  const auto dtype = kvevict_cli::make_dtype(a.dtype);
+  const auto device = kvevict_cli::make_device(a.device);
   const bool use_attention = a.scores == "attention";
   at::set_num_threads(static_cast<int>(a.threads));
   at::manual_seed(0);
