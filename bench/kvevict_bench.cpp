@@ -44,14 +44,14 @@
 
 // CUDA graphs need the CUDA headers and libtorch_cuda: bench/CMakeLists.txt says whether this
 // LibTorch has them (from TORCH_CUDA_LIBRARIES); otherwise guess from the headers.
-#ifndef KVEVICT_BENCH_CUDA_GRAPHS
+#ifndef KVEVICT_CUDA_GRAPHS
 #if __has_include(<ATen/cuda/CUDAGraph.h>) && __has_include(<cuda_runtime_api.h>)
-#define KVEVICT_BENCH_CUDA_GRAPHS 1
+#define KVEVICT_CUDA_GRAPHS 1
 #else
-#define KVEVICT_BENCH_CUDA_GRAPHS 0
+#define KVEVICT_CUDA_GRAPHS 0
 #endif
 #endif
-#if KVEVICT_BENCH_CUDA_GRAPHS
+#if KVEVICT_CUDA_GRAPHS
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -376,7 +376,7 @@ void bookkeeping_step(Cache& cache, const std::vector<at::Tensor>& row, const at
   cache.evict(0);
 }
 
-#if KVEVICT_BENCH_CUDA_GRAPHS
+#if KVEVICT_CUDA_GRAPHS
 /// Microseconds per replay of a CUDA graph of one steady-state step, on a second cache built
 /// with check_finite off (a capture cannot wait for the host). The replay reads `row` and
 /// `probs` where they are; it shows the step's GPU time without the per-op launch cost.
@@ -435,7 +435,7 @@ Result run_config(const Config& c, const Args& a) {
   C.evict(0);
   r.bytes_held = C.stats().bytes_allocated;
 
-#if KVEVICT_BENCH_CUDA_GRAPHS
+#if KVEVICT_CUDA_GRAPHS
   if (c.device.is_cuda()) r.uoe_graph = graph_step_us<Layout>(c, a, e, rows[0], probs[0], sync);
 #endif
   if (a.naive) {

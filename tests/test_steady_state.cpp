@@ -15,16 +15,16 @@
 
 // CUDA graphs need the CUDA headers and libtorch_cuda. A CPU-only LibTorch may still ship
 // ATen/cuda headers (Debian's does) without the CUDA runtime headers or library, so the build
-// can say for sure (-DKVEVICT_TEST_CUDA_GRAPHS=0/1, from TORCH_CUDA_LIBRARIES); otherwise guess
+// can say for sure (-DKVEVICT_CUDA_GRAPHS=0/1, from TORCH_CUDA_LIBRARIES); otherwise guess
 // from the headers that CUDAGraph.h itself needs.
-#ifndef KVEVICT_TEST_CUDA_GRAPHS
+#ifndef KVEVICT_CUDA_GRAPHS
 #if __has_include(<ATen/cuda/CUDAGraph.h>) && __has_include(<cuda_runtime_api.h>)
-#define KVEVICT_TEST_CUDA_GRAPHS 1
+#define KVEVICT_CUDA_GRAPHS 1
 #else
-#define KVEVICT_TEST_CUDA_GRAPHS 0
+#define KVEVICT_CUDA_GRAPHS 0
 #endif
 #endif
-#if KVEVICT_TEST_CUDA_GRAPHS
+#if KVEVICT_CUDA_GRAPHS
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -208,8 +208,8 @@ TEST_CASE("update reads strided rows in place: no copy, the same values", "[stea
 
 TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_state][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
-#if !KVEVICT_TEST_CUDA_GRAPHS
-  WARN("built without CUDA graph support (KVEVICT_TEST_CUDA_GRAPHS=0): this CUDA test passes trivially");
+#if !KVEVICT_CUDA_GRAPHS
+  WARN("built without CUDA graph support (KVEVICT_CUDA_GRAPHS=0): this CUDA test passes trivially");
 #else
   const at::Device cuda("cuda:0");
   const int64_t B = 2, H = 4, qk = 24, v = 16, cap = 40, steps = 50;
