@@ -191,7 +191,7 @@ struct Expanded {
                                        .v_dim(a.v_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_finite(a.check_finite),
+                                       .check_observations(a.check_finite),
                                    e);
   }
   /// Shapes of T tokens' rows as update() takes them: {k_new, v_new}.
@@ -226,7 +226,7 @@ struct Latent {
                                        .qk_rope_dim(a.qk_rope_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_finite(a.check_finite),
+                                       .check_observations(a.check_finite),
                                    e);
   }
   /// {ckv_new [B, T, kv_lora_rank], kpe_new [B, T, qk_rope_dim]}.

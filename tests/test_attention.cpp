@@ -367,10 +367,10 @@ TEST_CASE("attend rejects bad queries and leaves the cache unchanged", "[attenti
     CHECK_THROWS_AS(kvevict::attend(at::randn({2, 2, 1, kQk}, at::kDouble), cache, 0), c10::TypeError);
     CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}).to(at::kHalf), cache, 0),
                       Contains("q must have the cache's dtype Float, got Half"));
-    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 6, kQk}), cache, 0),
-                      Contains("T must be in [1, 5] (live tokens), got 6"));
+    CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 9, kQk}), cache, 0),
+                      Contains("T must be in [1, 8] (seen tokens), got 9"));
     CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 0, kQk}), cache, 0, c10::nullopt, &probs),
-                      Contains("T must be in [1, 5] (live tokens), got 0"));
+                      Contains("T must be in [1, 8] (seen tokens), got 0"));
     CHECK_FALSE(probs.defined());
     CHECK_THROWS_AS(kvevict::attend(at::randn({2, 2, 1, kQk}), cache, 1), c10::IndexError);
     CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}), cache, -1), Contains("layer must be in [0, 1), got -1"));
@@ -390,7 +390,7 @@ TEST_CASE("attend rejects bad queries and leaves the cache unchanged", "[attenti
 TEST_CASE("attend on an empty layer throws", "[attention][errors][cpu]") {
   MlaCache cache(options(1, 2), EvictionOptions(4));
   CHECK_THROWS_WITH(kvevict::attend(at::randn({1, 2, 1, kQk}), cache, 0),
-                    Contains("T must be in [1, 0] (live tokens), got 1"));
+                    Contains("the layer holds no token"));
   CHECK(cache.size(0) == 0);
   CHECK(cache.seen_tokens(0) == 0);
 }

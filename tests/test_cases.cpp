@@ -32,7 +32,7 @@ constexpr int64_t kQk = 8, kV = 4;  // small widths where the case does not ask 
 
 MlaCache make_cache(const EvictionOptions& e, int64_t B, int64_t H, at::Device device = at::kCPU,
                     at::ScalarType dtype = at::kFloat, bool check_finite = true, int64_t qk = kQk, int64_t vd = kV) {
-  return MlaCache(MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(vd).dtype(dtype).device(device).check_finite(
+  return MlaCache(MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(vd).dtype(dtype).device(device).check_observations(
                       check_finite),
                   e);
 }
@@ -43,10 +43,12 @@ at::Tensor rows_tensor(const Rows& r) {
   return at::tensor(flat).view({static_cast<int64_t>(r.size()), static_cast<int64_t>(r[0].size())});
 }
 
-// Observes per-row scores as the attention of one query, identical on every head, so the
-// cumulative score of each token is exactly the given value.
+// Observes per-row scores as the attention of one query, identical on every head. Attention
+// must be a probability in [0, 1], so the scores are divided by 16 (exact in binary): the
+// cumulative score of each token is exactly the given value / 16, and the ranking is the same.
+constexpr float kObserveScale = 16.f;
 void observe_scores(MlaCache& c, const Rows& r) {
-  const auto s = rows_tensor(r);
+  const auto s = rows_tensor(r).div(kObserveScale);
   c.observe(0, s.view({s.size(0), 1, 1, s.size(1)}).expand({s.size(0), c.num_heads(), 1, s.size(1)}).to(c.device()));
 }
 
@@ -96,7 +98,7 @@ Snapshot snapshot(const MlaCache& c) {
   return {c.size(0),
           c.seen_tokens(0),
           st.eviction_events,
-          st.tokens_evicted_per_row,
+          st.tokens_evicted,
           c.positions(0).clone(),
           c.scores(0),
           c.keys(0).clone(),
@@ -107,7 +109,7 @@ void check_unchanged(const MlaCache& c, const Snapshot& s) {
   CHECK(c.size(0) == s.size);
   CHECK(c.seen_tokens(0) == s.seen);
   CHECK(c.stats(0).eviction_events == s.events);
-  CHECK(c.stats(0).tokens_evicted_per_row == s.evicted);
+  CHECK(c.stats(0).tokens_evicted == s.evicted);
   CHECK(at::equal(c.positions(0), s.positions));
   CHECK(at::equal(c.scores(0), s.scores));
   CHECK(at::equal(c.keys(0), s.keys));
@@ -116,7 +118,7 @@ void check_unchanged(const MlaCache& c, const Snapshot& s) {
 
 
 Positions keep_indices_row(const EvictionOptions& e, const Rows& r, at::Device device, int64_t b = 0) {
-  return to_vec<int64_t>(kvevict::EvictionPolicy<>(e).keep_indices(rows_tensor(r).to(device))[b]);
+  return to_vec<int64_t>(kvevict::Selection(e).keep_indices(rows_tensor(r).to(device))[b]);
 }
 
 // ---- case bodies ------------------------------------------------------------------------
@@ -213,7 +215,7 @@ void case_3(at::Device device) {
   const auto kv = random_kv(2, 2, 8);
   update(c, kv.first, kv.second, 0, 8);
   observe_scores(c, {{0, 0, 0, 5, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 6, 0, 0}});
-  CHECK(c.evict(0) == 4);
+  CHECK(c.evict(0) == 2 * 4);  // 4 per row
   CHECK(ordered_positions(c, 0) == Positions{0, 3, 6, 7});
   CHECK(ordered_positions(c, 1) == Positions{0, 5, 6, 7});
   check_rows_exact(c, kv.first, kv.second);
@@ -226,16 +228,19 @@ void case_3(at::Device device) {
 }
 
 // 4b. H=4, S=6, n_sink=1, budget=1, n_recent=1. Heads 0-2 observe [0,1,0,1,1,0], head 3
-// [0,0,10,0,0,0]: mean over heads [0, .75, 2.5, .75, .75, 0]; kept [0,2,5] for all heads.
+// [0,0,10,0,0,0] (divided by 16 to be probabilities): mean over heads [0, .75, 2.5, .75, .75, 0]
+// / 16; kept [0,2,5] for all heads.
 void case_4b(at::Device device) {
   at::manual_seed(105);
   auto c = make_cache(EvictionOptions(1).n_sink(1).n_recent(1), 1, 4, device);
   const auto kv = random_kv(1, 4, 6);
   update(c, kv.first, kv.second, 0, 6);
-  const auto head = at::tensor({0.f, 1.f, 0.f, 1.f, 1.f, 0.f});
-  const auto head3 = at::tensor({0.f, 0.f, 10.f, 0.f, 0.f, 0.f});
+  const auto head = at::tensor({0.f, 1.f, 0.f, 1.f, 1.f, 0.f}).div(kObserveScale);
+  const auto head3 = at::tensor({0.f, 0.f, 10.f, 0.f, 0.f, 0.f}).div(kObserveScale);
   c.observe(0, at::stack({head, head, head, head3}).view({1, 4, 1, 6}).to(device));
-  CHECK(to_vec<float>(c.scores(0)[0]) == std::vector<float>{0, 0.75f, 2.5f, 0.75f, 0.75f, 0});
+  CHECK(to_vec<float>(c.scores(0)[0]) ==
+        std::vector<float>{0, 0.75f / kObserveScale, 2.5f / kObserveScale, 0.75f / kObserveScale,
+                           0.75f / kObserveScale, 0});
   CHECK(c.evict(0) == 3);
   CHECK(ordered_positions(c) == Positions{0, 2, 5});
   check_rows_exact(c, kv.first, kv.second);  // every head holds the rows of positions 0, 2, 5
@@ -410,7 +415,7 @@ void case_9(at::Device device) {
     CHECK(c.evict(0) == 1);
     CHECK(ordered_positions(c) == Positions{0, 2, 3, 4, 5, 6});
     CHECK(c.stats().eviction_events == 1);
-    CHECK(c.stats().tokens_evicted_per_row == 1);
+    CHECK(c.stats().tokens_evicted == 1);
     check_rows_exact(c, kv.first, kv.second);
   }
 }
@@ -792,7 +797,7 @@ TEST_CASE("Case 10: all on one device, every output and index tensor is on that 
     CHECK(o.values.device() == cuda);
     CHECK(o.positions.device() == cuda);
     check_rows_exact(c, kv.first, kv.second);
-    const kvevict::EvictionPolicy<> policy(e);
+    const kvevict::Selection policy(e);
     CHECK(policy.keep_indices(c.scores(0)).device() == cuda);
     CHECK(policy.evict_slots(c.scores(0), c.positions(0)).device() == cuda);
   }

@@ -20,22 +20,22 @@ TEST_CASE("EvictionOptions defaults are the seed's and capacity adds the three p
 
 TEST_CASE("EvictionOptions rejects bad values naming them", "[options][errors][cpu]") {
   using kvevict::EvictionOptions;
-  using kvevict::EvictionPolicy;
-  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(-1)), Contains("budget must be in [0, 2^40], got -1"));
-  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).n_sink(-2)), Contains("n_sink must be in [0, 2^40], got -2"));
-  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).n_recent(-3)), Contains("n_recent must be in [0, 2^40], got -3"));
-  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(1).evict_every(0)), Contains("evict_every must be in [1, 2^40], got 0"));
+  using kvevict::Selection;
+  CHECK_THROWS_WITH(Selection(EvictionOptions(-1)), Contains("budget must be in [0, 2^40], got -1"));
+  CHECK_THROWS_WITH(Selection(EvictionOptions(1).n_sink(-2)), Contains("n_sink must be in [0, 2^40], got -2"));
+  CHECK_THROWS_WITH(Selection(EvictionOptions(1).n_recent(-3)), Contains("n_recent must be in [0, 2^40], got -3"));
+  CHECK_THROWS_WITH(Selection(EvictionOptions(1).evict_every(0)), Contains("evict_every must be in [1, 2^40], got 0"));
   // Case 1c: capacity 0 is rejected, naming the three values.
-  CHECK_THROWS_WITH(EvictionPolicy<>(EvictionOptions(0).n_sink(0).n_recent(0)),
+  CHECK_THROWS_WITH(Selection(EvictionOptions(0).n_sink(0).n_recent(0)),
                     Contains("n_sink=0, budget=0, n_recent=0"));
-  CHECK_THROWS_AS(EvictionPolicy<>(EvictionOptions(0).n_sink(0).n_recent(0)), c10::ValueError);
+  CHECK_THROWS_AS(Selection(EvictionOptions(0).n_sink(0).n_recent(0)), c10::ValueError);
 }
 
 TEST_CASE("MlaCacheOptions rejects bad values naming them", "[options][errors][cpu]") {
   using kvevict::MlaCacheOptions;
-  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(0, 4)), Contains("num_layers must be >= 1, got 0"));
-  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 0)), Contains("num_heads must be >= 1, got 0"));
-  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).batch_size(0)), Contains("batch_size must be >= 1, got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(0, 4)), Contains("num_layers must be in [1, 2^40], got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 0)), Contains("num_heads must be in [1, 2^40], got 0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).batch_size(0)), Contains("batch_size must be in [1, 2^40], got 0"));
   CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).qk_dim(-1)), Contains("qk_dim must be >= 1, got -1"));
   CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4).dtype(at::kLong)), Contains("got Long"));
   CHECK_THROWS_WITH(kvevict::MlaCache(MlaCacheOptions(1, 4), kvevict::EvictionOptions(-5)),
@@ -45,9 +45,9 @@ TEST_CASE("MlaCacheOptions rejects bad values naming them", "[options][errors][c
 TEST_CASE("Counts so large that capacity would overflow are rejected, naming them", "[options][errors][cpu]") {
   using kvevict::EvictionOptions;
   const int64_t huge = std::numeric_limits<int64_t>::max();
-  CHECK_THROWS_WITH(kvevict::EvictionPolicy<>(EvictionOptions(huge)), Contains("budget must be in [0, 2^40], got " + std::to_string(huge)));
-  CHECK_THROWS_WITH(kvevict::EvictionPolicy<>(EvictionOptions(1).n_recent(huge)), Contains("n_recent must be in [0, 2^40]"));
-  CHECK_THROWS_WITH(kvevict::EvictionPolicy<>(EvictionOptions(1).evict_every(huge)), Contains("evict_every must be in [1, 2^40]"));
+  CHECK_THROWS_WITH(kvevict::Selection(EvictionOptions(huge)), Contains("budget must be in [0, 2^40], got " + std::to_string(huge)));
+  CHECK_THROWS_WITH(kvevict::Selection(EvictionOptions(1).n_recent(huge)), Contains("n_recent must be in [0, 2^40]"));
+  CHECK_THROWS_WITH(kvevict::Selection(EvictionOptions(1).evict_every(huge)), Contains("evict_every must be in [1, 2^40]"));
   // Valid but too large to allocate: the error names the options, not only the allocator.
   CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 64), EvictionOptions(int64_t{1} << 40)),
                     Contains("budget=1099511627776"));

@@ -95,7 +95,7 @@ template <class Policy>
 SteadyState<kvevict::BasicMlaCache<Policy>> expanded(int64_t B, int64_t H, int64_t cap, bool check_finite) {
   const int64_t qk = 24, v = 16;
   kvevict::BasicMlaCache<Policy> cache(
-      kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).check_finite(check_finite),
+      kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).check_observations(check_finite),
       kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4));
   return {std::move(cache), {{B, H, 1, qk}, {B, H, 1, v}}, {{B, H, cap, qk}, {B, H, cap, v}}};
 }
@@ -104,17 +104,23 @@ template <class Policy>
 SteadyState<kvevict::BasicMlaLatentCache<Policy>> latent(int64_t B, int64_t H, int64_t cap, bool check_finite) {
   const int64_t rank = 32, rope = 8;
   kvevict::BasicMlaLatentCache<Policy> cache(
-      kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(rank).qk_rope_dim(rope).check_finite(check_finite),
+      kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(rank).qk_rope_dim(rope).check_observations(check_finite),
       kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4));
   return {std::move(cache), {{B, 1, rank}, {B, 1, rope}}, {{B, cap, rank}, {B, cap, rope}}};
 }
+
+/// The first buffer of layer 0 (keys or ckv), to check that the buffers never move.
+template <class P>
+const void* first_buffer(const kvevict::BasicMlaCache<P>& c) { return c.keys(0).data_ptr(); }
+template <class P>
+const void* first_buffer(const kvevict::BasicMlaLatentCache<P>& c) { return c.ckv(0).data_ptr(); }
 
 /// Runs `steps` steady-state steps under the counting allocator; checks that every step evicted
 /// one token, that no CPU allocation happened and that the buffers never moved.
 template <class State>
 void require_no_allocation(State& s, int64_t steps) {
   for (int i = 0; i < 8; ++i) s.step();  // warm-up: the first pass and scratch have run
-  const auto storage = s.cache.positions(0).data_ptr();
+  const auto storage = first_buffer(s.cache);
   const auto bytes = s.cache.stats().bytes_allocated;
   int64_t evicted = 0, allocations = 0;
   {
@@ -122,9 +128,9 @@ void require_no_allocation(State& s, int64_t steps) {
     for (int64_t i = 0; i < steps; ++i) evicted += s.step();
     allocations = counting.count();
   }
-  CHECK(evicted == steps);
+  CHECK(evicted == s.cache.batch_size() * steps);  // one token per row and step
   CHECK(allocations == 0);
-  CHECK(s.cache.positions(0).data_ptr() == storage);
+  CHECK(first_buffer(s.cache) == storage);
   CHECK(s.cache.stats().bytes_allocated == bytes);
   CHECK(s.cache.size(0) == s.cache.capacity());
 }
@@ -214,7 +220,7 @@ TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_s
   const at::Device cuda("cuda:0");
   const int64_t B = 2, H = 4, qk = 24, v = 16, cap = 40, steps = 50;
   const auto eviction = kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4);
-  const auto options = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).device(cuda).check_finite(false);
+  const auto options = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).device(cuda).check_observations(false);
   kvevict::MlaCache eager(options, eviction), graphed(options, eviction);
 
   const auto fopts = at::TensorOptions().device(cuda);

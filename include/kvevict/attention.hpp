@@ -20,12 +20,14 @@ template <class Cache>
 int64_t check_query(const at::Tensor& q, const char* name, const Cache& cache, int64_t layer, int64_t width,
                     const char* width_name) {
   const std::string doc = std::string("[B, H, T, ") + width_name + "]";
+  check_tensor(q, name, cache.device());
   check_shape(q, name, {cache.batch_size(), cache.num_heads(), -1, width}, {"B", "H", "T", width_name}, doc.c_str());
   KVEVICT_CHECK_TYPE(q.scalar_type() == cache.dtype(), name, " must have the cache's dtype ", cache.dtype(), ", got ",
                      q.scalar_type());
   check_device(q, name, cache.device());
-  const int64_t T = q.size(2), S = cache.size(layer);
-  KVEVICT_CHECK(T >= 1 && T <= S, name, ": T must be in [1, ", S, "] (live tokens), got ", T);
+  const int64_t T = q.size(2), seen = cache.seen_tokens(layer);
+  KVEVICT_CHECK(cache.size(layer) >= 1, name, ": the layer holds no token (update() it first)");
+  KVEVICT_CHECK(T >= 1 && T <= seen, name, ": T must be in [1, ", seen, "] (seen tokens), got ", T);
   return T;
 }
 
@@ -36,20 +38,24 @@ at::ScalarType compute_dtype(const Cache& cache) {
   return cache.device().is_cpu() && cache.dtype() == at::kHalf ? at::kFloat : cache.dtype();
 }
 
-/// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens, causal by
-/// position inside a multi-token append; observes the fp32 probabilities (if `observe`) and
-/// returns them.
+/// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens, masked per
+/// sequence: a key is seen by a query when it is live (position >= 0) and not newer than the
+/// query (position <= query position). Pad queries (left padding, idle rows) get all-zero
+/// probabilities. Observes the fp32 probabilities (if `observe`) and returns them.
 template <class Cache>
 at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer, bool observe) {
-  const int64_t T = logits.size(2), S = logits.size(3);
-  if (T > 1) {
-    const int64_t seen = cache.seen_tokens(layer);
-    const auto pos = cache.positions(layer);  // [B, S]
-    const auto query_pos = at::arange(seen - T, seen, pos.options());
-    const auto future = pos.view({pos.size(0), 1, 1, S}).gt(query_pos.view({1, 1, T, 1}));
-    logits = logits.masked_fill(future, -std::numeric_limits<double>::infinity());
+  const int64_t B = logits.size(0), T = logits.size(2), S = logits.size(3);
+  if (T == 1 && cache.policy().dense(layer, 1)) {  // one query per row, no pad: no mask needed
+    auto probs = at::softmax(logits, -1, at::kFloat);
+    if (observe) cache.observe(layer, probs);
+    return probs;
   }
+  const auto pos = cache.positions(layer);                                // [B, S], -1 dead
+  const auto query_pos = cache.policy().query_positions(layer, T);       // [B, T], -1 pad
+  const auto seen = pos.ge(0).view({B, 1, 1, S}).logical_and(pos.view({B, 1, 1, S}).le(query_pos.view({B, 1, T, 1})));
+  logits = logits.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
   auto probs = at::softmax(logits, -1, at::kFloat);
+  probs = probs.masked_fill(query_pos.lt(0).view({B, 1, T, 1}), 0.0);  // pads: all -inf gave NaN
   if (observe) cache.observe(layer, probs);
   return probs;
 }
@@ -81,7 +87,8 @@ at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t lay
   detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
   const auto dt = detail::compute_dtype(cache);
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
-  const auto logits = at::matmul(q.to(dt), k.to(dt).transpose(-2, -1)).mul(s);  // [B, H, T, S]
+  // Scaled before the product, so an fp16 logit overflows only if the scaled one would.
+  const auto logits = at::matmul(q.to(dt).mul(s), k.to(dt).transpose(-2, -1));  // [B, H, T, S]
   const auto probs = detail::observed_softmax(logits, cache, layer, observe);
   if (probs_out) *probs_out = probs;
   return at::matmul(probs.to(dt), v.to(dt)).to(cache.dtype());
@@ -114,9 +121,9 @@ at::Tensor attend_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe,
   const auto dt = detail::compute_dtype(cache);
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
   const auto latent = ckv.to(dt);
-  const auto logits = at::matmul(q_absorbed.to(dt), latent.transpose(-2, -1))
-                          .add(at::matmul(q_pe.to(dt), kpe.to(dt).transpose(-2, -1)))
-                          .mul(s);  // [B, H, T, S]
+  // Scaled before the products, so an fp16 logit overflows only if the scaled one would.
+  const auto logits = at::matmul(q_absorbed.to(dt).mul(s), latent.transpose(-2, -1))
+                          .add(at::matmul(q_pe.to(dt).mul(s), kpe.to(dt).transpose(-2, -1)));  // [B, H, T, S]
   const auto probs = detail::observed_softmax(logits, cache, layer, observe);
   if (probs_out) *probs_out = probs;
   return at::matmul(probs.to(dt), latent).to(cache.dtype());

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,27 @@ inline void check_shape(const at::Tensor& t, const char* what, const std::vector
   bool ok = t.dim() == static_cast<int64_t>(expected.size());
   for (size_t i = 0; ok && i < expected.size(); ++i) ok = expected[i] < 0 || t.size(i) == expected[i];
   KVEVICT_CHECK(ok, what, " must be ", doc, " = ", shape_str(expected, names), ", got ", t.sizes());
+}
+
+/// True when `t` is defined and has exactly the sizes `expected` (-1 matches any size). The
+/// allocation-free test in front of check_shape(), which builds its message arguments.
+inline bool has_shape(const at::Tensor& t, std::initializer_list<int64_t> expected) {
+  if (!t.defined() || t.dim() != static_cast<int64_t>(expected.size())) return false;
+  int64_t d = 0;
+  for (const int64_t e : expected) {
+    if (e >= 0 && t.size(d) != e) return false;
+    ++d;
+  }
+  return true;
+}
+
+/// Checks that `t` is a defined dense (strided) tensor with storage, on `device`: sparse,
+/// MKLDNN and meta tensors get a message naming the argument, not LibTorch's own.
+inline void check_tensor(const at::Tensor& t, const char* what, const at::Device& device) {
+  KVEVICT_CHECK(t.defined(), what, " must be a defined tensor");
+  KVEVICT_CHECK(t.layout() == at::kStrided, what, " must be a dense (strided) tensor, got layout ", t.layout());
+  KVEVICT_CHECK(!t.is_meta(), what, " must have data on the device ", device, ", got a meta tensor");
+  KVEVICT_CHECK(t.device() == device, what, " must be on the device ", device, ", got ", t.device());
 }
 
 /// Checks that `t` lives on `device` (the cache's), naming both devices.

@@ -1,245 +1,1082 @@
 #pragma once
-// EvictionPolicy: the pure selection of the contract (docs/DESIGN.md), over plain tensors.
+// EvictionPolicy: the eviction state of every layer and sequence (positions, lengths, scorer
+// state), the slot mapping of each append, and each pass planned as slot moves that apply to any
+// storage (slot_moves.hpp). MlaCache and MlaLatentCache own DeepSeek-V3-layout buffers over one.
 
 #include <kvevict/check.hpp>
 #include <kvevict/options.hpp>
 #include <kvevict/scorers.hpp>
+#include <kvevict/selection.hpp>
+#include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
-
 namespace kvevict {
-namespace detail {
 
-/// One heavy-hitter candidate of one row, for the CPU selection.
-struct Candidate {
-  float score;      // ranking score (fp32)
-  int64_t position; // original position
-  int64_t slot;     // slot in the layer's buffers
+/// Counters of one layer or, summed, of a whole cache.
+struct CacheStats {
+  /// Eviction passes that removed at least one token (one per pass and layer, whatever B).
+  int64_t eviction_events = 0;
+  /// Tokens evicted, summed over batch rows.
+  int64_t tokens_evicted = 0;
+  /// Bytes held by all buffers: K/V (or ckv/kpe) data plus the eviction state.
+  int64_t bytes_allocated = 0;
 };
 
-/// Contract rules 3 and 9: true when `a` is evicted before `b`. Non-finite scores rank below
-/// every finite score; equal scores (and non-finite ones) evict the older position first.
-inline bool evicted_before(const Candidate& a, const Candidate& b) noexcept {
-  const bool fa = std::isfinite(a.score), fb = std::isfinite(b.score);
-  if (fa != fb) return !fa;
-  if (fa && a.score != b.score) return a.score < b.score;
-  return a.position < b.position;
+namespace detail {
+
+/// Test hook: while true, policies built afterwards use the tensor-op path on CPU too (the path
+/// CUDA always takes), so one CPU machine can test both paths against the same oracle. Read once,
+/// at construction.
+inline bool& force_tensor_path() {
+  static thread_local bool force = false;
+  return force;
 }
 
-/// Tag: the caller guarantees evict_slots_row()'s precondition (see there).
-struct TrustedPositions {};
+/// Whether Scorer declares `kRankIsState = true` (its rank is state[0]): the host pass then
+/// ranks the state in place instead of copying ranks out.
+template <class S, class = void>
+struct RankIsState : std::false_type {};
+template <class S>
+struct RankIsState<S, std::void_t<decltype(S::kRankIsState)>> : std::bool_constant<S::kRankIsState> {};
 
-/// The key a score ranks by (contract rule 9): itself if finite, else -inf (NaN included).
-inline float rank_key(float score) noexcept {
-  return std::fabs(score) <= std::numeric_limits<float>::max() ? score : -std::numeric_limits<float>::infinity();
-}
-
-/// The lowest rank_key() of x[0, n). SSE2 (every x86-64) takes 8 floats per iteration;
-/// elsewhere a scalar loop (compilers do not vectorise a float min without -ffast-math).
-inline float lowest_key(const float* x, int64_t n) noexcept {
-  float lowest = std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if defined(__SSE2__) || defined(_M_X64)
-  const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-  const __m128 max = _mm_set1_ps(std::numeric_limits<float>::max());
-  const __m128 minus_inf = _mm_set1_ps(-std::numeric_limits<float>::infinity());
-  const auto key = [&](__m128 v) {  // rank_key of 4 floats
-    const __m128 finite = _mm_cmple_ps(_mm_and_ps(v, abs_mask), max);  // false for NaN and +-inf
-    return _mm_or_ps(_mm_and_ps(finite, v), _mm_andnot_ps(finite, minus_inf));
-  };
-  __m128 lo0 = _mm_set1_ps(lowest), lo1 = lo0;
-  for (; i + 8 <= n; i += 8) {
-    lo0 = _mm_min_ps(lo0, key(_mm_loadu_ps(x + i)));
-    lo1 = _mm_min_ps(lo1, key(_mm_loadu_ps(x + i + 4)));
+/// A host vector mirrored on a device: uploaded only when its values change, so a steady-state
+/// step (same values every time) makes no copy and keeps the same device tensor (CUDA graphs).
+struct DeviceMirror {
+  std::vector<int64_t> host;
+  at::Tensor device;
+  const at::Tensor& get(const std::vector<int64_t>& values, const at::Device& dev, at::IntArrayRef shape) {
+    if (!device.defined() || values != host || device.sizes() != shape) {
+      auto t = at::from_blob(const_cast<int64_t*>(values.data()), shape, at::TensorOptions().dtype(at::kLong))
+                   .to(dev, /*non_blocking=*/false, /*copy=*/true);
+      host = values;  // after the copy: a throw above leaves the mirror as it was
+      device = std::move(t);
+    }
+    return device;
   }
-  float lanes[4];
-  _mm_storeu_ps(lanes, _mm_min_ps(lo0, lo1));
-  for (const float l : lanes) lowest = std::min(lowest, l);
-#endif
-  for (; i < n; ++i) lowest = std::min(lowest, rank_key(x[i]));
-  return lowest;
+};
+
+/// The fixed-point unit of a probability in the reduction (scorers.hpp): 2^32.
+constexpr double kFixedOne = 4294967296.0;
+
+/// One probability as a fixed-point term, in double: round(clamp(p, 0, 1) * 2^32), NaN if p is
+/// not finite. Rounding is half to even, by the 1.5 * 2^52 trick (exact for |x| < 2^51), so
+/// the loop vectorises and matches at::round on the tensor path. A sum of up to 2^21 such terms
+/// is an integer below 2^53: exact in double, whatever the order.
+inline double fixed_term(float p) noexcept {
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
+  const double clamped = static_cast<double>(std::min(std::max(p, 0.f), 1.f)) * kFixedOne;
+  return ((clamped + kRound) - kRound) + static_cast<double>(p - p);  // p - p: 0, or NaN if p is not finite
+}
+
+/// The contribution of a fixed-point sum over `heads` heads: float(sum) * 2^-32 / heads.
+inline float from_fixed(double sum, float heads) noexcept {
+  return static_cast<float>(sum) * static_cast<float>(1.0 / kFixedOne) / heads;
 }
 
 }  // namespace detail
 
-/// Chooses which tokens an eviction pass removes: per batch row, keep every sink (the first
-/// `n_sink` positions), every recent-window token (the `n_recent` largest positions), and the
-/// `budget` other tokens with the highest score; evict the rest. Lower score is evicted first,
-/// among equal scores the older position, and non-finite scores rank below all finite ones
-/// (docs/DESIGN.md, contract rules 2, 3, 9). Rows never share scores. Heavy hitters as in H2O
-/// (Zhang et al. 2023, Sec. 3.2), but cross-head: all heads of a row keep the same tokens.
+/// The eviction state of a cache, for storage it does not own. Per layer and batch row (one
+/// sequence per row), it keeps each live token's position, slot and scorer state, and each
+/// row's length and seen tokens. It says where new tokens go (append() returns a slot mapping,
+/// like vLLM's `slot_mapping`), feeds observations to `Scorer`, and plans each eviction pass as
+/// SlotMoves that apply_moves() carries out on any buffer: [B, H, S, D], [B, S, H, D], latent
+/// [B, S, W], a fused latent row [B, S, 576].
 ///
-/// `Scorer` (CumulativeAttention, MeanObservedAttention or LatestAttention) says how the caches
-/// turn observed attention into the scores ranked here.
+/// The contract (docs/DESIGN.md): a pass keeps, per row, the sinks (positions < n_sink), the
+/// recent window (positions >= seen - n_recent) and the `budget` other tokens of highest rank
+/// (H2O, Zhang et al. 2023, Sec. 3.2, cross-head: every head keeps the same tokens); lower
+/// rank goes first, equal ranks evict the older position, non-finite ranks lowest. Live tokens
+/// of a row fill slots [0, length): a pass moves at most one tail row into each freed slot.
 ///
-/// \tparam Scorer a type from scorers.hpp.
+/// Sequences: every row starts active (a fixed batch needs nothing more). For continuous
+/// batching, finish(row) frees a row, add_sequence() takes the lowest free one, reset(row)
+/// empties one, truncate(row, k) rolls back its k newest tokens (speculative decoding).
+///
+/// Paths: on CPU the state lives in host loops (no allocation in the steady state); elsewhere
+/// (CUDA) every step is tensor ops with static shapes in the steady state and no host sync
+/// unless observations are checked. Both paths keep the same tokens, bit for bit.
+///
+/// Not thread-safe.
+///
+/// \tparam Scorer CumulativeAttention (default), MeanObservedAttention, LatestAttention,
+///         DecayedAttention or your own (interface in scorers.hpp).
 template <class Scorer = CumulativeAttention>
 class EvictionPolicy {
  public:
   using scorer_type = Scorer;
+  static constexpr int64_t W = Scorer::kStateWidth;
+  static_assert(Scorer::kStateWidth >= 1, "Scorer::kStateWidth must be >= 1");
 
-  /// \throws c10::ValueError if `options` are invalid (see EvictionOptions::validate).
-  explicit EvictionPolicy(EvictionOptions options = EvictionOptions()) : options_(options) {
-    options_.validate();
+  /// Builds empty state for every layer and row, with capacity + evict_every slots per row.
+  /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value;
+  ///         c10::Error naming the sizes if the state cannot be allocated or `device` is unusable.
+  explicit EvictionPolicy(const EvictionPolicyOptions& options, const EvictionOptions& eviction = EvictionOptions(),
+                          Scorer scorer = Scorer())
+      : options_((options.validate(), eviction.validate(), options)),
+        eviction_(eviction),
+        scorer_(std::move(scorer)),
+        device_(resolved(options.device())),
+        host_(device_.is_cpu() && !detail::force_tensor_path()),
+        check_(options.checks_observations(device_)),
+        base_slots_(eviction.capacity() + eviction.evict_every()) {
+    const int64_t B = options_.batch_size();
+    try {
+      active_.assign(static_cast<size_t>(B), 1);
+      layers_.resize(static_cast<size_t>(options_.num_layers()));
+      for (auto& L : layers_) {
+        L.len.assign(B, 0);
+        L.seen.assign(B, 0);
+        L.last_new.assign(B, 0);
+        allocate(L, base_slots_);
+      }
+    } catch (const c10::Error& e) {
+      fail_allocation(e.what_without_backtrace());
+    } catch (const std::bad_alloc& e) {
+      fail_allocation(e.what());
+    } catch (const std::length_error& e) {
+      fail_allocation(e.what());
+    }
   }
 
-  const EvictionOptions& options() const noexcept { return options_; }
-  /// n_sink + budget + n_recent tokens per row.
-  int64_t capacity() const noexcept { return options_.capacity(); }
+  EvictionPolicy(const EvictionPolicy&) = delete;
+  EvictionPolicy& operator=(const EvictionPolicy&) = delete;
+  EvictionPolicy(EvictionPolicy&&) noexcept = default;
+  EvictionPolicy& operator=(EvictionPolicy&&) noexcept = default;
 
-  /// One-shot selection for prefill compression: which of S prefill tokens (positions
-  /// 0..S-1) to keep.
+  // -------------------------------------------------------------------------------------------
+  // Configuration
+
+  const EvictionPolicyOptions& options() const noexcept { return options_; }
+  const EvictionOptions& eviction() const noexcept { return eviction_; }
+  const Scorer& scorer() const noexcept { return scorer_; }
+  /// n_sink + budget + n_recent: tokens a row holds after a pass.
+  int64_t capacity() const noexcept { return eviction_.capacity(); }
+  int64_t num_layers() const noexcept { return static_cast<int64_t>(layers_.size()); }
+  int64_t batch_size() const noexcept { return options_.batch_size(); }
+  int64_t num_heads() const noexcept { return options_.num_heads(); }
+  /// The device of the state, resolved ("cuda" becomes "cuda:N", "cpu:0" becomes "cpu").
+  at::Device device() const noexcept { return device_; }
+  /// True when the state lives in host loops (CPU); false for the tensor-op path (CUDA).
+  bool host_path() const noexcept { return host_; }
+  /// Whether observe() checks its input (EvictionPolicyOptions::check_observations, resolved).
+  bool checks_observations() const noexcept { return check_; }
+
+  // -------------------------------------------------------------------------------------------
+  // Sequences
+
+  /// True while `row` holds a sequence (every row, until finish()). \throws c10::IndexError.
+  bool active(int64_t row) const { return active_[check_row(row)] != 0; }
+
+  /// Starts a new, empty sequence in the lowest free row and returns that row.
+  /// \throws c10::Error if every row is active (finish one first); nothing changes.
+  int64_t add_sequence() {
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      if (!active_[b]) {
+        active_[b] = 1;
+        return b;
+      }
+    }
+    KVEVICT_CHECK(false, "add_sequence: all ", batch_size(), " rows hold a sequence; finish(row) one first");
+    return -1;
+  }
+
+  /// Ends the sequence in `row` and frees the row: its tokens leave every layer; the other rows
+  /// go on. \throws c10::IndexError for a bad row; c10::Error if the row is already free.
+  void finish(int64_t row) {
+    KVEVICT_CHECK(active(row), "finish: row ", row, " holds no sequence");
+    clear_row(row);
+    active_[row] = 0;
+  }
+
+  /// Empties `row` for a new sequence (positions restart at 0); the row stays active.
+  /// \throws c10::IndexError for a bad row; c10::Error if the row is free.
+  void reset(int64_t row) {
+    KVEVICT_CHECK(active(row), "reset: row ", row, " holds no sequence (add_sequence() starts one)");
+    clear_row(row);
+  }
+
+  /// Empties every row of every layer, makes every row active, and gives back the slots grown
+  /// by long appends (slots return to max(capacity + evict_every, reserved)).
+  /// \throws c10::Error only if the smaller state cannot be allocated; nothing changes then.
+  void reset() {
+    std::vector<Layer> fresh(layers_.size());
+    for (auto& L : fresh) {
+      L.len.assign(batch_size(), 0);
+      L.seen.assign(batch_size(), 0);
+      L.last_new.assign(batch_size(), 0);
+      allocate(L, base_slots_);
+    }
+    layers_ = std::move(fresh);
+    std::fill(active_.begin(), active_.end(), 1);
+  }
+
+  /// Rolls back the `k` newest tokens of `row` in every layer (rejected speculative-decoding
+  /// drafts): they leave the cache, seen tokens go back by k, the next append takes their
+  /// positions. Scores that the dropped tokens' queries added to older tokens stay: undoing
+  /// them would mean keeping every query's contribution, a cost on every step. Call observe()
+  /// only for accepted tokens (attend(..., observe = false), then observe) to avoid them.
   ///
-  /// \param scores  [B, S] per-token scores, any floating dtype, any device.
-  /// \return [B, min(S, capacity)] int64 positions to keep, ascending per row, on scores' device.
-  /// \throws c10::Error if scores is not 2-D floating.
-  at::Tensor keep_indices(const at::Tensor& scores) const {
-    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "[B, S]");
+  /// \return one SlotMoves per layer, to apply to that layer's buffers (apply_moves).
+  /// \throws c10::Error if k < 0, k exceeds a layer's seen tokens, the row is free, or one of
+  ///         the k tokens was already evicted in some layer; nothing changes then.
+  /// \note Syncs with the host on the tensor path (it reads positions back).
+  std::vector<SlotMoves> truncate(int64_t row, int64_t k) {
+    KVEVICT_CHECK(active(row), "truncate: row ", row, " holds no sequence");
+    KVEVICT_CHECK_VALUE(k >= 0, "truncate: k must be >= 0, got ", k);
+    std::vector<std::vector<int64_t>> slots_of(layers_.size());  // per layer: slots of the k tokens
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      KVEVICT_CHECK_VALUE(k <= L.seen[row], "truncate: k must be <= seen tokens of row ", row, " in layer ", l,
+                          " (", L.seen[row], "), got ", k);
+      const auto pos = L.position.select(0, row).narrow(0, 0, L.len[row]).to(at::kCPU).contiguous();
+      const int64_t* p = pos.template data_ptr<int64_t>();
+      for (int64_t s = 0; s < L.len[row]; ++s) {
+        if (p[s] >= L.seen[row] - k) slots_of[l].push_back(s);
+      }
+      KVEVICT_CHECK(static_cast<int64_t>(slots_of[l].size()) == k, "truncate: ", k - static_cast<int64_t>(slots_of[l].size()),
+                    " of the ", k, " newest tokens of row ", row, " were already evicted in layer ", l,
+                    "; only tokens still cached can be rolled back");
+    }
+    std::vector<SlotMoves> out;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      Pass pass = empty_pass(L);
+      pass.n[row] = k;
+      pass.new_len[row] = L.len[row] - k;
+      std::vector<uint8_t> tail_flags;
+      fill_moves_host(pass, row, slots_of[l].data(), k, tail_flags);
+      pad_moves(pass);
+      out.push_back(to_moves(pass));
+      commit_state(L, pass);
+      L.seen[row] -= k;
+      if (!host_) L.seen_device.select(0, row).sub_(k);
+    }
+    return out;
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Per-layer state
+
+  /// The longest row of `layer`: the width S of the views and probabilities. \throws IndexError.
+  int64_t size(int64_t layer) const { return max_of(at(layer).len); }
+  /// Live tokens of `row` in `layer`. \throws c10::IndexError.
+  int64_t size(int64_t layer, int64_t row) const { return at(layer).len[check_row(row)]; }
+  /// The most tokens ever appended to a row of `layer` (equal rows: their seen tokens).
+  int64_t seen_tokens(int64_t layer) const { return max_of(at(layer).seen); }
+  /// Tokens ever appended to `row` of `layer`: the position of its next token.
+  int64_t seen_tokens(int64_t layer, int64_t row) const { return at(layer).seen[check_row(row)]; }
+  /// Tokens `row` appended to `layer` in its latest append (0 for a pad or idle row).
+  int64_t appended(int64_t layer, int64_t row) const { return at(layer).last_new[check_row(row)]; }
+  /// Slots per row that buffers of `layer` must hold.
+  int64_t slots(int64_t layer) const { return at(layer).slots; }
+
+  /// [B, size(layer)] int64 original position of each slot (slot order, not sorted), -1 past a
+  /// row's length. A copy, on the policy's device.
+  at::Tensor positions(int64_t layer) const {
+    const auto& L = at(layer);
+    return L.position.narrow(1, 0, max_of(L.len)).clone();
+  }
+
+  /// [B, size(layer)] fp32 rank of each slot (Scorer::rank of its state), 0 past a row's length.
+  /// A copy, on the policy's device.
+  at::Tensor scores(int64_t layer) const {
+    const auto& L = at(layer);
+    const int64_t S = max_of(L.len);
+    const auto rank = scorer_.rank(L.state.narrow(1, 0, S));
+    return at::where(L.position.narrow(1, 0, S).ge(0), rank, at::zeros({}, rank.options()));
+  }
+
+  /// [B, Q] int64 positions of Q query columns, right-aligned on the newest append (column q of
+  /// row b is position seen - Q + q), -1 where the column is a pad: before a row's own tokens
+  /// when it appended fewer than the chunk's T (left padding), at a position < 0, or in a free
+  /// row. On the policy's device. \throws c10::Error unless 1 <= Q.
+  at::Tensor query_positions(int64_t layer, int64_t Q) const {
+    const auto& L = at(layer);
+    KVEVICT_CHECK_VALUE(Q >= 1, "query_positions: Q must be >= 1, got ", Q);
+    std::vector<int64_t> qp(static_cast<size_t>(batch_size() * Q));
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      const int64_t first = first_real(L, b, Q);
+      for (int64_t q = 0; q < Q; ++q) qp[b * Q + q] = q >= first ? L.seen[b] - Q + q : -1;
+    }
+    auto t = at::tensor(qp, at::TensorOptions().dtype(at::kLong)).view({batch_size(), Q});
+    return host_ ? t : t.to(device_);
+  }
+
+  /// True when Q query columns of `layer` have no pad and every row is active and as long as
+  /// the longest: attention then needs no per-sequence mask beyond causality.
+  bool dense(int64_t layer, int64_t Q) const {
+    const auto& L = at(layer);
+    const int64_t S = max_of(L.len);
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      if (L.len[b] != S || first_real(L, b, Q) != 0) return false;
+    }
+    return true;
+  }
+
+  /// Counters of one layer (bytes: the state only; caches add their buffers).
+  CacheStats stats(int64_t layer) const {
+    const auto& L = at(layer);
+    return {L.events, L.evicted, state_bytes(L)};
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Steps
+
+  /// Appends `counts[b]` tokens to row b of `layer` (ragged: 0 included), at positions
+  /// seen .. seen + counts[b] - 1, rank state 0. In a chunk of T columns, row b's tokens are
+  /// its last counts[b] columns (left padding); the other columns are pads and are not stored.
+  ///
+  /// \param counts  [B] host counts, each in [0, T]; a free row must append 0.
+  /// \param T       columns of the chunk (the new rows' token dim), >= 1.
+  /// \return [B, T] int64 slot mapping on CPU: the slot of each new token, -1 for a pad. Write
+  ///         the rows with write_rows(); slots are < slots(layer).
+  /// \throws c10::Error on a bad layer, count or T, or if a row would exceed slots(layer)
+  ///         (reserve() first); nothing changes then.
+  at::Tensor append(int64_t layer, at::IntArrayRef counts, int64_t T) {
+    check_append(layer, counts, T);
+    auto& L = at(layer);
+    auto map = at::full({batch_size(), T}, -1, at::TensorOptions().dtype(at::kLong));
+    auto* m = map.template data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      for (int64_t j = 0; j < counts[b]; ++j) m[b * T + T - counts[b] + j] = L.len[b] + j;
+    }
+    append_unchecked(L, counts.data(), T);
+    return map;
+  }
+
+  /// Checks an append (see append()) without changing anything. \throws c10::Error as append().
+  void check_append(int64_t layer, at::IntArrayRef counts, int64_t T) const {
+    const auto& L = at(layer);
+    KVEVICT_CHECK_VALUE(T >= 1 && T <= EvictionOptions::kMaxTokens, "append: T must be in [1, 2^40], got ", T);
+    KVEVICT_CHECK_VALUE(static_cast<int64_t>(counts.size()) == batch_size(), "append: counts must have B = ",
+                        batch_size(), " entries, got ", counts.size());
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      KVEVICT_CHECK_VALUE(counts[b] >= 0 && counts[b] <= T, "append: counts[", b, "] must be in [0, T = ", T,
+                          "], got ", counts[b]);
+      KVEVICT_CHECK_VALUE(active_[b] || counts[b] == 0, "append: row ", b,
+                          " holds no sequence (finished or never added), so counts[", b, "] must be 0, got ",
+                          counts[b]);
+      KVEVICT_CHECK_VALUE(L.seen[b] + counts[b] <= EvictionOptions::kMaxTokens, "append: row ", b,
+                          " would pass 2^40 seen tokens");
+      KVEVICT_CHECK(L.len[b] + counts[b] <= L.slots, "append: row ", b, " of layer ", layer, " would hold ",
+                    L.len[b] + counts[b], " tokens but the layer has ", L.slots,
+                    " slots per row; reserve() more slots first");
+    }
+  }
+
+  /// Feeds attention probabilities to the scorer (scorers.hpp: the exact reduction).
+  ///
+  /// \param probs  [B, H, Q, S] probabilities, any floating dtype, the policy's device, strided;
+  ///               S = size(layer) in slot order; the Q query columns are right-aligned on the
+  ///               newest append (column q of row b is position seen - Q + q; pads as in
+  ///               query_positions()); 1 <= Q. Pads and slots past a row's length are ignored,
+  ///               so they may hold anything. 1 <= Q <= seen_tokens(layer).
+  /// \throws c10::Error on a bad layer, shape, dtype or device; with checks on, on a
+  ///         probability outside [0, 1] or non-finite, one above 0 for a key newer than its
+  ///         query, or a non-finite resulting rank. Nothing changes then.
+  /// \note With checks on, the tensor path syncs with the host once.
+  void observe(int64_t layer, const at::Tensor& probs) {
+    auto& L = at(layer);
+    const int64_t S = max_of(L.len);
+    if (!detail::has_shape(probs, {batch_size(), num_heads(), -1, S}) || probs.layout() != at::kStrided) {
+      detail::check_tensor(probs, "attention probs", device_);
+      detail::check_shape(probs, "attention probs", {batch_size(), num_heads(), -1, S}, {"B", "H", "Q", "S"},
+                          "[B, H, Q, S] with S = size(layer), the longest row");
+    }
+    detail::check_floating(probs, "attention probs");
+    detail::check_device(probs, "attention probs", device_);
+    KVEVICT_CHECK(S >= 1, "attention probs: the layer holds no token (append first)");
+    KVEVICT_CHECK(probs.size(2) >= 1 && probs.size(2) <= max_of(L.seen), "attention probs: Q must be in [1, ",
+                  max_of(L.seen), "], got ", probs.size(2), " (at most the seen tokens)");
+    at::NoGradGuard no_grad;
+    if (host_) {
+      observe_host(L, probs);
+    } else {
+      observe_tensor(L, probs, /*direct=*/false);
+    }
+  }
+
+  /// Adds caller-computed per-token scores, as one observation with contribution `scores` and
+  /// one observer (CumulativeAttention adds them, LatestAttention replaces, ...). Every live
+  /// token of every active row is observed.
+  ///
+  /// \param scores  [B, S] any floating dtype, the policy's device, S = size(layer), slot order.
+  /// \throws c10::Error on a bad layer, shape, dtype or device, or (checks on) a non-finite
+  ///         resulting rank; nothing changes then.
+  void add_scores(int64_t layer, const at::Tensor& scores) {
+    auto& L = at(layer);
+    const int64_t S = max_of(L.len);
+    if (!detail::has_shape(scores, {batch_size(), S}) || scores.layout() != at::kStrided) {
+      detail::check_tensor(scores, "scores", device_);
+      detail::check_shape(scores, "scores", {batch_size(), S}, {"B", "S"}, "[B, S] with S = size(layer)");
+    }
     detail::check_floating(scores, "scores");
-    const int64_t B = scores.size(0), S = scores.size(1);
-    auto idx = at::arange(S, scores.options().dtype(at::kLong)).expand({B, S}).contiguous();
-    if (S <= capacity()) return idx;
-    // fp64 ranks as given; narrower dtypes widen to fp32 exactly.
-    const auto key = scores.scalar_type() == at::kDouble ? scores : scores.to(at::kFloat);
-    idx.scatter_(1, evict_slots(key, idx), S);
-    return std::get<0>(at::sort(idx, /*dim=*/1)).narrow(1, 0, capacity()).contiguous();
+    detail::check_device(scores, "scores", device_);
+    at::NoGradGuard no_grad;
+    if (host_) {
+      add_scores_host(L, scores);
+    } else {
+      observe_tensor(L, scores, /*direct=*/true);
+    }
   }
 
-  /// The selection of one eviction pass over one layer's live slots, with tensor ops (no
-  /// host sync, static shapes: what the caches run on CUDA).
+  /// Whether a pass on `layer` would run now: a row holds more than capacity() tokens and at
+  /// least evict_every appends happened since the last pass (or construction).
+  bool due(int64_t layer) const {
+    const auto& L = at(layer);
+    return L.appends_since_pass >= eviction_.evict_every() && max_of(L.len) > capacity();
+  }
+
+  /// Runs a pass on `layer` if due(): each row over capacity drops its lowest-ranked heavy-hitter
+  /// candidates back to capacity() tokens, and its kept tail rows move into the freed slots.
   ///
-  /// \param scores     [B, S] ranking scores (fp32 or fp64; ranked in their own dtype), slot order.
-  /// \param positions  [B, S] int64 original positions, slot order, distinct per row, on
-  ///                   scores' device; the n_sink smallest are the sinks, the n_recent largest
-  ///                   the recent window.
-  /// \return [B, S - capacity] int64 slots to evict, ascending per row ([B, 0] if S <= capacity).
-  /// \throws c10::Error on a shape, dtype or device mismatch, naming the tensor.
-  at::Tensor evict_slots(const at::Tensor& scores, const at::Tensor& positions) const {
-    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "[B, S]");
-    detail::check_floating(scores, "scores");
-    const int64_t B = scores.size(0), S = scores.size(1);
-    detail::check_shape(positions, "positions", {B, S}, {"B", "S"}, "[B, S] like scores");
-    KVEVICT_CHECK_TYPE(positions.scalar_type() == at::kLong, "positions must be int64, got ", positions.scalar_type());
-    KVEVICT_CHECK(positions.device() == scores.device(), "positions must be on scores' device ", scores.device(),
-                  ", got ", positions.device());
-    const int64_t n_evict = std::max<int64_t>(S - capacity(), 0);
-    if (n_evict == 0) return at::empty({B, 0}, positions.options());
-    const auto by_position = std::get<1>(at::sort(positions, /*dim=*/1));      // slots, oldest first
-    auto key = scores.gather(1, by_position);
-    key = at::where(at::isfinite(key), key, at::full({}, -std::numeric_limits<float>::infinity(), key.options()));
-    key = key.add(0.0);  // -0 + 0 = +0: a radix sort (CUDA) must not order -0 below +0 (rule 3)
-    const int64_t n_cand = S - options_.n_sink() - options_.n_recent();
-    const auto cand = key.narrow(1, options_.n_sink(), n_cand);
-    // Stable ascending sort: equal keys keep position order, so the older is evicted first.
-    const auto lowest = std::get<1>(at::sort(cand, /*stable=*/true, /*dim=*/1, /*descending=*/false))
-                            .narrow(1, 0, n_evict);
-    const auto slots = by_position.gather(1, lowest.add(options_.n_sink()));
-    return std::get<0>(at::sort(slots, /*dim=*/1));
+  /// \return the moves to apply to every buffer of the layer (empty if no pass ran).
+  /// \throws c10::IndexError for a bad layer.
+  /// \note Host path: no allocation but the returned tensors. Tensor path: static shapes in the
+  ///       steady state, no host sync.
+  SlotMoves evict(int64_t layer) {
+    if (!due(layer)) return {};
+    Pass pass = plan(layer);
+    commit(layer, pass);
+    return to_moves(pass);
   }
 
-  /// The same selection for one row on the host (what the caches run on CPU).
-  ///
-  /// \param scores     [S] fp32 ranking scores, slot order.
-  /// \param positions  [S] int64 positions, slot order.
-  /// \param seen       tokens ever appended (positions >= seen - n_recent are the window).
-  /// \param out        [S - capacity] receives the slots to evict, ascending.
-  /// \param scratch    reused between calls (no allocation once it has grown to S).
-  /// \throws c10::Error if the sinks or the recent window are not all among `positions`.
-  void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
-                       int64_t* out, std::vector<detail::Candidate>& scratch) const {
-    select_row(scores, positions, S, seen, out, scratch, /*check=*/true);
+  /// Gives `layer` `slots` slots per row (growing or shrinking), keeping its tokens; buffers of
+  /// the layer must then hold that many. Caches call it as their buffers change.
+  /// \throws c10::Error if slots < size(layer) or the state cannot be allocated; nothing
+  ///         changes then.
+  void resize_slots(int64_t layer, int64_t slots) {
+    auto& L = at(layer);
+    KVEVICT_CHECK_VALUE(slots >= max_of(L.len) && slots >= 1 && slots <= EvictionOptions::kMaxTokens,
+                        "resize_slots: slots must be in [max(1, size(layer) = ", max_of(L.len), "), 2^40], got ",
+                        slots);
+    Layer N;
+    allocate(N, slots);
+    const int64_t S = max_of(L.len);
+    if (S > 0) {
+      N.position.narrow(1, 0, S).copy_(L.position.narrow(1, 0, S));
+      N.state.narrow(1, 0, S).copy_(L.state.narrow(1, 0, S));
+    }
+    // Nothing below throws: swap the new tensors in.
+    L.slots = N.slots;
+    L.position = std::move(N.position);
+    L.state = std::move(N.state);
+    std::swap(L.host, N.host);
   }
 
-  /// evict_slots_row() for a caller that guarantees the precondition (the caches: their positions
-  /// always hold the sinks and the recent window). One evicted token, the decode step, then costs
-  /// a single scan that reads a slot's position only when its score could win, without first
-  /// counting the candidates.
-  void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
-                       int64_t* out, std::vector<detail::Candidate>& scratch, detail::TrustedPositions) const {
-    select_row(scores, positions, S, seen, out, scratch, /*check=*/false);
+  /// The default slots per row: max(capacity + evict_every, what reserve() asked for).
+  int64_t base_slots() const noexcept { return base_slots_; }
+
+  /// Raises base_slots() to `slots` (never lowers it); layers with fewer slots are resized.
+  /// \throws c10::Error if slots is out of range or the state cannot be allocated.
+  void reserve(int64_t slots) {
+    KVEVICT_CHECK_VALUE(slots >= 1 && slots <= EvictionOptions::kMaxTokens, "reserve: slots must be in [1, 2^40], got ",
+                        slots);
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      if (at(l).slots < slots) resize_slots(l, slots);
+    }
+    base_slots_ = std::max(base_slots_, slots);
   }
+
+  // -------------------------------------------------------------------------------------------
+  // Building blocks for caches that own buffers (exception safety: plan, move the buffers,
+  // commit). Users of caller-owned storage call evict() instead.
+
+  /// A planned pass: the moves and each row's evicted count and new length.
+  struct Pass {
+    std::vector<int64_t> n;        // [B] tokens evicted per row
+    std::vector<int64_t> new_len;  // [B]
+    std::vector<int64_t> moves;    // [B] real moves per row (host-built passes)
+    int64_t columns = 0;           // move columns per row
+    std::vector<int64_t> src, dst; // host path: [B, columns]
+    at::Tensor src_t, dst_t;       // tensor path: [B, columns] on the device
+  };
+
+  /// Plans a pass on `layer` (the caller checked due()); changes nothing.
+  Pass plan(int64_t layer) {
+    auto& L = at(layer);
+    Pass pass = empty_pass(L);
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      pass.n[b] = std::max<int64_t>(L.len[b] - capacity(), 0);
+      pass.new_len[b] = L.len[b] - pass.n[b];
+    }
+    if (host_) {
+      plan_host(L, pass);
+    } else {
+      plan_tensor(L, pass);
+    }
+    return pass;
+  }
+
+  /// Applies a planned pass to the state of `layer`. \throws only on an allocation failure of
+  /// the tensor path, before anything changed.
+  void commit(int64_t layer, Pass& pass) {
+    auto& L = at(layer);
+    commit_state(L, pass);
+    int64_t evicted = 0;
+    for (const auto n : pass.n) evicted += n;
+    L.appends_since_pass = 0;
+    if (evicted > 0) L.events += 1;
+    L.evicted += evicted;
+  }
+
+  /// The moves of a planned pass as tensors on the policy's device.
+  SlotMoves to_moves(const Pass& pass) const {
+    if (pass.columns == 0) return {};
+    if (!host_) return {pass.src_t, pass.dst_t};
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    return {at::tensor(pass.src, opts).view({batch_size(), pass.columns}),
+            at::tensor(pass.dst, opts).view({batch_size(), pass.columns})};
+  }
+
+  /// Host path only: the moves of a planned pass as [B, columns] host arrays.
+  const int64_t* host_src(const Pass& p) const noexcept { return p.src.data(); }
+  const int64_t* host_dst(const Pass& p) const noexcept { return p.dst.data(); }
+
+  /// Appends without checks (the caller ran check_append()); used by the caches, which write
+  /// their rows from the lengths before the append.
+  void append_unchecked(int64_t layer, const int64_t* counts, int64_t T) { append_unchecked(at(layer), counts, T); }
+
+  /// Device index tensors of the latest append's tokens (tensor path): {rows, columns, slots},
+  /// each [M] int64, M = the tokens appended; uploaded only when they change.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> append_index(int64_t layer, const int64_t* counts, int64_t T) {
+    auto& L = at(layer);
+    std::vector<int64_t> idx;
+    int64_t M = 0;
+    for (int64_t b = 0; b < batch_size(); ++b) M += counts[b];
+    idx.resize(static_cast<size_t>(3 * M));
+    int64_t i = 0;
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      for (int64_t j = 0; j < counts[b]; ++j, ++i) {
+        idx[i] = b;
+        idx[M + i] = T - counts[b] + j;
+        idx[2 * M + i] = L.len[b] + j;
+      }
+    }
+    const auto& t = L.append_mirror.get(idx, device_, {3, M});
+    return {t.select(0, 0), t.select(0, 1), t.select(0, 2)};
+  }
+
+  /// Bytes of the state of `layer` on the device (positions, scorer state, seen counters).
+  int64_t state_bytes(int64_t layer) const { return state_bytes(at(layer)); }
 
  private:
-  void select_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen, int64_t* out,
-                  std::vector<detail::Candidate>& scratch, bool check) const {
-    const int64_t n_evict = S - capacity();
-    if (n_evict <= 0) return;
-    const int64_t recent_from = seen - options_.n_recent();
-    if (n_evict == 1) {
-      // The decode steady state (one token in, one out): a single scan, no candidate list.
-      if (check) check_candidates(count_candidates(positions, S, recent_from), n_evict);
-      out[0] = lowest_candidate(scores, positions, S, recent_from);
-      return;
+  struct HostScratch {
+    std::vector<double> fixed;            // [slots] fixed-point sums
+    std::vector<float> observers;         // [slots]
+    std::vector<float> rank;              // [slots]
+    std::vector<detail::Candidate> candidates;
+    std::vector<int64_t> evicted;         // [slots]
+    std::vector<uint8_t> tail_flags;      // [slots]
+    std::vector<float> next;              // [slots * W] checked next state
+  };
+
+  struct Layer {
+    int64_t slots = 0;
+    at::Tensor position;     // [B, slots] int64 original positions, -1 in dead slots
+    at::Tensor state;        // [B, slots, W] fp32 scorer state
+    at::Tensor seen_device;  // [B] int64 seen tokens (tensor path: positions come from it)
+    std::vector<int64_t> len, seen, last_new;  // [B] host
+    int64_t last_T = 0, appends_since_pass = 0, events = 0, evicted = 0;
+    HostScratch host;
+    // Device copies of host facts, one per use so that each stays unchanged in the steady state.
+    detail::DeviceMirror append_mirror, index_mirror, qmask_mirror, rows_mirror, pass_mirror, counts_mirror;
+  };
+
+  static at::Device resolved(const at::Device& device) {
+    try {
+      return at::empty({0}, at::TensorOptions().device(device)).device();
+    } catch (const c10::Error& e) {
+      KVEVICT_CHECK(false, "options: device ", device, " is not usable here (", e.what_without_backtrace(), ")");
     }
-    scratch.clear();
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t p = positions[s];
-      if (p >= options_.n_sink() && p < recent_from) scratch.push_back({scores[s], p, s});
+    return device;  // not reached
+  }
+
+  [[noreturn]] void fail_allocation(const std::string& why) const {
+    KVEVICT_CHECK(false, "could not allocate the eviction state: num_layers=", options_.num_layers(),
+                  ", batch_size=", options_.batch_size(), ", num_heads=", options_.num_heads(),
+                  ", capacity + evict_every = ", base_slots_, " slots per row (n_sink=", eviction_.n_sink(),
+                  ", budget=", eviction_.budget(), ", n_recent=", eviction_.n_recent(),
+                  ", evict_every=", eviction_.evict_every(), ") on ", device_, ": ", why);
+    throw;  // not reached
+  }
+
+  /// Allocates L's tensors with `slots` slots, all dead; outside InferenceMode, so the state
+  /// stays usable whatever mode later calls run in.
+  void allocate(Layer& L, int64_t slots) const {
+    c10::InferenceMode normal_tensors(false);
+    at::NoGradGuard no_grad;
+    const int64_t B = batch_size();
+    const auto opts = at::TensorOptions().device(device_);
+    L.position = at::full({B, slots}, -1, opts.dtype(at::kLong));
+    L.state = at::zeros({B, slots, W}, opts.dtype(at::kFloat));
+    if (!host_ && !L.seen_device.defined()) {
+      L.seen_device = at::tensor(L.seen.empty() ? std::vector<int64_t>(B, 0) : L.seen, at::TensorOptions().dtype(at::kLong)).to(device_);
     }
-    check_candidates(static_cast<int64_t>(scratch.size()), n_evict);
-    // A lambda, not the function pointer: std::nth_element inlines it (about 2x faster).
-    std::nth_element(scratch.begin(), scratch.begin() + n_evict, scratch.end(),
-                     [](const detail::Candidate& a, const detail::Candidate& b) { return detail::evicted_before(a, b); });
-    for (int64_t i = 0; i < n_evict; ++i) out[i] = scratch[i].slot;
-    std::sort(out, out + n_evict);
+    if (host_) {
+      auto& H = L.host;
+      H.fixed.resize(slots);
+      H.observers.resize(slots);
+      H.rank.resize(slots);
+      H.candidates.reserve(slots);
+      H.evicted.resize(slots);
+      H.tail_flags.resize(slots);
+      H.next.resize(static_cast<size_t>(slots * W));
+    }
+    L.slots = slots;
   }
 
-  /// Slots whose position is a heavy-hitter candidate: n_sink <= position < recent_from.
-  int64_t count_candidates(const int64_t* positions, int64_t S, int64_t recent_from) const {
-    int64_t n = 0;
-    for (int64_t s = 0; s < S; ++s) n += positions[s] >= options_.n_sink() && positions[s] < recent_from;
-    return n;
+  int64_t check_row(int64_t row) const {
+    KVEVICT_CHECK_INDEX(row >= 0 && row < batch_size(), "row must be in [0, ", batch_size(), "), got ", row);
+    return row;
+  }
+  Layer& at(int64_t layer) {
+    KVEVICT_CHECK_INDEX(layer >= 0 && layer < num_layers(), "layer must be in [0, ", num_layers(), "), got ", layer);
+    return layers_[layer];
+  }
+  const Layer& at(int64_t layer) const { return const_cast<EvictionPolicy*>(this)->at(layer); }
+  /// The first real column of Q query columns in row b (right-aligned: column q is position
+  /// seen - Q + q). A row that appended fewer tokens than the newest chunk's T has pads before
+  /// its tokens; a row that appended the whole chunk treats every column at a position >= 0 as
+  /// real (so Q may reach back past the chunk); a free row has none.
+  int64_t first_real(const Layer& L, int64_t b, int64_t Q) const {
+    if (!active_[b]) return Q;
+    if (L.last_new[b] < L.last_T) return Q - std::min(Q, L.last_new[b]);
+    return std::max<int64_t>(0, Q - L.seen[b]);
   }
 
-  void check_candidates(int64_t n_candidates, int64_t n_evict) const {
-    KVEVICT_CHECK(n_candidates == n_evict + options_.budget(),
-                  "evict_slots_row: positions must hold every sink (0..n_sink-1) and the whole recent window "
-                  "(seen-n_recent..seen-1), leaving evicted + budget = ",
-                  n_evict + options_.budget(), " heavy-hitter candidates, got ", n_candidates);
+  /// [1] fp32 tensor holding num_heads, on the device (see observe_tensor()).
+  const at::Tensor& heads_divisor() {
+    if (!heads_t_.defined()) {
+      heads_t_ = at::full({1}, static_cast<float>(num_heads()), at::TensorOptions().dtype(at::kFloat).device(device_));
+    }
+    return heads_t_;
   }
 
-  /// The slot of the candidate (n_sink <= position < recent_from) evicted first, by the order of
-  /// detail::evicted_before: non-finite scores rank as -inf, equal ranks evict the older position.
-  /// The O(capacity) part of a decode step, so it skips, 64 slots at a time, every block whose
-  /// lowest key (detail::lowest_key, vectorised) is above the best candidate so far, and reads a
-  /// slot's position only when its key could win. Blocks that hold the recent window (low
-  /// scores) are still scanned one by one.
-  int64_t lowest_candidate(const float* scores, const int64_t* positions, int64_t S, int64_t recent_from) const {
-    constexpr int64_t kBlock = 64;
-    const uint64_t first = static_cast<uint64_t>(options_.n_sink());
-    const uint64_t width = static_cast<uint64_t>(recent_from) - first;  // candidate: position - first < width
-    float best_key = std::numeric_limits<float>::infinity();
-    int64_t best_position = std::numeric_limits<int64_t>::max(), best_slot = -1;
-    for (int64_t block = 0; block < S; block += kBlock) {
-      const int64_t end = std::min(S, block + kBlock);
-      if (detail::lowest_key(scores + block, end - block) > best_key) continue;
-      for (int64_t s = block; s < end; ++s) {
-        const float key = detail::rank_key(scores[s]);
-        if (key > best_key) continue;
-        const int64_t p = positions[s];
-        if (static_cast<uint64_t>(p) - first >= width) continue;  // a sink or in the recent window
-        if (key < best_key || p < best_position) {
-          best_key = key;
-          best_position = p;
-          best_slot = s;
+  static int64_t max_of(const std::vector<int64_t>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
+
+  int64_t state_bytes(const Layer& L) const {
+    int64_t bytes = L.position.nbytes() + L.state.nbytes();
+    if (L.seen_device.defined()) bytes += L.seen_device.nbytes();
+    return bytes;
+  }
+
+  /// Empties `row` in every layer (positions -1, lengths and seen 0). No allocation on the host
+  /// path; on the tensor path a fill per layer.
+  void clear_row(int64_t row) {
+    for (auto& L : layers_) {
+      if (host_) {
+        auto* p = L.position.template data_ptr<int64_t>() + row * L.slots;
+        std::fill(p, p + L.slots, int64_t{-1});
+      } else {
+        L.position.select(0, row).fill_(-1);
+        L.seen_device.select(0, row).zero_();
+      }
+      L.len[row] = L.seen[row] = L.last_new[row] = 0;
+    }
+  }
+
+  void append_unchecked(Layer& L, const int64_t* counts, int64_t T) {
+    const int64_t B = batch_size();
+    if (host_) {
+      auto* pos = L.position.template data_ptr<int64_t>();
+      auto* st = L.state.template data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < counts[b]; ++j) {
+          const int64_t slot = b * L.slots + L.len[b] + j;
+          pos[slot] = L.seen[b] + j;
+          std::fill(st + slot * W, st + (slot + 1) * W, 0.f);
+        }
+      }
+    } else {
+      append_tensor(L, counts, T);
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      L.len[b] += counts[b];
+      L.seen[b] += counts[b];
+      L.last_new[b] = counts[b];
+    }
+    L.last_T = T;
+    L.appends_since_pass += 1;
+  }
+
+  void append_tensor(Layer& L, const int64_t* counts, int64_t T) {
+    const int64_t B = batch_size();
+    bool uniform = true;  // every row appends T at the same length: plain narrow + copy
+    for (int64_t b = 0; b < B; ++b) uniform = uniform && counts[b] == T && L.len[b] == L.len[0];
+    std::vector<int64_t> c(counts, counts + B);
+    const auto& counts_dev = L.counts_mirror.get(c, device_, {B});
+    if (uniform) {
+      const auto offs = at::arange(T, L.position.options());
+      L.position.narrow(1, L.len[0], T).copy_(offs.unsqueeze(0).add(L.seen_device.unsqueeze(1)));
+      L.state.narrow(1, L.len[0], T).zero_();
+    } else {
+      std::vector<int64_t> idx;
+      int64_t M = 0;
+      for (int64_t b = 0; b < B; ++b) M += counts[b];
+      if (M > 0) {
+        idx.resize(static_cast<size_t>(3 * M));
+        int64_t i = 0;
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t j = 0; j < counts[b]; ++j, ++i) {
+            idx[i] = b;
+            idx[M + i] = L.len[b] + j;
+            idx[2 * M + i] = j;
+          }
+        }
+        const auto& t = L.index_mirror.get(idx, device_, {3, M});
+        const auto rows = t.select(0, 0), slots = t.select(0, 1), offs = t.select(0, 2);
+        L.position.index_put_({rows, slots}, L.seen_device.index_select(0, rows).add(offs));
+        L.state.index_put_({rows, slots}, at::zeros({}, L.state.options()));
+      }
+    }
+    L.seen_device.add_(counts_dev);
+  }
+
+  /// Host observe: per active row, the fixed-point sum over heads and real queries, the
+  /// observer counts, checks, then the scorer's update.
+  void observe_host(Layer& L, const at::Tensor& in) {
+    const bool as_is = in.scalar_type() == at::kFloat && in.is_contiguous();  // skips a dispatch
+    const auto x = as_is ? in : in.to(at::kFloat).contiguous();
+    const float* p = x.template data_ptr<float>();
+    const int64_t B = batch_size(), H = num_heads(), Q = x.size(2), S = x.size(3);
+    const float heads = static_cast<float>(H);
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    float* st = L.state.template data_ptr<float>();
+    auto& HS = L.host;
+    // Two rounds: check every row first (nothing changes on a throw), then apply.
+    for (int round = check_ ? 0 : 1; round < 2; ++round) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t first = first_real(L, b, Q);  // real queries: columns [first, Q)
+        if (first >= Q) continue;
+        const int64_t len = L.len[b], seen = L.seen[b];
+        const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
+        const int64_t* pb = pos + b * L.slots;
+        double* fx = HS.fixed.data();
+        std::fill(fx, fx + len, 0.0);
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t q = q0; q < Q; ++q) {
+            const float* row = p + ((b * H + h) * Q + q) * S;
+            if (round == 0) check_row_probs(row, pb, len, seen - Q + q, b, h, q);
+            for (int64_t s = 0; s < len; ++s) fx[s] += detail::fixed_term(row[s]);
+          }
+        }
+        float* sb = st + b * L.slots * W;
+        for (int64_t s = 0; s < len; ++s) {
+          // Observers: real queries (positions seen - Q + q, q >= q0) at or after the token.
+          const int64_t first_q_pos = seen - Q + q0;
+          const float observers = static_cast<float>(std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
+          const float c = detail::from_fixed(fx[s], heads);
+          if (round == 0) {
+            float next[W];
+            std::copy(sb + s * W, sb + (s + 1) * W, next);
+            scorer_.apply(next, c, observers);
+            check_rank(scorer_.rank(next), b, s, c);
+          } else {
+            scorer_.apply(sb + s * W, c, observers);
+          }
         }
       }
     }
-    TORCH_INTERNAL_ASSERT(best_slot >= 0, "kvevict: no eviction candidate among ", S, " slots");
-    return best_slot;
   }
 
-  EvictionOptions options_;
+  void check_row_probs(const float* row, const int64_t* pos, int64_t len, int64_t query_pos, int64_t b, int64_t h,
+                       int64_t q) const {
+    for (int64_t s = 0; s < len; ++s) {
+      const float v = row[s];
+      KVEVICT_CHECK(v >= 0.f && v <= 1.f, "attention probs must be in [0, 1], got a non-finite or out-of-range ", v, " at [", b, ", ",
+                    h, ", ", q, ", ", s, "]; the state is unchanged", kChecksHint);
+      KVEVICT_CHECK(v == 0.f || pos[s] <= query_pos, "attention probs must be causal: key at position ", pos[s],
+                    " is newer than its query at position ", query_pos, " but has probability ", v, " at [", b, ", ",
+                    h, ", ", q, ", ", s, "]; the state is unchanged", kChecksHint);
+    }
+  }
+
+  void check_rank(float rank, int64_t b, int64_t s, float c) const {
+    KVEVICT_CHECK(std::isfinite(rank), "the observation gives a non-finite rank (NaN, inf, or an fp32 overflow) at row ",
+                  b, ", slot ", s, " (contribution ", c, ", rank ", rank, "); the state is unchanged", kChecksHint);
+  }
+
+  static constexpr const char* kChecksHint =
+      " (build with check_observations(false) to skip these checks; non-finite ranks then rank lowest)";
+
+  void add_scores_host(Layer& L, const at::Tensor& in) {
+    const bool as_is = in.scalar_type() == at::kFloat && in.is_contiguous();
+    const auto x = as_is ? in : in.to(at::kFloat).contiguous();
+    const float* p = x.template data_ptr<float>();
+    const int64_t S = x.size(1);
+    float* st = L.state.template data_ptr<float>();
+    for (int round = check_ ? 0 : 1; round < 2; ++round) {
+      for (int64_t b = 0; b < batch_size(); ++b) {
+        if (!active_[b]) continue;
+        float* sb = st + b * L.slots * W;
+        for (int64_t s = 0; s < L.len[b]; ++s) {
+          const float c = p[b * S + s];
+          if (round == 0) {
+            float next[W];
+            std::copy(sb + s * W, sb + (s + 1) * W, next);
+            scorer_.apply(next, c, 1.f);
+            check_rank(scorer_.rank(next), b, s, c);
+          } else {
+            scorer_.apply(sb + s * W, c, 1.f);
+          }
+        }
+      }
+    }
+  }
+
+  /// Tensor observe: the same reduction with tensor ops ([B, H, Q, S] fixed point -> int64 sums).
+  void observe_tensor(Layer& L, const at::Tensor& in, bool direct) {
+    const int64_t B = batch_size(), S = max_of(L.len);
+    const auto pos = L.position.narrow(1, 0, S);
+    const auto live = pos.ge(0);  // [B, S]
+    at::Tensor c, observers, bad;
+    if (direct) {
+      c = in.to(at::kFloat);
+      observers = at::ones({B, S}, c.options());
+    } else {
+      const int64_t H = num_heads(), Q = in.size(2);
+      // Real query columns per row: [Q - n, Q) (or only Q - 1 for last-query scorers).
+      std::vector<int64_t> mask(static_cast<size_t>(B * Q), 0);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t first = first_real(L, b, Q);
+        for (int64_t q = Scorer::kLastQueryOnly ? Q - 1 : first; q < Q && first < Q; ++q) mask[b * Q + q] = 1;
+      }
+      const auto& qmask = L.qmask_mirror.get(mask, device_, {B, Q});  // [B, Q] int64 0/1
+      const auto x = in.to(at::kFloat);
+      if (check_) {
+        const auto qpos = L.seen_device.unsqueeze(1).sub(Q).add(at::arange(Q, pos.options()).unsqueeze(0));  // [B, Q]
+        const auto real = qmask.gt(0).view({B, 1, Q, 1}).logical_and(live.view({B, 1, 1, S}));
+        const auto out_of_range = x.lt(0).logical_or(x.gt(1)).logical_or(x.isnan());
+        const auto future = pos.view({B, 1, 1, S}).gt(qpos.view({B, 1, Q, 1})).logical_and(x.ne(0));
+        bad = out_of_range.logical_or(future).logical_and(real).any();
+      }
+      // detail::fixed_term on tensors; pads and other rows' columns count 0.
+      const auto term = x.clamp(0.0, 1.0).to(at::kDouble).mul(detail::kFixedOne).round().add(x.sub(x).to(at::kDouble));
+      const auto sum = at::where(qmask.gt(0).view({B, 1, Q, 1}), term, at::zeros({}, term.options())).sum({1, 2});
+      // Divided by a [1] tensor, not a scalar: a scalar divisor may become a multiply by its
+      // reciprocal on CUDA, which rounds differently from the host's division.
+      c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
+      const auto qpos = L.seen_device.unsqueeze(1).sub(Q).add(at::arange(Q, pos.options()).unsqueeze(0));
+      observers = qpos.unsqueeze(1).ge(pos.unsqueeze(2)).logical_and(qmask.gt(0).unsqueeze(1)).sum(2).to(at::kFloat);
+      observers = observers.mul(live.to(at::kFloat));
+      // Rows with no real query contribute nothing: their sums are 0 and observers 0, but a
+      // scorer that replaces (LatestAttention) must not see them at all.
+      std::vector<int64_t> observed(static_cast<size_t>(B));
+      for (int64_t b = 0; b < B; ++b) observed[b] = first_real(L, b, Q) < Q ? 1 : 0;
+      const auto& obs_rows = L.rows_mirror.get(observed, device_, {B});
+      const auto keep = obs_rows.gt(0).unsqueeze(1).logical_and(live);  // [B, S]
+      apply_tensor(L, S, c, observers, keep, bad);
+      return;
+    }
+    std::vector<int64_t> act(active_.begin(), active_.end());
+    const auto& act_rows = L.rows_mirror.get(act, device_, {B});
+    apply_tensor(L, S, c, observers, act_rows.gt(0).unsqueeze(1).logical_and(live), bad);
+  }
+
+  /// Applies contribution/observers to the live slots `keep` [B, S]; with checks, computes the
+  /// next state apart and throws (changing nothing) if `bad` or any next rank is non-finite.
+  void apply_tensor(Layer& L, int64_t S, const at::Tensor& c, const at::Tensor& observers, const at::Tensor& keep,
+                    const at::Tensor& bad) {
+    const auto state = L.state.narrow(1, 0, S);
+    const auto next = state.clone();
+    scorer_.apply(next, c, observers);
+    const auto merged = at::where(keep.unsqueeze(2), next, state);
+    if (check_) {
+      auto fail = at::isfinite(scorer_.rank(merged)).logical_not().logical_and(keep).any();
+      if (bad.defined()) {
+        KVEVICT_CHECK(!bad.template item<bool>(),
+                      "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
+                      "non-finite, out-of-range or non-causal value; the state is unchanged",
+                      kChecksHint);
+      }
+      KVEVICT_CHECK(!fail.template item<bool>(),
+                    "the observation gives a non-finite rank (NaN, inf, or an fp32 overflow); the state is unchanged",
+                    kChecksHint);
+    }
+    state.copy_(merged);
+  }
+
+  Pass empty_pass(const Layer& L) const {
+    Pass p;
+    p.n.assign(batch_size(), 0);
+    p.moves.assign(batch_size(), 0);
+    p.new_len = L.len;
+    return p;
+  }
+
+  /// Host plan: per row over capacity, select (Selection::evict_slots_row, trusted), then pair
+  /// the freed slots below the new length with the kept tail slots.
+  void plan_host(Layer& L, Pass& pass) {
+    const int64_t B = batch_size();
+    int64_t columns = 0;
+    for (int64_t b = 0; b < B; ++b) columns = std::max(columns, pass.n[b]);
+    pass.columns = columns;
+    pass.src.assign(static_cast<size_t>(B * columns), 0);
+    pass.dst.assign(static_cast<size_t>(B * columns), 0);
+    if (columns == 0) return;
+    auto& HS = L.host;
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    const float* st = L.state.template data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      if (pass.n[b] == 0) continue;
+      const int64_t len = L.len[b];
+      const float* sb = st + b * L.slots * W;
+      const float* rank = sb;
+      if (!(W == 1 && detail::RankIsState<Scorer>::value)) {
+        for (int64_t s = 0; s < len; ++s) HS.rank[s] = scorer_.rank(sb + s * W);
+        rank = HS.rank.data();
+      }
+      selection_.evict_slots_row(rank, pos + b * L.slots, len, L.seen[b], HS.evicted.data(), HS.candidates,
+                                 detail::TrustedPositions{});
+      fill_moves_host(pass, b, HS.evicted.data(), pass.n[b], HS.tail_flags);
+    }
+    pad_moves(pass);
+  }
+
+  /// Moves for row b of a pass whose `n` evicted slots (ascending) are given: each evicted slot
+  /// below the new length receives the next kept tail slot.
+  static void fill_moves_host(Pass& pass, int64_t b, const int64_t* evicted, int64_t n,
+                              std::vector<uint8_t>& tail_flags) {
+    const int64_t new_len = pass.new_len[b];
+    if (pass.columns < n) {  // truncate(): one row's moves
+      pass.columns = n;
+      const auto B = static_cast<int64_t>(pass.n.size());
+      pass.src.assign(static_cast<size_t>(B * n), 0);
+      pass.dst.assign(static_cast<size_t>(B * n), 0);
+    }
+    if (static_cast<int64_t>(tail_flags.size()) < n) tail_flags.resize(static_cast<size_t>(n));
+    uint8_t* tail = tail_flags.data();
+    std::fill(tail, tail + n, uint8_t{0});
+    for (int64_t i = 0; i < n; ++i) {
+      if (evicted[i] >= new_len) tail[evicted[i] - new_len] = 1;
+    }
+    int64_t j = 0, k = 0;
+    for (int64_t i = 0; i < n && evicted[i] < new_len; ++i, ++k) {
+      while (tail[j]) ++j;
+      pass.dst[b * pass.columns + k] = evicted[i];
+      pass.src[b * pass.columns + k] = new_len + j;
+      ++j;
+    }
+    pass.moves[b] = k;
+  }
+
+  /// Pads every row's columns past its own moves with a repeat of its first move (or slot 0
+  /// onto itself), so all rows have `columns` columns.
+  void pad_moves(Pass& pass) const {
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      const int64_t k = pass.moves[b];
+      for (int64_t j = k; j < pass.columns; ++j) {
+        pass.src[b * pass.columns + j] = k > 0 ? pass.src[b * pass.columns] : 0;
+        pass.dst[b * pass.columns + j] = k > 0 ? pass.dst[b * pass.columns] : 0;
+      }
+    }
+  }
+
+  void plan_tensor(Layer& L, Pass& pass) {
+    const int64_t B = batch_size(), S = max_of(L.len);
+    int64_t columns = 0;
+    for (int64_t b = 0; b < B; ++b) columns = std::max(columns, pass.n[b]);
+    pass.columns = columns;
+    if (columns == 0) return;
+    const auto pos = L.position.narrow(1, 0, S);
+    const auto live = pos.ge(0);
+    // Row facts, uploaded when they change: n (evicted) and the new length.
+    std::vector<int64_t> facts(static_cast<size_t>(2 * B));
+    for (int64_t b = 0; b < B; ++b) {
+      facts[b] = pass.n[b];
+      facts[B + b] = pass.new_len[b];
+    }
+    const auto& f = L.pass_mirror.get(facts, device_, {2, B});
+    const auto n = f.select(0, 0).unsqueeze(1), new_len = f.select(0, 1).unsqueeze(1);  // [B, 1]
+    const auto recent_from = L.seen_device.unsqueeze(1).sub(eviction_.n_recent());
+    const auto cand = live.logical_and(pos.ge(eviction_.n_sink())).logical_and(pos.lt(recent_from));
+    auto key = scorer_.rank(L.state.narrow(1, 0, S));
+    const float inf = std::numeric_limits<float>::infinity();
+    key = at::where(at::isfinite(key), key, at::full({}, -inf, key.options())).add(0.0);  // -0 -> +0
+    key = at::where(cand, key, at::full({}, inf, key.options()));
+    const auto by_position =
+        std::get<1>(at::sort(at::where(live, pos, at::full({}, std::numeric_limits<int64_t>::max(), pos.options())),
+                             /*dim=*/1));  // slots, oldest first, dead last
+    const auto order = std::get<1>(at::sort(key.gather(1, by_position), /*stable=*/true, /*dim=*/1,
+                                            /*descending=*/false))
+                           .narrow(1, 0, columns);
+    const auto col = at::arange(columns, pos.options()).unsqueeze(0);  // [1, columns]
+    const auto valid = col.lt(n);
+    const int64_t big = std::numeric_limits<int64_t>::max();
+    const auto e = std::get<0>(at::sort(at::where(valid, by_position.gather(1, order), at::full({}, big, pos.options())), 1));
+    const auto is_hole = e.lt(new_len);                        // valid evicted slots below new_len
+    const auto holes = is_hole.sum(1, /*keepdim=*/true);       // [B, 1]
+    // Tail slots new_len + j, j < n: flag the evicted ones, then kept ones first (stable).
+    const auto tail_idx = e.sub(new_len).clamp(0, columns);    // invalid/holes -> clamped
+    const auto hit = valid.logical_and(e.ge(new_len)).to(at::kLong);
+    auto flags = at::zeros({B, columns + 1}, pos.options()).scatter_add_(1, tail_idx, hit).narrow(1, 0, columns);
+    flags = at::where(col.lt(n), flags, at::full({}, 2, flags.options()));
+    const auto kept_tail = std::get<1>(at::sort(flags, /*stable=*/true, /*dim=*/1, /*descending=*/false)).add(new_len);
+    const auto real = col.lt(holes);
+    const auto first_dst = at::where(holes.gt(0), e.narrow(1, 0, 1), at::zeros({}, e.options()));
+    const auto first_src = at::where(holes.gt(0), kept_tail.narrow(1, 0, 1), at::zeros({}, e.options()));
+    pass.dst_t = at::where(real, e, first_dst);
+    pass.src_t = at::where(real, kept_tail, first_src);
+  }
+
+  /// Moves the state rows of a pass and marks the freed tail dead.
+  void commit_state(Layer& L, Pass& pass) {
+    const int64_t B = batch_size();
+    if (host_) {
+      if (pass.columns > 0) {
+        detail::apply_moves_host(pass.src.data(), pass.dst.data(), B, pass.columns, pass.columns, L.position, 1);
+        detail::apply_moves_host(pass.src.data(), pass.dst.data(), B, pass.columns, pass.columns, L.state, 1);
+      }
+      auto* pos = L.position.template data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) {
+        std::fill(pos + b * L.slots + pass.new_len[b], pos + b * L.slots + L.len[b], int64_t{-1});
+        L.len[b] = pass.new_len[b];
+      }
+      return;
+    }
+    if (pass.columns > 0) {
+      if (!pass.src_t.defined()) {  // a host-built pass (truncate) on the tensor path
+        const auto opts = at::TensorOptions().dtype(at::kLong);
+        pass.src_t = at::tensor(pass.src, opts).view({B, pass.columns}).to(device_);
+        pass.dst_t = at::tensor(pass.dst, opts).view({B, pass.columns}).to(device_);
+      }
+      const SlotMoves m{pass.src_t, pass.dst_t};
+      auto gp = detail::gather_moves(m, L.position, 1);  // both gathers before any write
+      auto gs = detail::gather_moves(m, L.state, 1);
+      const auto nl = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).to(device_).unsqueeze(1);
+      const auto dead = at::arange(L.slots, L.position.options()).unsqueeze(0).ge(nl);
+      detail::scatter_moves(m, L.position, 1, gp);
+      detail::scatter_moves(m, L.state, 1, gs);
+      L.position.masked_fill_(dead, -1);
+    }
+    for (int64_t b = 0; b < B; ++b) L.len[b] = pass.new_len[b];
+  }
+
+  EvictionPolicyOptions options_;
+  EvictionOptions eviction_;
+  Selection selection_{eviction_};
+  Scorer scorer_;
+  at::Device device_;
+  bool host_;
+  bool check_;
+  int64_t base_slots_;
+  std::vector<uint8_t> active_;
+  std::vector<Layer> layers_;
+  at::Tensor heads_t_;  // [1] fp32 num_heads on the device (tensor path)
 };
 
 }  // namespace kvevict

@@ -5,6 +5,8 @@
 #include <kvevict/check.hpp>
 #include <kvevict/options.hpp>
 #include <kvevict/scorers.hpp>
+#include <kvevict/selection.hpp>
+#include <kvevict/slot_moves.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/mla_cache.hpp>
 #include <kvevict/mla_latent_cache.hpp>

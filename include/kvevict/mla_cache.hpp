@@ -1,7 +1,7 @@
 #pragma once
 // MlaCache: the expanded DeepSeek-V3 layout (per-head keys and values), held at a fixed size.
 
-#include <kvevict/detail/slot_cache.hpp>
+#include <kvevict/detail/cache_base.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/options.hpp>
 
@@ -35,17 +35,18 @@ struct OrderedLayer {
 ///
 /// \tparam Policy EvictionPolicy<Scorer>.
 template <class Policy = EvictionPolicy<CumulativeAttention>>
-class BasicMlaCache : public detail::SlotCache<Policy> {
-  using Base = detail::SlotCache<Policy>;
+class BasicMlaCache : public detail::CacheBase<Policy> {
+  using Base = detail::CacheBase<Policy>;
 
  public:
   /// Allocates capacity + evict_every slots per row for every layer.
   /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value.
-  BasicMlaCache(const MlaCacheOptions& options, const EvictionOptions& eviction = EvictionOptions())
-      : Base((options.validate(), options.num_layers()), options.batch_size(), options.num_heads(),
+  BasicMlaCache(const MlaCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
+                typename Policy::scorer_type scorer = typename Policy::scorer_type())
+      : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
-             options.dtype(), options.device(), options.check_finite(), Policy(eviction)),
+             options.dtype()),
         options_(options) {}
 
   const MlaCacheOptions& options() const noexcept { return options_; }
@@ -63,16 +64,29 @@ class BasicMlaCache : public detail::SlotCache<Policy> {
   /// \note Copies T rows per head; grows the buffers (geometrically) only when an append
   ///       exceeds the slots. Never synchronises with the host.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new) {
-    auto views = Base::append(layer, {k_new, v_new});
+    auto views = Base::append(layer, {k_new, v_new}, {});
+    return {views[0], views[1]};
+  }
+
+  /// update() for a ragged chunk (continuous batching, left-padded prompts): row b appends
+  /// only its last counts[b] columns of the T; the other columns are pads, never stored. A
+  /// decode row in a prefill chunk appends 1, an idle or free row 0.
+  ///
+  /// \param counts  [B] host counts, each in [0, T]; a free row must have 0.
+  /// \return as update(): views [B, H, S, ...] with S = size(layer), the longest row.
+  /// \throws c10::Error as update(), or on a bad count; the cache is unchanged then.
+  std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new,
+                                           at::IntArrayRef counts) {
+    auto views = Base::append(layer, {k_new, v_new}, counts);
     return {views[0], views[1]};
   }
 
   /// [B, H, S, qk_dim] keys of the live slots (a view, slot order, cache device); invalidated
   /// by the next update() or evict() of the layer. \throws c10::IndexError.
-  at::Tensor keys(int64_t layer) const { return Base::live(Base::at(layer))[0]; }
+  at::Tensor keys(int64_t layer) const { return Base::live(layer)[0]; }
   /// [B, H, S, v_dim] values of the live slots (a view, slot order, cache device); invalidated
   /// by the next update() or evict() of the layer. \throws c10::IndexError.
-  at::Tensor values(int64_t layer) const { return Base::live(Base::at(layer))[1]; }
+  at::Tensor values(int64_t layer) const { return Base::live(layer)[1]; }
 
   /// Copies of the live keys, values and positions of `layer` sorted by position per row.
   /// \throws c10::IndexError for a bad layer.

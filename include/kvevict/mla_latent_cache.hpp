@@ -2,7 +2,7 @@
 // MlaLatentCache: the compressed MLA layout (ckv + kpe per token, shared by all heads), the
 // layout production MLA engines store, held at a fixed size by the same eviction contract.
 
-#include <kvevict/detail/slot_cache.hpp>
+#include <kvevict/detail/cache_base.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/options.hpp>
 
@@ -33,17 +33,18 @@ struct OrderedLatentLayer {
 ///
 /// \tparam Policy EvictionPolicy<Scorer>.
 template <class Policy = EvictionPolicy<CumulativeAttention>>
-class BasicMlaLatentCache : public detail::SlotCache<Policy> {
-  using Base = detail::SlotCache<Policy>;
+class BasicMlaLatentCache : public detail::CacheBase<Policy> {
+  using Base = detail::CacheBase<Policy>;
 
  public:
   /// Allocates capacity + evict_every slots per row for every layer.
   /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value.
-  BasicMlaLatentCache(const MlaLatentCacheOptions& options, const EvictionOptions& eviction = EvictionOptions())
-      : Base((options.validate(), options.num_layers()), options.batch_size(), options.num_heads(),
+  BasicMlaLatentCache(const MlaLatentCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
+                      typename Policy::scorer_type scorer = typename Policy::scorer_type())
+      : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}},
               {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}}},
-             options.dtype(), options.device(), options.check_finite(), Policy(eviction)),
+             options.dtype()),
         options_(options) {}
 
   const MlaLatentCacheOptions& options() const noexcept { return options_; }
@@ -58,16 +59,24 @@ class BasicMlaLatentCache : public detail::SlotCache<Policy> {
   /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device; the
   ///         cache is unchanged.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& ckv_new, const at::Tensor& kpe_new) {
-    auto views = Base::append(layer, {ckv_new, kpe_new});
+    auto views = Base::append(layer, {ckv_new, kpe_new}, {});
+    return {views[0], views[1]};
+  }
+
+  /// update() for a ragged chunk: row b appends only its last counts[b] columns of the T
+  /// (left padding); see BasicMlaCache::update(layer, k_new, v_new, counts).
+  std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& ckv_new, const at::Tensor& kpe_new,
+                                           at::IntArrayRef counts) {
+    auto views = Base::append(layer, {ckv_new, kpe_new}, counts);
     return {views[0], views[1]};
   }
 
   /// [B, S, kv_lora_rank] live compressed KV (a view, slot order, cache device); invalidated
   /// by the next update() or evict() of the layer. \throws c10::IndexError.
-  at::Tensor ckv(int64_t layer) const { return Base::live(Base::at(layer))[0]; }
+  at::Tensor ckv(int64_t layer) const { return Base::live(layer)[0]; }
   /// [B, S, qk_rope_dim] live RoPE keys (a view, slot order, cache device); invalidated by
   /// the next update() or evict() of the layer. \throws c10::IndexError.
-  at::Tensor kpe(int64_t layer) const { return Base::live(Base::at(layer))[1]; }
+  at::Tensor kpe(int64_t layer) const { return Base::live(layer)[1]; }
 
   /// Copies of the live ckv, kpe and positions of `layer`, sorted by position per row.
   /// \throws c10::IndexError for a bad layer.

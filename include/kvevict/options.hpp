@@ -4,6 +4,7 @@
 #include <kvevict/check.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 
@@ -56,6 +57,52 @@ struct EvictionOptions {
   KVEVICT_ARG(int64_t, evict_every) = 1;
 };
 
+/// The shape of the eviction state EvictionPolicy keeps: layers, heads, batch rows, device, and
+/// whether observations are checked. The caches build one from their own options.
+///
+/// Example:
+/// \code
+///   auto opts = kvevict::EvictionPolicyOptions(/*num_layers=*/61, /*num_heads=*/128)
+///                   .batch_size(8).device(at::Device("cuda:0"));
+/// \endcode
+struct EvictionPolicyOptions {
+  EvictionPolicyOptions(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
+
+  /// Whether observations are checked on `device` when check_observations is unset: on for CPU
+  /// (the check runs inside the reduction's own loop), off for every other device (there each
+  /// check costs one host sync, which a GPU decode loop and CUDA-graph capture cannot afford).
+  bool checks_observations(const at::Device& device) const noexcept {
+    return check_observations_.has_value() ? *check_observations_ : device.is_cpu();
+  }
+
+  /// Throws c10::ValueError naming the offending value: a size < 1 or above 2^40, or
+  /// layers x rows above 2^40 (the host state would not fit).
+  void validate(const char* type = "EvictionPolicyOptions") const {
+    constexpr int64_t kMax = EvictionOptions::kMaxTokens;
+    KVEVICT_CHECK_VALUE(num_layers_ >= 1 && num_layers_ <= kMax, type, ": num_layers must be in [1, 2^40], got ",
+                        num_layers_);
+    KVEVICT_CHECK_VALUE(batch_size_ >= 1 && batch_size_ <= kMax, type, ": batch_size must be in [1, 2^40], got ",
+                        batch_size_);
+    KVEVICT_CHECK_VALUE(num_heads_ >= 1 && num_heads_ <= kMax, type, ": num_heads must be in [1, 2^40], got ",
+                        num_heads_);
+    KVEVICT_CHECK_VALUE(num_layers_ <= kMax / batch_size_, type, ": num_layers x batch_size must be <= 2^40, got ",
+                        num_layers_, " x ", batch_size_);
+  }
+
+  /// Decoder layers, each with its own eviction state.
+  KVEVICT_ARG(int64_t, num_layers);
+  /// Attention heads whose probabilities observe() receives: probs are [B, num_heads, Q, S].
+  KVEVICT_ARG(int64_t, num_heads);
+  /// Batch rows (B): each row holds one sequence at a time. Default: 1.
+  KVEVICT_ARG(int64_t, batch_size) = 1;
+  /// Device of the state (positions, scores); inputs must be on it. Default: CPU.
+  KVEVICT_ARG(at::Device, device) = at::Device(at::kCPU);
+  /// Check every observation: probabilities finite and in [0, 1], zero where a key is newer than
+  /// its query (causal), and the resulting rank finite; a failed check throws and changes
+  /// nothing. Unset (the default): on for CPU, off for CUDA, where each check costs a host sync.
+  KVEVICT_ARG(c10::optional<bool>, check_observations) = c10::nullopt;
+};
+
 namespace detail {
 
 /// Options every cache layout shares; `Derived` is the layout's options type, so chained
@@ -64,30 +111,36 @@ template <class Derived>
 struct CacheOptionsBase {
   CacheOptionsBase(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
 
-  /// Throws c10::ValueError naming the offending value: a size < 1 or a non-floating dtype.
+  /// Throws c10::ValueError naming the offending value: a size < 1 or > 2^40, or a
+  /// non-floating dtype.
   void validate() const {
     const char* type = Derived::kName;
-    KVEVICT_CHECK_VALUE(num_layers_ >= 1, type, ": num_layers must be >= 1, got ", num_layers_);
-    KVEVICT_CHECK_VALUE(batch_size_ >= 1, type, ": batch_size must be >= 1, got ", batch_size_);
-    KVEVICT_CHECK_VALUE(num_heads_ >= 1, type, ": num_heads must be >= 1, got ", num_heads_);
+    policy_options().validate(type);
     KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_), type,
                         ": dtype must be a floating type (float32, float16, bfloat16, float64), got ", dtype_);
     static_cast<const Derived&>(*this).validate_layout();
+  }
+
+  /// The eviction state's shape for these options.
+  EvictionPolicyOptions policy_options() const {
+    return EvictionPolicyOptions(num_layers_, num_heads_)
+        .batch_size(batch_size_)
+        .device(device_)
+        .check_observations(check_observations_);
   }
 
   /// Decoder layers, each with its own buffers and eviction state.
   KVEVICT_ARG_AS(Derived, int64_t, num_layers);
   /// Attention heads per layer (DeepSeek-V3: 128); observed probabilities are [B, H, Q, S].
   KVEVICT_ARG_AS(Derived, int64_t, num_heads);
-  /// Sequences decoded together (B). Default: 1.
+  /// Batch rows (B), each holding one sequence at a time. Default: 1.
   KVEVICT_ARG_AS(Derived, int64_t, batch_size) = 1;
   /// Storage dtype of the cached rows. Default: at::kFloat.
   KVEVICT_ARG_AS(Derived, at::ScalarType, dtype) = at::kFloat;
   /// Device of every buffer; inputs must be on it. Default: CPU.
   KVEVICT_ARG_AS(Derived, at::Device, device) = at::Device(at::kCPU);
-  /// Reject non-finite observed scores (throws, state unchanged). On CUDA this costs one
-  /// host sync per observe; switch it off for a sync-free step. Default: true.
-  KVEVICT_ARG_AS(Derived, bool, check_finite) = true;
+  /// See EvictionPolicyOptions::check_observations. Default: unset (on for CPU, off for CUDA).
+  KVEVICT_ARG_AS(Derived, c10::optional<bool>, check_observations) = c10::nullopt;
 };
 
 }  // namespace detail
@@ -95,7 +148,7 @@ struct CacheOptionsBase {
 /// Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys
 /// `[batch_size, num_heads, S, qk_dim]` and values `[batch_size, num_heads, S, v_dim]`
 /// (DeepSeek-V3: qk_dim = 128 no-RoPE + 64 RoPE = 192, v_dim = 128). Also: num_layers,
-/// num_heads, batch_size, dtype, device, check_finite (detail::CacheOptionsBase). Checked by
+/// num_heads, batch_size, dtype, device, check_observations (detail::CacheOptionsBase). Checked by
 /// validate(), which the cache calls when built.
 ///
 /// Example:
@@ -120,7 +173,7 @@ struct MlaCacheOptions : detail::CacheOptionsBase<MlaCacheOptions> {
 /// Shape, dtype and device of a latent-layout cache (MlaLatentCache): per layer, the
 /// compressed KV `ckv [batch_size, S, kv_lora_rank]` (after kv_a_layernorm) and the RoPE key
 /// `kpe [batch_size, S, qk_rope_dim]` (after RoPE), shared by all heads (DeepSeek-V3: 512 and
-/// 64). Also: num_layers, num_heads, batch_size, dtype, device, check_finite. Checked by
+/// 64). Also: num_layers, num_heads, batch_size, dtype, device, check_observations. Checked by
 /// validate(), which the cache calls when built.
 ///
 /// Example:

@@ -1,42 +1,132 @@
 #pragma once
-// Scorers: how observed attention becomes the per-token score that ranks heavy hitters.
-// A Scorer is the template argument of EvictionPolicy. It is a description, not code: the
-// cache reads its three flags and runs one reduction for all of them, on CPU or CUDA.
+// Scorers: how observed attention becomes the per-token state that ranks heavy hitters.
 //
-// Input: attention probabilities p [B, H, Q, S] (any floating dtype; the Q newest tokens as
-// queries, S = the layer's live tokens in slot order). State: fp32 [B, S] per layer.
+// A Scorer is the template argument of EvictionPolicy (and of the caches through it), and an
+// object the policy holds (so it may carry parameters, e.g. DecayedAttention's gamma). The
+// policy does the reduction of the probabilities; the scorer only says which queries count,
+// how much state a token keeps, how an observation changes it, and how the state ranks.
+//
+// What a scorer receives, per batch row b and live token s, for one observe() call:
+//   contribution  fp32: the mean over heads of the attention that the observed queries gave the
+//                 token, c = float(sum_h sum_q round(p[b, h, q, s] * 2^32)) * 2^-32 / H.
+//                 Each term is an integer (fixed point, 32 fractional bits: a probability
+//                 below 2^-33 counts as 0), summed in double: exact, so the sum has one value
+//                 whatever the order of the reduction, on the CPU loops, on the tensor path
+//                 (CUDA) and across tensor-parallel ranks. Probabilities outside [0, 1] are
+//                 clamped (observe() rejects them when checks are on); a non-finite one makes
+//                 the contribution NaN, which ranks lowest. Queries: every real query of the
+//                 newest append, or only its last one when kLastQueryOnly. Pads never count.
+//   observers     fp32: how many of those queries could see the token (query position >=
+//                 token position).
+// add_scores() passes the caller's score as the contribution and 1 as observers.
+//
+// The interface (host and tensor forms must perform the same fp32 operations in the same order,
+// so both paths keep the same tokens):
+//   static constexpr const char* kName;
+//   static constexpr bool kLastQueryOnly;     // reduce only the last real query of a row
+//   static constexpr int64_t kStateWidth;     // fp32 values per token, all 0 when it is appended
+//   void apply(float* state, float contribution, float observers) const;        // one token
+//   float rank(const float* state) const;                                       // one token
+//   void apply(const at::Tensor& state, const at::Tensor& contribution,
+//              const at::Tensor& observers) const;  // state [B, S, W] in place; others [B, S]
+//   at::Tensor rank(const at::Tensor& state) const; // [B, S, W] -> [B, S] fp32
+// Lower rank is evicted first (ties: the older position; non-finite ranks lowest).
+
+#include <kvevict/check.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
 
 namespace kvevict {
 
 /// H2O's accumulated attention (Zhang et al. 2023, "H2O", Sec. 3.2 and 4; the default):
-/// `score[b, s] += mean_h sum_q p[b, h, q, s]`.
+/// `score += contribution`, i.e. `score[b, s] += mean_h sum_q p[b, h, q, s]`. Older tokens have
+/// been observed more often, so under uniform attention they score higher than newer ones.
 struct CumulativeAttention {
   static constexpr const char* kName = "CumulativeAttention";
-  /// Reduce only the last query (else sum over all Q queries).
   static constexpr bool kLastQueryOnly = false;
-  /// Replace the score with each observation (else add to it).
-  static constexpr bool kReplace = false;
-  /// Rank by the sum divided by the number of observed queries that could see the token.
-  static constexpr bool kPerObservation = false;
+  static constexpr int64_t kStateWidth = 1;  // {score}
+  void apply(float* state, float c, float /*observers*/) const noexcept { state[0] += c; }
+  float rank(const float* state) const noexcept { return state[0]; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& /*observers*/) const {
+    state.select(2, 0).add_(c);
+  }
+  at::Tensor rank(const at::Tensor& state) const { return state.select(2, 0); }
 };
 
-/// The cumulative sum divided by how many observed queries could see token s (causally:
-/// query position >= token position); 0 before any observation. Removes H2O's bias toward
-/// old tokens, which have been observed more often (as in Keyformer / NACL-style averages).
+/// The cumulative sum divided by how many observed queries could see the token (causally:
+/// query position >= token position); 0 before any observation. Removes H2O's bias toward old
+/// tokens (as in Keyformer / NACL-style averages): under uniform attention it ranks like a
+/// sliding window. Counts are fp32, exact up to 2^24 observations of one token.
 struct MeanObservedAttention {
   static constexpr const char* kName = "MeanObservedAttention";
   static constexpr bool kLastQueryOnly = false;
-  static constexpr bool kReplace = false;
-  static constexpr bool kPerObservation = true;
+  static constexpr int64_t kStateWidth = 2;  // {sum, observers}
+  void apply(float* state, float c, float observers) const noexcept {
+    state[0] += c;
+    state[1] += observers;
+  }
+  float rank(const float* state) const noexcept { return state[1] > 0.f ? state[0] / state[1] : 0.f; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& observers) const {
+    state.select(2, 0).add_(c);
+    state.select(2, 1).add_(observers);
+  }
+  at::Tensor rank(const at::Tensor& state) const {
+    const auto sum = state.select(2, 0), n = state.select(2, 1);
+    return at::where(n.gt(0), sum.div(n), at::zeros({}, sum.options()));
+  }
 };
 
 /// TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs", Sec. 4): the last query's
-/// attention only, `score[b, s] = mean_h p[b, h, Q-1, s]`.
+/// attention only, `score[b, s] = mean_h p[b, h, Q-1, s]`, replacing the previous score.
 struct LatestAttention {
   static constexpr const char* kName = "LatestAttention";
   static constexpr bool kLastQueryOnly = true;
-  static constexpr bool kReplace = true;
-  static constexpr bool kPerObservation = false;
+  static constexpr int64_t kStateWidth = 1;  // {score}
+  void apply(float* state, float c, float /*observers*/) const noexcept { state[0] = c; }
+  float rank(const float* state) const noexcept { return state[0]; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& /*observers*/) const {
+    state.select(2, 0).copy_(c);
+  }
+  at::Tensor rank(const at::Tensor& state) const { return state.select(2, 0); }
+};
+
+/// H2O with exponential decay, the worked example of a scorer with a parameter: each
+/// observation multiplies the score by `gamma` before adding its contribution,
+/// `score = gamma * score + contribution`, so a heavy hitter that attention stopped visiting
+/// fades: H2O's accumulation (Zhang et al. 2023, Sec. 3.2) turned into an exponential moving
+/// sum, the usual remedy for stale heavy hitters. gamma = 1 is CumulativeAttention; gamma = 0
+/// ranks by the latest observation summed over its queries.
+///
+/// Bit-identical paths need the host's `score * gamma` and `+ c` rounded apart, as the tensor
+/// path's two kernels are: builds that contract them into one FMA (e.g. -march with FMA and
+/// -ffp-contract=fast) may differ from the tensor path in the last bit.
+struct DecayedAttention {
+  static constexpr const char* kName = "DecayedAttention";
+  static constexpr bool kLastQueryOnly = false;
+  static constexpr int64_t kStateWidth = 1;  // {score}
+
+  /// \param gamma  decay per observation, in [0, 1]. Default 0.9.
+  /// \throws c10::ValueError if gamma is outside [0, 1] or NaN.
+  explicit DecayedAttention(float gamma = 0.9f) : gamma_(gamma) {
+    KVEVICT_CHECK_VALUE(gamma >= 0.f && gamma <= 1.f, "DecayedAttention: gamma must be in [0, 1], got ", gamma);
+  }
+  float gamma() const noexcept { return gamma_; }
+
+  void apply(float* state, float c, float /*observers*/) const noexcept {
+    volatile float decayed = state[0] * gamma_;  // rounded on its own, as the tensor path's mul_
+    state[0] = decayed + c;
+  }
+  float rank(const float* state) const noexcept { return state[0]; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& /*observers*/) const {
+    state.select(2, 0).mul_(gamma_).add_(c);
+  }
+  at::Tensor rank(const at::Tensor& state) const { return state.select(2, 0); }
+
+ private:
+  float gamma_;
 };
 
 }  // namespace kvevict

@@ -23,12 +23,12 @@ int main() {
   for (int64_t layer = 0; layer < 2; ++layer) {
     cache.update(layer, at::randn({B, H, 12, qk}), at::randn({B, H, 12, v}));  // prefill
     kvevict::attend(at::randn({B, H, 12, qk}), cache, layer);
-    expect(cache.evict(layer) == 4, "prefill pass evicts 12 - 8 = 4 per row");
+    expect(cache.evict(layer) == B * 4, "prefill pass evicts 12 - 8 = 4 per row");
     for (int step = 0; step < 5; ++step) {
       cache.update(layer, at::randn({B, H, 1, qk}), at::randn({B, H, 1, v}));
       const auto out = kvevict::attend(at::randn({B, H, 1, qk}), cache, layer);
       expect(out.size(0) == B && out.size(1) == H && out.size(2) == 1 && out.size(3) == v, "attend output [B, H, 1, v]");
-      expect(cache.evict(layer) == 1, "one token evicted per decode step");
+      expect(cache.evict(layer) == B * 1, "one token per row evicted per decode step");
       expect(cache.size(layer) == 8, "size back at capacity");
     }
     expect(cache.seen_tokens(layer) == 17, "17 tokens seen");
@@ -36,7 +36,7 @@ int main() {
   }
   const auto stats = cache.stats();
   expect(stats.eviction_events == 12, "6 passes per layer");
-  expect(stats.tokens_evicted_per_row == 18, "9 tokens per row per layer");
+  expect(stats.tokens_evicted == B * 18, "9 tokens per row per layer");
   expect(kvevict::bytes_per_token(kvevict::MlaMemoryConfig{}, kvevict::Layout::kLatent) == 70272, "memory model");
   if (failures == 0) std::printf("consumer: OK (kvevict %d.%d.%d)\n", KVEVICT_VERSION_MAJOR, KVEVICT_VERSION_MINOR, KVEVICT_VERSION_PATCH);
   return failures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;

@@ -1,4 +1,4 @@
-// EvictionPolicy on plain tensors: keep_indices (prefill compression), evict_slots (the tensor
+// Selection on plain tensors: keep_indices (prefill compression), evict_slots (the tensor
 // path the caches run on CUDA) and evict_slots_row (the host path the caches run on CPU),
 // against the brute-force oracle and the contract rules one by one (docs/DESIGN.md, "The contract").
 #include "support.hpp"
@@ -16,7 +16,7 @@
 
 using Catch::Matchers::Contains;
 using kvevict::EvictionOptions;
-using Policy = kvevict::EvictionPolicy<>;
+using Policy = kvevict::Selection;
 
 namespace {
 
@@ -219,7 +219,7 @@ void check_hand_row(const EvictionOptions& o, const std::vector<double>& scores,
 }  // namespace
 
 TEST_CASE("keep_indices returns [B, min(S, capacity)] int64 positions, ascending, on the scores' device",
-          "[policy][cpu]") {
+          "[selection][cpu]") {
   const Policy policy(EvictionOptions(3).n_sink(2).n_recent(2));  // capacity 7
   std::mt19937 rng(11);
   for (int64_t S : {1, 4, 6, 7, 8, 9, 20}) {
@@ -242,7 +242,7 @@ TEST_CASE("keep_indices returns [B, min(S, capacity)] int64 positions, ascending
 }
 
 TEST_CASE("keep_indices matches the oracle on random integer scores with NaN and inf, any floating dtype",
-          "[policy][cpu]") {
+          "[selection][cpu]") {
   std::mt19937 rng(1234);
   for (const auto& o : configs()) {
     const Policy policy(o);
@@ -261,7 +261,7 @@ TEST_CASE("keep_indices matches the oracle on random integer scores with NaN and
 }
 
 TEST_CASE("evict_slots (tensor path) matches the oracle on random rows with permuted positions",
-          "[policy][cpu]") {
+          "[selection][cpu]") {
   std::mt19937 rng(99);
   for (const auto& o : configs()) {
     const Policy policy(o);
@@ -278,7 +278,7 @@ TEST_CASE("evict_slots (tensor path) matches the oracle on random rows with perm
   }
 }
 
-TEST_CASE("evict_slots_row (host path) matches the oracle on random cache rows", "[policy][cpu]") {
+TEST_CASE("evict_slots_row (host path) matches the oracle on random cache rows", "[selection][cpu]") {
   std::mt19937 rng(4321);
   std::vector<kvevict::detail::Candidate> scratch;  // reused across rows of every size, as the caches do
   for (const auto& o : configs()) {
@@ -296,7 +296,7 @@ TEST_CASE("evict_slots_row (host path) matches the oracle on random cache rows",
   }
 }
 
-TEST_CASE("evict_slots and evict_slots_row agree slot for slot on cache rows", "[policy][cpu]") {
+TEST_CASE("evict_slots and evict_slots_row agree slot for slot on cache rows", "[selection][cpu]") {
   std::mt19937 rng(5);
   std::vector<kvevict::detail::Candidate> scratch;
   for (const auto& o : configs()) {
@@ -316,7 +316,7 @@ TEST_CASE("evict_slots and evict_slots_row agree slot for slot on cache rows", "
   }
 }
 
-TEST_CASE("evict_slots returns [B, 0] while S <= capacity", "[policy][cpu]") {
+TEST_CASE("evict_slots returns [B, 0] while S <= capacity", "[selection][cpu]") {
   const Policy policy(EvictionOptions(2).n_sink(1).n_recent(1));  // capacity 4
   for (int64_t S : {1, 3, 4}) {
     const auto ev = policy.evict_slots(at::zeros({2, S}), at::arange(S, at::kLong).expand({2, S}).contiguous());
@@ -325,13 +325,13 @@ TEST_CASE("evict_slots returns [B, 0] while S <= capacity", "[policy][cpu]") {
   }
 }
 
-TEST_CASE("Contract: sinks are kept whatever their score, non-finite included", "[policy][cpu]") {
+TEST_CASE("Contract: sinks are kept whatever their score, non-finite included", "[selection][cpu]") {
   // Sinks 0, 1 score lowest (and NaN); window 5; candidates 2..4 keep the best one, 4.
   check_hand_row(EvictionOptions(1).n_sink(2).n_recent(1), {-5, kNaN, 1, 2, 3, -7}, {0, 1, 4, 5});
   check_hand_row(EvictionOptions(0).n_sink(3).n_recent(0), {-kInf, -1, kNaN, 9, 9, 9}, {0, 1, 2});
 }
 
-TEST_CASE("Contract: the recent window is exactly n_recent tokens, the newest included", "[policy][cpu]") {
+TEST_CASE("Contract: the recent window is exactly n_recent tokens, the newest included", "[selection][cpu]") {
   // Old tokens all outscore the window; only the three newest survive.
   check_hand_row(EvictionOptions(0).n_sink(0).n_recent(3), {9, 9, 9, 9, 9, 9, 0, 0}, {5, 6, 7});
   // Window 2 + one heavy hitter: position 5 (score 0) is just outside the window and evicted.
@@ -340,7 +340,7 @@ TEST_CASE("Contract: the recent window is exactly n_recent tokens, the newest in
   check_hand_row(EvictionOptions(1).n_sink(0).n_recent(2), {1, 2, 3, kNaN, kInf}, {2, 3, 4});
 }
 
-TEST_CASE("Contract: among equal scores the older token is evicted first", "[policy][cpu]") {
+TEST_CASE("Contract: among equal scores the older token is evicted first", "[selection][cpu]") {
   check_hand_row(EvictionOptions(2).n_sink(0).n_recent(0), {1, 1, 1, 1, 1, 1}, {4, 5});
   check_hand_row(EvictionOptions(3).n_sink(0).n_recent(0), {3, 1, 1, 1, 3, 0}, {0, 3, 4});
   // Negative zero ties with zero.
@@ -353,7 +353,7 @@ TEST_CASE("Contract: among equal scores the older token is evicted first", "[pol
   check_hand_row(EvictionOptions(2).n_sink(0).n_recent(0), {-0.0, 0.0, 1}, {1, 2});
 }
 
-TEST_CASE("Contract: non-finite scores rank below every finite score, ties by position", "[policy][cpu]") {
+TEST_CASE("Contract: non-finite scores rank below every finite score, ties by position", "[selection][cpu]") {
   // +inf is not "most attended": every finite candidate outranks it.
   check_hand_row(EvictionOptions(2).n_sink(0).n_recent(0), {kNaN, kInf, -kInf, -1e30, 0}, {3, 4});
   // Finite candidates run out: the newest non-finite fills the budget.
@@ -371,7 +371,7 @@ TEST_CASE("Contract: non-finite scores rank below every finite score, ties by po
   check_hand_row(EvictionOptions(2).n_sink(1).n_recent(1), {kNaN, kInf, 3, kNaN, kNaN}, {0, 2, 3, 4});
 }
 
-TEST_CASE("Contract: rows of a batch choose independently", "[policy][cpu]") {
+TEST_CASE("Contract: rows of a batch choose independently", "[selection][cpu]") {
   const Policy policy(EvictionOptions(1).n_sink(1).n_recent(1));
   // Row 0 favours position 2, row 1 position 4; summed over rows, 4 (1+5) would beat 2 (5+0).
   const auto scores = at::tensor({0.f, 0.f, 5.f, 0.f, 1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 5.f, 0.f}).view({2, 6});
@@ -389,22 +389,22 @@ TEST_CASE("Contract: rows of a batch choose independently", "[policy][cpu]") {
   CHECK(at::equal(policy.evict_slots(changed, pos)[0], ev[0]));
 }
 
-TEST_CASE("Contract: budget 0 keeps exactly sinks and window", "[policy][cpu]") {
+TEST_CASE("Contract: budget 0 keeps exactly sinks and window", "[selection][cpu]") {
   check_hand_row(EvictionOptions(0).n_sink(1).n_recent(2), {0, 9, 9, 9, 9, 0, 0}, {0, 5, 6});
   check_hand_row(EvictionOptions(0).n_sink(2).n_recent(0), {0, 0, 9, 9}, {0, 1});
 }
 
-TEST_CASE("Contract: n_sink 0 lets position 0 be evicted", "[policy][cpu]") {
+TEST_CASE("Contract: n_sink 0 lets position 0 be evicted", "[selection][cpu]") {
   check_hand_row(EvictionOptions(2).n_sink(0).n_recent(1), {0, 3, 1, 2, 0}, {1, 3, 4});
   check_hand_row(EvictionOptions(2).n_sink(0).n_recent(1), {5, 3, 1, 2, 0}, {0, 1, 4});
 }
 
-TEST_CASE("Contract: n_recent 0 lets the newest token be evicted", "[policy][cpu]") {
+TEST_CASE("Contract: n_recent 0 lets the newest token be evicted", "[selection][cpu]") {
   check_hand_row(EvictionOptions(2).n_sink(1).n_recent(0), {0, 3, 1, 2, 0}, {0, 1, 3});
   check_hand_row(EvictionOptions(1).n_sink(0).n_recent(0), {1, 2, 3}, {2});
 }
 
-TEST_CASE("Selection is deterministic over repeated calls", "[policy][cpu]") {
+TEST_CASE("Selection is deterministic over repeated calls", "[selection][cpu]") {
   const Policy policy(EvictionOptions(3).n_sink(1).n_recent(2));
   std::mt19937 rng(3);
   const auto rows = prefill_rows(rng, 4, 30, 0.2);
@@ -418,7 +418,7 @@ TEST_CASE("Selection is deterministic over repeated calls", "[policy][cpu]") {
   }
 }
 
-TEST_CASE("keep_indices rejects scores that are not 2-D floating", "[policy][errors][cpu]") {
+TEST_CASE("keep_indices rejects scores that are not 2-D floating", "[selection][errors][cpu]") {
   const Policy policy(EvictionOptions(1).n_sink(1).n_recent(1));
   CHECK_THROWS_WITH(policy.keep_indices(at::zeros({5})), Contains("scores must be [B, S]") && Contains("got [5]"));
   CHECK_THROWS_WITH(policy.keep_indices(at::zeros({1, 2, 5})), Contains("got [1, 2, 5]"));
@@ -431,7 +431,7 @@ TEST_CASE("keep_indices rejects scores that are not 2-D floating", "[policy][err
 // fp32 before ranking, so double scores that differ below fp32 resolution tie (and the older
 // is evicted although it scores higher), and finite doubles above FLT_MAX become +inf and rank
 // below every finite score.
-TEST_CASE("keep_indices ranks double scores by their value", "[policy][cpu]") {
+TEST_CASE("keep_indices ranks double scores by their value", "[selection][cpu]") {
   const Policy policy(EvictionOptions(1).n_sink(0).n_recent(0));
   CHECK(kvevict_test::to_vec<int64_t>(policy.keep_indices(at::tensor({1.0 + 1e-12, 1.0}, at::kDouble).view({1, 2}))) ==
         std::vector<int64_t>{0});
@@ -441,7 +441,7 @@ TEST_CASE("keep_indices ranks double scores by their value", "[policy][cpu]") {
 
 // Known bug (reported to the lead, failing until fixed): evict_slots checks nothing, so a
 // caller's shape mistake surfaces as a raw ATen narrow/gather error (contract rule 8).
-TEST_CASE("evict_slots rejects mismatched or non-2-D scores and positions, naming them", "[policy][errors][cpu]") {
+TEST_CASE("evict_slots rejects mismatched or non-2-D scores and positions, naming them", "[selection][errors][cpu]") {
   const Policy policy(EvictionOptions(1).n_sink(0).n_recent(0));
   CHECK_THROWS_WITH(policy.evict_slots(at::zeros({1, 4}), at::arange(3, at::kLong).view({1, 3})),
                     Contains("kvevict") && Contains("positions"));
@@ -450,7 +450,7 @@ TEST_CASE("evict_slots rejects mismatched or non-2-D scores and positions, namin
   CHECK_THROWS_WITH(policy.evict_slots(at::zeros({4}), at::arange(4, at::kLong)), Contains("kvevict") && Contains("scores"));
 }
 
-TEST_CASE("keep_indices and evict_slots match the oracle on CUDA, outputs on the device", "[policy][cuda]") {
+TEST_CASE("keep_indices and evict_slots match the oracle on CUDA, outputs on the device", "[selection][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   const at::Device cuda(at::kCUDA, 0);
   std::mt19937 rng(77);

@@ -1,0 +1,426 @@
+#pragma once
+// What every cache layout shares: per-layer buffers in the layout's shape, owned next to one
+// EvictionPolicy that decides where rows go. A layout (MlaCache, MlaLatentCache) names its
+// buffers and their token dims; appending, moving, growing and shrinking rows are here.
+
+#include <kvevict/check.hpp>
+#include <kvevict/eviction_policy.hpp>
+#include <kvevict/slot_moves.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvevict {
+namespace detail {
+
+/// One per-token buffer of a layout: shape [B, outer..., slots, inner].
+struct BufferSpec {
+  std::string name;                    // argument name, e.g. "k_new"
+  std::vector<int64_t> outer;          // dims between batch and token, e.g. {H}; {} for latent
+  int64_t inner;                       // row width, e.g. 192
+  std::vector<std::string> dim_names;  // for messages, e.g. {"B", "H", "T", "qk_dim"}
+};
+
+/// Buffers of every layer over one EvictionPolicy; the base of every cache layout. Live tokens
+/// of row b fill slots [0, size(layer, b)); views are [.., size(layer), ..] wide (the longest
+/// row), and slots past a row's own length hold stale rows that positions() marks -1.
+///
+/// CUDA graphs: with observation checks off, a steady-state step (one token per row, observe,
+/// evict) has static shapes and no host sync, so it can be captured and replayed once the
+/// buffers stop moving (reserve() pins them). Replays advance what lives on the device (rows,
+/// positions, scores; positions come from a device-side counter), not the host counters:
+/// seen_tokens() and stats() keep their values from the capture.
+template <class Policy>
+class CacheBase {
+ public:
+  using policy_type = Policy;
+  using scorer_type = typename Policy::scorer_type;
+
+  /// A cache owns its buffers: copying would alias them, so only moves are allowed.
+  CacheBase(const CacheBase&) = delete;
+  CacheBase& operator=(const CacheBase&) = delete;
+  CacheBase(CacheBase&&) noexcept = default;
+  CacheBase& operator=(CacheBase&&) noexcept = default;
+
+  /// Capacity n_sink + budget + n_recent: tokens per row after an eviction pass.
+  int64_t capacity() const noexcept { return policy_.capacity(); }
+  int64_t num_layers() const noexcept { return policy_.num_layers(); }
+  int64_t batch_size() const noexcept { return policy_.batch_size(); }
+  int64_t num_heads() const noexcept { return policy_.num_heads(); }
+  at::ScalarType dtype() const noexcept { return dtype_; }
+  at::Device device() const noexcept { return policy_.device(); }
+  /// The eviction state (read-only: change it through the cache, which moves the rows too).
+  const Policy& policy() const noexcept { return policy_; }
+
+  /// The longest row of `layer`: the token width S of views, positions and probabilities.
+  /// \throws c10::IndexError for a bad layer.
+  int64_t size(int64_t layer) const { return policy_.size(layer); }
+  /// Live tokens of `row` in `layer`. \throws c10::IndexError.
+  int64_t size(int64_t layer, int64_t row) const { return policy_.size(layer, row); }
+  /// The most tokens ever appended to a row of `layer` (equal rows: their seen tokens).
+  int64_t seen_tokens(int64_t layer) const { return policy_.seen_tokens(layer); }
+  /// Tokens ever appended to `row` of `layer`: the position of its next token.
+  int64_t seen_tokens(int64_t layer, int64_t row) const { return policy_.seen_tokens(layer, row); }
+  /// Slots allocated per row in `layer` (see reserve() and README "Memory").
+  int64_t slots(int64_t layer) const { return policy_.slots(layer); }
+
+  /// [B, size] int64 original position of each slot, slot order (not sorted; see ordered()),
+  /// -1 past a row's length. A copy, on the cache's device.
+  at::Tensor positions(int64_t layer) const { return policy_.positions(layer); }
+  /// [B, size] fp32 rank of each slot (the accumulated score, or for MeanObservedAttention the
+  /// sum divided by its observers), 0 past a row's length. A copy.
+  at::Tensor scores(int64_t layer) const { return policy_.scores(layer); }
+
+  /// Feeds attention probabilities to the scorer: EvictionPolicy::observe() (shape
+  /// [B, H, Q, S], queries right-aligned on the newest append, pads ignored).
+  /// \throws c10::Error as EvictionPolicy::observe(); the cache is unchanged then.
+  void observe(int64_t layer, const at::Tensor& probs) { policy_.observe(layer, probs); }
+  /// Adds caller-computed scores [B, S]: EvictionPolicy::add_scores().
+  void add_scores(int64_t layer, const at::Tensor& scores) { policy_.add_scores(layer, scores); }
+
+  /// Runs an eviction pass on `layer` if one is due (EvictionPolicy::due: a row over capacity
+  /// and evict_every updates since the last pass) and moves the K/V rows the pass says; else a
+  /// no-op. Buffers grown by a long append shrink back to max(capacity + evict_every, reserved)
+  /// slots after the pass.
+  ///
+  /// \return tokens evicted, summed over rows (0 if no pass ran).
+  /// \throws c10::IndexError for a bad layer. A throw (allocation failure on the tensor path)
+  ///         leaves the cache as it was.
+  /// \note CPU: no allocation in the steady state. CUDA: tensor ops only, no host sync, static
+  ///       shapes in the steady state.
+  int64_t evict(int64_t layer) {
+    if (!policy_.due(layer)) return 0;
+    auto pass = policy_.plan(layer);
+    auto& bufs = buffers_[layer];
+    int64_t evicted = 0;
+    for (const auto n : pass.n) evicted += n;
+    if (policy_.host_path()) {
+      for (size_t i = 0; i < specs_.size(); ++i) {
+        apply_moves_host(policy_.host_src(pass), policy_.host_dst(pass), batch_size(), pass.columns, pass.columns,
+                         bufs[i], token_dim(i));
+      }
+      policy_.commit(layer, pass);
+    } else {
+      const auto moves = policy_.to_moves(pass);
+      std::vector<at::Tensor> gathered;
+      if (!moves.empty()) {
+        for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i)));
+      }
+      policy_.commit(layer, pass);  // throws before changing anything, or not at all
+      for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i]);
+    }
+    const int64_t base = policy_.base_slots();
+    if (slots(layer) > base && size(layer) <= base) {
+      try {
+        resize(layer, base);
+      } catch (const c10::Error&) {
+        // Keeping the larger buffers is correct too; the next pass tries again.
+      }
+    }
+    return evicted;
+  }
+
+  /// Counters of one layer. \throws c10::IndexError for a bad layer.
+  CacheStats stats(int64_t layer) const {
+    auto s = policy_.stats(layer);
+    for (const auto& t : buffers_.at(layer)) s.bytes_allocated += t.nbytes();
+    return s;
+  }
+  /// Counters summed over layers.
+  CacheStats stats() const {
+    CacheStats total;
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const auto s = stats(l);
+      total.eviction_events += s.eviction_events;
+      total.tokens_evicted += s.tokens_evicted;
+      total.bytes_allocated += s.bytes_allocated;
+    }
+    return total;
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Sequences (continuous batching): EvictionPolicy's lifecycle, with the rows moved too.
+
+  /// True while `row` holds a sequence. \throws c10::IndexError.
+  bool active(int64_t row) const { return policy_.active(row); }
+  /// Starts a new, empty sequence in the lowest free row and returns that row.
+  /// \throws c10::Error if every row holds a sequence.
+  int64_t add_sequence() { return policy_.add_sequence(); }
+  /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
+  void finish(int64_t row) { policy_.finish(row); }
+  /// Empties `row` for a new sequence (positions restart at 0).
+  void reset(int64_t row) { policy_.reset(row); }
+
+  /// Empties every layer and row for new sequences (positions restart at 0), makes every row
+  /// active, and gives back the slots grown by long appends.
+  /// \throws c10::Error if the smaller buffers cannot be allocated; the cache is unchanged then.
+  void reset() {
+    std::vector<std::vector<at::Tensor>> fresh;
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      fresh.push_back(slots(l) == policy_.base_slots() ? buffers_[l] : allocate(policy_.base_slots()));
+    }
+    policy_.reset();
+    buffers_ = std::move(fresh);
+  }
+
+  /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
+  /// rejected drafts of speculative decoding) and moves the rows to match.
+  /// \throws c10::Error if a dropped token was already evicted, k is out of range or the row is
+  ///         free; the cache is unchanged then.
+  void truncate(int64_t row, int64_t k) {
+    auto moves = policy_.truncate(row, k);
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      for (size_t i = 0; i < specs_.size(); ++i) apply_moves(moves[l], buffers_[l][i], token_dim(i));
+    }
+  }
+
+  /// Pre-sizes every layer to at least `slots` slots per row, and never shrinks below that
+  /// afterwards: appends that fit never move the buffers, so CUDA graphs captured after this
+  /// call stay valid.
+  /// \throws c10::Error if slots is out of range or cannot be allocated; nothing changes then.
+  void reserve(int64_t slots_per_row) {
+    KVEVICT_CHECK_VALUE(slots_per_row >= 1 && slots_per_row <= EvictionOptions::kMaxTokens,
+                        "reserve: slots must be in [1, 2^40], got ", slots_per_row);
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      if (slots(l) < slots_per_row) resize(l, slots_per_row);
+    }
+    policy_.reserve(slots_per_row);
+  }
+
+ protected:
+  CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype)
+      : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype) {
+    try {
+      for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots()));
+    } catch (const c10::Error& e) {
+      fail_allocation(e.what_without_backtrace());
+    } catch (const std::bad_alloc& e) {
+      fail_allocation(e.what());
+    } catch (const std::length_error& e) {
+      fail_allocation(e.what());
+    }
+  }
+
+  /// Checks new rows against the specs (defined, dense, shape, same T, dtype, device); returns T.
+  int64_t check_rows(const std::vector<at::Tensor>& rows) const {
+    if (rows_ok(rows)) return rows[0].size(token_dim(0));  // the common case: no message built
+    int64_t T = -1;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const auto& spec = specs_[i];
+      check_tensor(rows[i], spec.name.c_str(), device());
+      std::vector<int64_t> dims{batch_size()};
+      dims.insert(dims.end(), spec.outer.begin(), spec.outer.end());
+      dims.push_back(T);
+      dims.push_back(spec.inner);
+      std::string doc = "[";
+      for (size_t d = 0; d < spec.dim_names.size(); ++d) doc += (d ? ", " : "") + spec.dim_names[d];
+      doc += "]";
+      check_shape(rows[i], spec.name.c_str(), dims, spec.dim_names, doc.c_str());
+      const int64_t t = rows[i].size(token_dim(i));
+      KVEVICT_CHECK(t >= 1, spec.name, " must hold at least one token, got T = 0");
+      if (T < 0) T = t;
+      KVEVICT_CHECK_TYPE(rows[i].scalar_type() == dtype_, spec.name, " must have the cache's dtype ", dtype_,
+                         ", got ", rows[i].scalar_type());
+    }
+    return T;
+  }
+
+  /// What check_rows() checks, without building its messages: true when it would pass.
+  bool rows_ok(const std::vector<at::Tensor>& rows) const {
+    int64_t T = -1;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const auto& t = rows[i];
+      const auto& outer = specs_[i].outer;
+      const int64_t tdim = token_dim(i);
+      if (!t.defined() || t.layout() != at::kStrided || t.dim() != tdim + 2 || t.scalar_type() != dtype_ ||
+          t.device() != device()) {
+        return false;
+      }
+      if (t.size(0) != batch_size() || t.size(tdim + 1) != specs_[i].inner) return false;
+      for (size_t o = 0; o < outer.size(); ++o) {
+        if (t.size(static_cast<int64_t>(o) + 1) != outer[o]) return false;
+      }
+      if (T < 0) T = t.size(tdim);
+      if (T < 1 || t.size(tdim) != T) return false;
+    }
+    return true;
+  }
+
+  /// Appends the rows of a chunk: row b's tokens are its last counts[b] columns (all T when
+  /// `counts` is empty: every active row appends T, free rows 0). Returns views over slots
+  /// [0, size(layer)) of every buffer.
+  std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts) {
+    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
+    policy_.size(layer);      // checks the layer
+    const int64_t T = check_rows(rows);
+    const int64_t B = batch_size();
+    if (counts.empty()) {
+      counts_.resize(B);
+      for (int64_t b = 0; b < B; ++b) counts_[b] = policy_.active(b) ? T : 0;
+    } else {
+      KVEVICT_CHECK_VALUE(static_cast<int64_t>(counts.size()) == B, "counts must have B = ", B, " entries, got ",
+                          counts.size());
+      counts_.assign(counts.begin(), counts.end());
+    }
+    int64_t needed = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      KVEVICT_CHECK_VALUE(counts_[b] >= 0 && counts_[b] <= T, "counts[", b, "] must be in [0, T = ", T, "], got ",
+                          counts_[b]);
+      needed = std::max(needed, policy_.size(layer, b) + counts_[b]);
+    }
+    if (needed > slots(layer)) {
+      KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
+      policy_.check_append(layer, std::vector<int64_t>(B, 0), T);  // the other checks, before growing
+      resize(layer, std::max(needed, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens)));
+    }
+    policy_.check_append(layer, counts_, T);
+    auto& bufs = buffers_[layer];
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
+    }
+    if (policy_.host_path()) {
+      for (size_t i = 0; i < specs_.size(); ++i) copy_rows_host(layer, i, rows[i], T);
+    } else {
+      bool uniform = true;
+      for (int64_t b = 0; b < B; ++b) uniform = uniform && counts_[b] == T && size(layer, b) == size(layer, 0);
+      if (uniform) {
+        for (size_t i = 0; i < specs_.size(); ++i) bufs[i].narrow(token_dim(i), size(layer, 0), T).copy_(rows[i]);
+      } else {
+        const auto idx = policy_.append_index(layer, counts_.data(), T);
+        const auto& r = std::get<0>(idx);
+        if (r.numel() > 0) {
+          for (size_t i = 0; i < specs_.size(); ++i) {
+            auto dst = bufs[i].transpose(1, token_dim(i));
+            dst.index_put_({r, std::get<2>(idx)}, rows[i].transpose(1, token_dim(i)).index({r, std::get<1>(idx)}));
+          }
+        }
+      }
+    }
+    policy_.append_unchecked(layer, counts_.data(), T);
+    return live(layer);
+  }
+
+  /// Views over slots [0, size(layer)) of every buffer of `layer` (real views: they share the
+  /// buffer's version counter, so autograd sees a later in-place move).
+  std::vector<at::Tensor> live(int64_t layer) const {
+    const int64_t S = size(layer);
+    std::vector<at::Tensor> out;
+    out.reserve(specs_.size());
+    for (size_t i = 0; i < specs_.size(); ++i) out.push_back(buffers_[layer][i].narrow(token_dim(i), 0, S));
+    return out;
+  }
+
+  /// Position-sorted copies of every buffer of `layer`, then the sorted positions [B, S]
+  /// (slots past a row's length last, position -1).
+  std::vector<at::Tensor> ordered_buffers(int64_t layer) const {
+    const auto pos = positions(layer);
+    const auto key = at::where(pos.ge(0), pos, at::full({}, std::numeric_limits<int64_t>::max(), pos.options()));
+    const auto order = std::get<1>(at::sort(key, /*dim=*/1));
+    std::vector<at::Tensor> out;
+    const auto views = live(layer);
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const auto& view = views[i];
+      std::vector<int64_t> shape(view.dim(), 1);
+      shape[0] = batch_size();
+      shape[token_dim(i)] = view.size(token_dim(i));
+      out.push_back(view.gather(token_dim(i), order.view(shape).expand(view.sizes())));
+    }
+    out.push_back(pos.gather(1, order));
+    return out;
+  }
+
+  int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
+
+ private:
+  [[noreturn]] void fail_allocation(const std::string& why) const {
+    KVEVICT_CHECK(false, "could not allocate the cache buffers: num_layers=", num_layers(), ", batch_size=",
+                  batch_size(), ", num_heads=", num_heads(), ", ", policy_.base_slots(),
+                  " slots per row (capacity + evict_every), dtype ", dtype_, " on ", device(), ": ", why);
+    throw;  // not reached
+  }
+
+  /// New buffers of one layer with `slots` slots per row, outside InferenceMode (so they stay
+  /// usable whatever mode later calls run in).
+  std::vector<at::Tensor> allocate(int64_t slots) const {
+    c10::InferenceMode normal_tensors(false);
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> out;
+    for (const auto& spec : specs_) {
+      std::vector<int64_t> shape{batch_size()};
+      shape.insert(shape.end(), spec.outer.begin(), spec.outer.end());
+      shape.push_back(slots);
+      shape.push_back(spec.inner);
+      out.push_back(at::zeros(shape, at::TensorOptions().dtype(dtype_).device(device())));
+    }
+    return out;
+  }
+
+  /// Gives `layer` `slots` slots per row, keeping the live rows; all or nothing.
+  void resize(int64_t layer, int64_t slots) {
+    auto fresh = allocate(slots);
+    const int64_t S = size(layer);
+    if (S > 0) {
+      c10::InferenceMode normal_tensors(false);
+      for (size_t i = 0; i < specs_.size(); ++i) {
+        fresh[i].narrow(token_dim(i), 0, S).copy_(buffers_[layer][i].narrow(token_dim(i), 0, S));
+      }
+    }
+    policy_.resize_slots(layer, slots);  // may throw: then the fresh buffers are dropped
+    buffers_[layer] = std::move(fresh);
+  }
+
+  /// Host path: copies row b's last counts[b] columns of buffer `i` into slots
+  /// [size(layer, b), + counts[b]) of every [b, outer...] group. Rows are read in place whenever
+  /// each is contiguous (stride 1 in the last dim), so a narrowed or transposed input costs no
+  /// temporary copy.
+  void copy_rows_host(int64_t layer, size_t i, const at::Tensor& rows, int64_t T) {
+    const int64_t tdim = token_dim(i);
+    const auto src = rows.stride(tdim + 1) == 1 ? rows : rows.contiguous();
+    const auto sizes = src.sizes();
+    const auto strides = src.strides();
+    const int64_t elem = src.element_size(), row_bytes = specs_[i].inner * elem;
+    const auto* s = static_cast<const char*>(src.data_ptr());
+    auto& buf = buffers_[layer][i];
+    auto* d = static_cast<char*>(buf.data_ptr());
+    const int64_t slots = buf.size(tdim);
+    int64_t groups_per_row = 1;
+    for (auto o : specs_[i].outer) groups_per_row *= o;
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      const int64_t n = counts_[b];
+      if (n == 0) continue;
+      const int64_t first = size(layer, b);
+      for (int64_t g = 0; g < groups_per_row; ++g) {
+        int64_t offset = b * strides[0], rest = g;  // element offset of (b, g) in src
+        for (int64_t dim = tdim - 1; dim >= 1; --dim) {
+          offset += rest % sizes[dim] * strides[dim];
+          rest /= sizes[dim];
+        }
+        offset += (T - n) * strides[tdim];
+        char* dst = d + ((b * groups_per_row + g) * slots + first) * row_bytes;
+        if (n == 1 || strides[tdim] == specs_[i].inner) {
+          std::memcpy(dst, s + offset * elem, n * row_bytes);
+        } else {
+          for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * row_bytes, s + (offset + t * strides[tdim]) * elem, row_bytes);
+        }
+      }
+    }
+  }
+
+  Policy policy_;
+  std::vector<BufferSpec> specs_;
+  at::ScalarType dtype_;
+  std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
+  std::vector<int64_t> counts_;                   // the current append's counts (scratch)
+};
+
+}  // namespace detail
+}  // namespace kvevict

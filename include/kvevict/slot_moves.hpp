@@ -1,0 +1,163 @@
+#pragma once
+// Moving token rows in buffers the caller owns: the slot moves of an eviction pass (or a
+// rollback) and the slot mapping of an append, applied to any buffer given its token dimension:
+// [B, H, S, D] (token_dim 2), [B, S, H, D] (token_dim 1, flash_attn_with_kvcache), latent
+// [B, S, W] or a fused latent row [B, S, 576] (token_dim 1).
+
+#include <kvevict/check.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvevict {
+
+/// The row moves of one pass on one layer, the same for every buffer of that layer: for each
+/// batch row b and column j, slot `dst[b, j]` receives slot `src[b, j]`. All reads happen
+/// before any write. Columns beyond a row's own moves repeat one of its moves (or copy slot 0
+/// onto itself), so every row has the same number of columns (static shapes on CUDA).
+struct SlotMoves {
+  at::Tensor src;  // [B, n] int64 source slots, on the policy's device
+  at::Tensor dst;  // [B, n] int64 destination slots, distinct per row but for repeats
+  /// Columns per row (n); 0 when nothing moves.
+  int64_t size() const { return src.defined() ? src.size(1) : 0; }
+  bool empty() const { return size() == 0; }
+};
+
+namespace detail {
+
+/// Checks `buffer` against `moves` and `token_dim` and returns the number of slots it holds.
+inline int64_t check_moves_buffer(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim,
+                                  int64_t batch, const char* what) {
+  KVEVICT_CHECK(buffer.defined(), what, " must be a defined tensor");
+  KVEVICT_CHECK_INDEX(token_dim >= 1 && token_dim < buffer.dim(), what, ": token_dim must be in [1, ", buffer.dim(),
+                      ") for a ", buffer.dim(), "-D buffer, got ", token_dim);
+  KVEVICT_CHECK(buffer.size(0) == batch, what, ": dim 0 must be the batch (", batch, "), got ", buffer.sizes());
+  if (moves.size() > 0) {
+    KVEVICT_CHECK(buffer.device() == moves.src.device(), what, " must be on the moves' device ", moves.src.device(),
+                  ", got ", buffer.device());
+  }
+  return buffer.size(token_dim);
+}
+
+/// Element offset of slot `slot` of group `g` (g over the dims between batch and token_dim,
+/// batch included) in a contiguous buffer, and the row size in elements.
+struct RowLayout {
+  int64_t groups_per_row;  // product of dims (0, token_dim) excluding the batch
+  int64_t slots;           // size of token_dim
+  int64_t row;             // elements per token row: product of dims after token_dim
+  RowLayout(const at::Tensor& t, int64_t token_dim) : groups_per_row(1), slots(t.size(token_dim)), row(1) {
+    for (int64_t d = 1; d < token_dim; ++d) groups_per_row *= t.size(d);
+    for (int64_t d = token_dim + 1; d < t.dim(); ++d) row *= t.size(d);
+  }
+};
+
+/// Host moves on a contiguous CPU buffer: per batch row, per group, memcpy each moved row.
+inline void apply_moves_host(const int64_t* src, const int64_t* dst, int64_t batch, int64_t n, int64_t stride,
+                             const at::Tensor& buffer, int64_t token_dim) {
+  const RowLayout L(buffer, token_dim);
+  const int64_t bytes = L.row * static_cast<int64_t>(buffer.element_size());
+  auto* base = static_cast<char*>(buffer.data_ptr());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = src[b * stride + j], d = dst[b * stride + j];
+      if (s == d) continue;
+      for (int64_t g = 0; g < L.groups_per_row; ++g) {
+        char* group = base + ((b * L.groups_per_row + g) * L.slots) * bytes;
+        std::memcpy(group + d * bytes, group + s * bytes, bytes);
+      }
+    }
+  }
+}
+
+/// Tensor-op moves, first half: the source rows of every move, [B, n, rest...] (allocates).
+inline at::Tensor gather_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim) {
+  const auto rows = at::arange(buffer.size(0), moves.src.options()).unsqueeze(1);
+  return buffer.transpose(1, token_dim).index({rows, moves.src});
+}
+
+/// Tensor-op moves, second half: writes what gather_moves() read into the destinations.
+inline void scatter_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim,
+                          const at::Tensor& gathered) {
+  const auto rows = at::arange(buffer.size(0), moves.dst.options()).unsqueeze(1);
+  auto v = buffer.transpose(1, token_dim);
+  v.index_put_({rows, moves.dst}, gathered);
+}
+
+}  // namespace detail
+
+/// Applies `moves` to one buffer the caller owns, in place. Bit-exact row copies.
+///
+/// \param moves      from EvictionPolicy::evict() or truncate(), for this buffer's layer.
+/// \param buffer     [B, ..., slots, ...] any dtype, on the moves' device, token dim `token_dim`,
+///                   with at least EvictionPolicy::slots(layer) slots. E.g. keys [B, H, S, 192]
+///                   (token_dim 2), [B, S, H, D] (token_dim 1), a fused latent [B, S, 576] (1).
+/// \param token_dim  the dimension that indexes slots, in [1, buffer.dim()).
+/// \throws c10::Error if the buffer's batch, device or token_dim do not fit; nothing is moved.
+/// \note A contiguous CPU buffer moves with memcpy, without allocating; anything else uses
+///       tensor ops (gather, then index_put_), with no host sync.
+inline void apply_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim) {
+  const int64_t batch = moves.size() > 0 ? moves.src.size(0) : buffer.defined() ? buffer.size(0) : 0;
+  detail::check_moves_buffer(moves, buffer, token_dim, batch, "buffer");
+  if (moves.empty()) return;
+  const auto hi = at::max(moves.src.max(), moves.dst.max()).item<int64_t>();
+  KVEVICT_CHECK(hi < buffer.size(token_dim), "buffer: slot ", hi, " is moved but the buffer holds only ",
+                buffer.size(token_dim), " slots along token_dim ", token_dim);
+  at::NoGradGuard no_grad;
+  if (buffer.is_cpu() && buffer.is_contiguous()) {
+    const auto src = moves.src.contiguous(), dst = moves.dst.contiguous();
+    detail::apply_moves_host(src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), batch, moves.size(), moves.size(),
+                             buffer, token_dim);
+    return;
+  }
+  detail::scatter_moves(moves, buffer, token_dim, detail::gather_moves(moves, buffer, token_dim));
+}
+
+/// Writes the new tokens of an append into one buffer the caller owns, where the slot mapping
+/// of EvictionPolicy::append() says (as vLLM's reshape_and_cache does with its slot_mapping).
+///
+/// \param buffer        [B, ..., slots, ...] destination, token dim `token_dim`.
+/// \param token_dim     the dimension of `buffer` (and of `rows`) that indexes tokens.
+/// \param rows          [B, ..., T, ...] new rows, the buffer's shape with T tokens, same dtype
+///                      and device.
+/// \param slot_mapping  [B, T] int64 (any device) from EvictionPolicy::append(): the slot of
+///                      each new token, -1 for a pad (not written).
+/// \throws c10::Error on a shape, dtype or device mismatch; nothing is written then.
+inline void write_rows(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& rows,
+                       const at::Tensor& slot_mapping) {
+  KVEVICT_CHECK(buffer.defined() && rows.defined() && slot_mapping.defined(),
+                "write_rows: buffer, rows and slot_mapping must be defined tensors");
+  KVEVICT_CHECK_INDEX(token_dim >= 1 && token_dim < buffer.dim(), "write_rows: token_dim must be in [1, ",
+                      buffer.dim(), "), got ", token_dim);
+  KVEVICT_CHECK(rows.dim() == buffer.dim(), "write_rows: rows must have the buffer's ", buffer.dim(),
+                " dims, got ", rows.sizes());
+  for (int64_t d = 0; d < buffer.dim(); ++d) {
+    KVEVICT_CHECK(d == token_dim || rows.size(d) == buffer.size(d), "write_rows: rows must match the buffer ",
+                  buffer.sizes(), " in every dim but token_dim ", token_dim, ", got ", rows.sizes());
+  }
+  KVEVICT_CHECK(slot_mapping.dim() == 2 && slot_mapping.size(0) == rows.size(0) &&
+                    slot_mapping.size(1) == rows.size(token_dim),
+                "write_rows: slot_mapping must be [B, T] = [", rows.size(0), ", ", rows.size(token_dim), "], got ",
+                slot_mapping.sizes());
+  KVEVICT_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, "write_rows: slot_mapping must be int64, got ",
+                     slot_mapping.scalar_type());
+  KVEVICT_CHECK_TYPE(rows.scalar_type() == buffer.scalar_type(), "write_rows: rows must have the buffer's dtype ",
+                     buffer.scalar_type(), ", got ", rows.scalar_type());
+  KVEVICT_CHECK(rows.device() == buffer.device(), "write_rows: rows must be on the buffer's device ",
+                buffer.device(), ", got ", rows.device());
+  at::NoGradGuard no_grad;
+  const auto map = slot_mapping.to(at::kCPU);
+  const auto real = map.ge(0).nonzero();  // [M, 2] (row, column)
+  if (real.size(0) == 0) return;
+  const auto b = real.select(1, 0), t = real.select(1, 1);
+  const auto slot = map.index({b, t});
+  KVEVICT_CHECK(slot.max().item<int64_t>() < buffer.size(token_dim), "write_rows: slot_mapping names slot ",
+                slot.max().item<int64_t>(), " but the buffer holds ", buffer.size(token_dim), " slots");
+  const auto dev = buffer.device();
+  auto dst = buffer.transpose(1, token_dim);
+  dst.index_put_({b.to(dev), slot.to(dev)}, rows.transpose(1, token_dim).index({b.to(dev), t.to(dev)}));
+}
+
+}  // namespace kvevict
