@@ -131,16 +131,17 @@ class EvictionPolicy {
         device_(resolved(options.device())),
         host_(device_.is_cpu() && !detail::force_tensor_path()),
         check_(options.checks_observations(device_)),
-        base_slots_(eviction.capacity() + eviction.evict_every()) {
+        layer_eviction_(per_layer(options, eviction)) {
     const int64_t B = options_.batch_size();
     try {
       active_.assign(static_cast<size_t>(B), 1);
       layers_.resize(static_cast<size_t>(options_.num_layers()));
-      for (auto& L : layers_) {
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        auto& L = layers_[l];
         L.len.assign(B, 0);
         L.seen.assign(B, 0);
         L.last_new.assign(B, 0);
-        allocate(L, base_slots_);
+        allocate(L, base_slots(static_cast<int64_t>(l)));
       }
     } catch (const c10::Error& e) {
       fail_allocation(e.what_without_backtrace());
@@ -162,8 +163,16 @@ class EvictionPolicy {
   const EvictionPolicyOptions& options() const noexcept { return options_; }
   const EvictionOptions& eviction() const noexcept { return eviction_; }
   const Scorer& scorer() const noexcept { return scorer_; }
-  /// n_sink + budget + n_recent: tokens a row holds after a pass.
+  /// n_sink + budget + n_recent of the EvictionOptions: tokens a row holds after a pass, in
+  /// every layer unless layer_budgets are set (then see capacity(layer)).
   int64_t capacity() const noexcept { return eviction_.capacity(); }
+  /// Tokens a row of `layer` holds after a pass. \throws c10::IndexError for a bad layer.
+  int64_t capacity(int64_t layer) const { return eviction(layer).capacity(); }
+  /// The eviction options of `layer` (its budget from layer_budgets, if set).
+  const EvictionOptions& eviction(int64_t layer) const {
+    at(layer);
+    return layer_eviction_[layer];
+  }
   int64_t num_layers() const noexcept { return static_cast<int64_t>(layers_.size()); }
   int64_t batch_size() const noexcept { return options_.batch_size(); }
   int64_t num_heads() const noexcept { return options_.num_heads(); }
@@ -213,11 +222,12 @@ class EvictionPolicy {
   /// \throws c10::Error only if the smaller state cannot be allocated; nothing changes then.
   void reset() {
     std::vector<Layer> fresh(layers_.size());
-    for (auto& L : fresh) {
+    for (size_t l = 0; l < fresh.size(); ++l) {
+      auto& L = fresh[l];
       L.len.assign(batch_size(), 0);
       L.seen.assign(batch_size(), 0);
       L.last_new.assign(batch_size(), 0);
-      allocate(L, base_slots_);
+      allocate(L, base_slots(static_cast<int64_t>(l)));
     }
     layers_ = std::move(fresh);
     std::fill(active_.begin(), active_.end(), 1);
@@ -403,9 +413,9 @@ class EvictionPolicy {
                   max_of(L.seen), "], got ", probs.size(2), " (at most the seen tokens)");
     at::NoGradGuard no_grad;
     if (host_) {
-      observe_host(L, probs);
+      observe_host(L, layer, probs);
     } else {
-      observe_tensor(L, probs, /*direct=*/false);
+      observe_tensor(L, layer, probs, /*direct=*/false);
     }
   }
 
@@ -429,7 +439,7 @@ class EvictionPolicy {
     if (host_) {
       add_scores_host(L, scores);
     } else {
-      observe_tensor(L, scores, /*direct=*/true);
+      observe_tensor(L, layer, scores, /*direct=*/true);
     }
   }
 
@@ -437,7 +447,7 @@ class EvictionPolicy {
   /// least evict_every appends happened since the last pass (or construction).
   bool due(int64_t layer) const {
     const auto& L = at(layer);
-    return L.appends_since_pass >= eviction_.evict_every() && max_of(L.len) > capacity();
+    return L.appends_since_pass >= eviction_.evict_every() && max_of(L.len) > capacity(layer);
   }
 
   /// Runs a pass on `layer` if due(): each row over capacity drops its lowest-ranked heavy-hitter
@@ -477,8 +487,11 @@ class EvictionPolicy {
     std::swap(L.host, N.host);
   }
 
-  /// The default slots per row: max(capacity + evict_every, what reserve() asked for).
-  int64_t base_slots() const noexcept { return base_slots_; }
+  /// The slots per row `layer` returns to after a pass or reset(): max(capacity(layer) +
+  /// evict_every, what reserve() asked for). \throws c10::IndexError for a bad layer.
+  int64_t base_slots(int64_t layer) const {
+    return std::max(capacity(layer) + eviction_.evict_every(), reserved_);
+  }
 
   /// Raises base_slots() to `slots` (never lowers it); layers with fewer slots are resized.
   /// \throws c10::Error if slots is out of range or the state cannot be allocated.
@@ -488,7 +501,7 @@ class EvictionPolicy {
     for (int64_t l = 0; l < num_layers(); ++l) {
       if (at(l).slots < slots) resize_slots(l, slots);
     }
-    base_slots_ = std::max(base_slots_, slots);
+    reserved_ = std::max(reserved_, slots);
   }
 
   // -------------------------------------------------------------------------------------------
@@ -510,13 +523,13 @@ class EvictionPolicy {
     auto& L = at(layer);
     Pass pass = empty_pass(L);
     for (int64_t b = 0; b < batch_size(); ++b) {
-      pass.n[b] = std::max<int64_t>(L.len[b] - capacity(), 0);
+      pass.n[b] = std::max<int64_t>(L.len[b] - capacity(layer), 0);
       pass.new_len[b] = L.len[b] - pass.n[b];
     }
     if (host_) {
-      plan_host(L, pass);
+      plan_host(L, pass, layer);
     } else {
-      plan_tensor(L, pass);
+      plan_tensor(L, pass, layer);
     }
     return pass;
   }
@@ -575,7 +588,7 @@ class EvictionPolicy {
 
  private:
   struct HostScratch {
-    std::vector<double> fixed;            // [slots] fixed-point sums
+    std::vector<double> fixed;            // [B, slots] fixed-point sums
     std::vector<float> observers;         // [slots]
     std::vector<float> rank;              // [slots]
     std::vector<detail::Candidate> candidates;
@@ -596,6 +609,33 @@ class EvictionPolicy {
     detail::DeviceMirror append_mirror, index_mirror, qmask_mirror, rows_mirror, pass_mirror, counts_mirror;
   };
 
+  /// The eviction options of every layer; \throws c10::ValueError naming a layer whose budget
+  /// gives a capacity < 1, or a layer_budgets of the wrong length.
+  static std::vector<EvictionOptions> per_layer(const EvictionPolicyOptions& o, const EvictionOptions& e) {
+    const auto& budgets = o.layer_budgets();
+    if (budgets.empty()) return std::vector<EvictionOptions>(static_cast<size_t>(o.num_layers()), e);
+    KVEVICT_CHECK_VALUE(static_cast<int64_t>(budgets.size()) == o.num_layers(),
+                        "layer_budgets must have one entry per layer (num_layers = ", o.num_layers(), "), got ",
+                        budgets.size());
+    std::vector<EvictionOptions> out;
+    for (size_t l = 0; l < budgets.size(); ++l) {
+      auto layer = e;
+      layer.budget(budgets[l]);
+      KVEVICT_CHECK_VALUE(budgets[l] >= 0 && budgets[l] <= EvictionOptions::kMaxTokens, "layer_budgets[", l,
+                          "] must be in [0, 2^40], got ", budgets[l]);
+      KVEVICT_CHECK_VALUE(layer.capacity() >= 1, "layer ", l, ": capacity = n_sink + budget + n_recent must be >= 1, got ",
+                          "n_sink=", e.n_sink(), ", layer_budgets[", l, "]=", budgets[l], ", n_recent=", e.n_recent());
+      out.push_back(layer);
+    }
+    return out;
+  }
+
+  static std::vector<Selection> make_selections(const std::vector<EvictionOptions>& e) {
+    std::vector<Selection> out;
+    for (const auto& x : e) out.emplace_back(x);
+    return out;
+  }
+
   static at::Device resolved(const at::Device& device) {
     try {
       return at::empty({0}, at::TensorOptions().device(device)).device();
@@ -608,7 +648,8 @@ class EvictionPolicy {
   [[noreturn]] void fail_allocation(const std::string& why) const {
     KVEVICT_CHECK(false, "could not allocate the eviction state: num_layers=", options_.num_layers(),
                   ", batch_size=", options_.batch_size(), ", num_heads=", options_.num_heads(),
-                  ", capacity + evict_every = ", base_slots_, " slots per row (n_sink=", eviction_.n_sink(),
+                  ", capacity + evict_every = ", eviction_.capacity() + eviction_.evict_every(),
+                  " slots per row (n_sink=", eviction_.n_sink(),
                   ", budget=", eviction_.budget(), ", n_recent=", eviction_.n_recent(),
                   ", evict_every=", eviction_.evict_every(), ") on ", device_, ": ", why);
     throw;  // not reached
@@ -628,7 +669,7 @@ class EvictionPolicy {
     }
     if (host_) {
       auto& H = L.host;
-      H.fixed.resize(slots);
+      H.fixed.resize(static_cast<size_t>(B * slots));
       H.observers.resize(slots);
       H.rank.resize(slots);
       H.candidates.reserve(slots);
@@ -658,10 +699,10 @@ class EvictionPolicy {
     return std::max<int64_t>(0, Q - L.seen[b]);
   }
 
-  /// [1] fp32 tensor holding num_heads, on the device (see observe_tensor()).
+  /// [1] fp32 tensor holding divisor_heads(), on the device (see observe_tensor()).
   const at::Tensor& heads_divisor() {
     if (!heads_t_.defined()) {
-      heads_t_ = at::full({1}, static_cast<float>(num_heads()), at::TensorOptions().dtype(at::kFloat).device(device_));
+      heads_t_ = at::full({1}, static_cast<float>(divisor_heads()), at::TensorOptions().dtype(at::kFloat).device(device_));
     }
     return heads_t_;
   }
@@ -746,39 +787,53 @@ class EvictionPolicy {
     L.seen_device.add_(counts_dev);
   }
 
-  /// Host observe: per active row, the fixed-point sum over heads and real queries, the
-  /// observer counts, checks, then the scorer's update.
-  void observe_host(Layer& L, const at::Tensor& in) {
+  /// Host observe: per active row, the fixed-point sums over heads and real queries (checking
+  /// the probabilities on the way), the reducer, then the observer counts, the rank check and
+  /// the scorer's update.
+  void observe_host(Layer& L, int64_t layer, const at::Tensor& in) {
     const bool as_is = in.scalar_type() == at::kFloat && in.is_contiguous();  // skips a dispatch
     const auto x = as_is ? in : in.to(at::kFloat).contiguous();
     const float* p = x.template data_ptr<float>();
     const int64_t B = batch_size(), H = num_heads(), Q = x.size(2), S = x.size(3);
-    const float heads = static_cast<float>(H);
     const int64_t* pos = L.position.template data_ptr<int64_t>();
     float* st = L.state.template data_ptr<float>();
     auto& HS = L.host;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = first_real(L, b, Q);  // real queries: columns [first, Q)
+      const int64_t len = L.len[b], seen = L.seen[b];
+      double* fx = HS.fixed.data() + b * L.slots;
+      std::fill(fx, fx + L.slots, 0.0);
+      if (first >= Q) continue;
+      const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
+      const int64_t* pb = pos + b * L.slots;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t q = q0; q < Q; ++q) {
+          const float* row = p + ((b * H + h) * Q + q) * S;
+          if (check_) check_row_probs(row, pb, len, seen - Q + q, b, h, q);
+          for (int64_t s = 0; s < len; ++s) fx[s] += detail::fixed_term(row[s]);
+        }
+      }
+    }
+    if (options_.reduce_contributions()) {
+      auto sums = at::from_blob(HS.fixed.data(), {B, L.slots}, at::TensorOptions().dtype(at::kDouble));
+      options_.reduce_contributions()(layer, sums);
+    }
+    const float heads = static_cast<float>(divisor_heads());
     // Two rounds: check every row first (nothing changes on a throw), then apply.
     for (int round = check_ ? 0 : 1; round < 2; ++round) {
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t first = first_real(L, b, Q);  // real queries: columns [first, Q)
+        const int64_t first = first_real(L, b, Q);
         if (first >= Q) continue;
         const int64_t len = L.len[b], seen = L.seen[b];
         const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
         const int64_t* pb = pos + b * L.slots;
-        double* fx = HS.fixed.data();
-        std::fill(fx, fx + len, 0.0);
-        for (int64_t h = 0; h < H; ++h) {
-          for (int64_t q = q0; q < Q; ++q) {
-            const float* row = p + ((b * H + h) * Q + q) * S;
-            if (round == 0) check_row_probs(row, pb, len, seen - Q + q, b, h, q);
-            for (int64_t s = 0; s < len; ++s) fx[s] += detail::fixed_term(row[s]);
-          }
-        }
+        const double* fx = HS.fixed.data() + b * L.slots;
         float* sb = st + b * L.slots * W;
+        const int64_t first_q_pos = seen - Q + q0;  // real queries: positions first_q_pos .. seen - 1
         for (int64_t s = 0; s < len; ++s) {
-          // Observers: real queries (positions seen - Q + q, q >= q0) at or after the token.
-          const int64_t first_q_pos = seen - Q + q0;
-          const float observers = static_cast<float>(std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
+          // Observers: real queries at or after the token's position.
+          const float observers =
+              static_cast<float>(std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
           const float c = detail::from_fixed(fx[s], heads);
           if (round == 0) {
             float next[W];
@@ -791,6 +846,11 @@ class EvictionPolicy {
         }
       }
     }
+  }
+
+  /// The divisor H of the contributions: total_heads, or num_heads when unset.
+  int64_t divisor_heads() const noexcept {
+    return options_.total_heads() > 0 ? options_.total_heads() : options_.num_heads();
   }
 
   void check_row_probs(const float* row, const int64_t* pos, int64_t len, int64_t query_pos, int64_t b, int64_t h,
@@ -839,7 +899,7 @@ class EvictionPolicy {
   }
 
   /// Tensor observe: the same reduction with tensor ops ([B, H, Q, S] fixed point -> int64 sums).
-  void observe_tensor(Layer& L, const at::Tensor& in, bool direct) {
+  void observe_tensor(Layer& L, int64_t layer, const at::Tensor& in, bool direct) {
     const int64_t B = batch_size(), S = max_of(L.len);
     const auto pos = L.position.narrow(1, 0, S);
     const auto live = pos.ge(0);  // [B, S]
@@ -866,7 +926,8 @@ class EvictionPolicy {
       }
       // detail::fixed_term on tensors; pads and other rows' columns count 0.
       const auto term = x.clamp(0.0, 1.0).to(at::kDouble).mul(detail::kFixedOne).round().add(x.sub(x).to(at::kDouble));
-      const auto sum = at::where(qmask.gt(0).view({B, 1, Q, 1}), term, at::zeros({}, term.options())).sum({1, 2});
+      auto sum = at::where(qmask.gt(0).view({B, 1, Q, 1}), term, at::zeros({}, term.options())).sum({1, 2});
+      if (options_.reduce_contributions()) options_.reduce_contributions()(layer, sum);
       // Divided by a [1] tensor, not a scalar: a scalar divisor may become a multiply by its
       // reciprocal on CUDA, which rounds differently from the host's division.
       c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
@@ -920,7 +981,7 @@ class EvictionPolicy {
 
   /// Host plan: per row over capacity, select (Selection::evict_slots_row, trusted), then pair
   /// the freed slots below the new length with the kept tail slots.
-  void plan_host(Layer& L, Pass& pass) {
+  void plan_host(Layer& L, Pass& pass, int64_t layer) {
     const int64_t B = batch_size();
     int64_t columns = 0;
     for (int64_t b = 0; b < B; ++b) columns = std::max(columns, pass.n[b]);
@@ -940,7 +1001,7 @@ class EvictionPolicy {
         for (int64_t s = 0; s < len; ++s) HS.rank[s] = scorer_.rank(sb + s * W);
         rank = HS.rank.data();
       }
-      selection_.evict_slots_row(rank, pos + b * L.slots, len, L.seen[b], HS.evicted.data(), HS.candidates,
+      selections_[layer].evict_slots_row(rank, pos + b * L.slots, len, L.seen[b], HS.evicted.data(), HS.candidates,
                                  detail::TrustedPositions{});
       fill_moves_host(pass, b, HS.evicted.data(), pass.n[b], HS.tail_flags);
     }
@@ -986,7 +1047,8 @@ class EvictionPolicy {
     }
   }
 
-  void plan_tensor(Layer& L, Pass& pass) {
+  void plan_tensor(Layer& L, Pass& pass, int64_t layer) {
+    const auto& eviction = layer_eviction_[layer];
     const int64_t B = batch_size(), S = max_of(L.len);
     int64_t columns = 0;
     for (int64_t b = 0; b < B; ++b) columns = std::max(columns, pass.n[b]);
@@ -1002,8 +1064,8 @@ class EvictionPolicy {
     }
     const auto& f = L.pass_mirror.get(facts, device_, {2, B});
     const auto n = f.select(0, 0).unsqueeze(1), new_len = f.select(0, 1).unsqueeze(1);  // [B, 1]
-    const auto recent_from = L.seen_device.unsqueeze(1).sub(eviction_.n_recent());
-    const auto cand = live.logical_and(pos.ge(eviction_.n_sink())).logical_and(pos.lt(recent_from));
+    const auto recent_from = L.seen_device.unsqueeze(1).sub(eviction.n_recent());
+    const auto cand = live.logical_and(pos.ge(eviction.n_sink())).logical_and(pos.lt(recent_from));
     auto key = scorer_.rank(L.state.narrow(1, 0, S));
     const float inf = std::numeric_limits<float>::infinity();
     key = at::where(at::isfinite(key), key, at::full({}, -inf, key.options())).add(0.0);  // -0 -> +0
@@ -1068,12 +1130,13 @@ class EvictionPolicy {
 
   EvictionPolicyOptions options_;
   EvictionOptions eviction_;
-  Selection selection_{eviction_};
+  std::vector<EvictionOptions> layer_eviction_;  // per layer: its budget
+  std::vector<Selection> selections_ = make_selections(layer_eviction_);
   Scorer scorer_;
   at::Device device_;
   bool host_;
   bool check_;
-  int64_t base_slots_;
+  int64_t reserved_ = 0;  // slots asked for by reserve()
   std::vector<uint8_t> active_;
   std::vector<Layer> layers_;
   at::Tensor heads_t_;  // [1] fp32 num_heads on the device (tensor path)

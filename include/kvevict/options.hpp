@@ -7,6 +7,8 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 namespace kvevict {
 
@@ -57,6 +59,10 @@ struct EvictionOptions {
   KVEVICT_ARG(int64_t, evict_every) = 1;
 };
 
+/// A hook that reduces the contributions of one observe() call across processes:
+/// `reduce(layer, sums)` with sums [B, S] fp64 (see EvictionPolicyOptions::reduce_contributions).
+using ContributionReducer = std::function<void(int64_t layer, at::Tensor& sums)>;
+
 /// The shape of the eviction state EvictionPolicy keeps: layers, heads, batch rows, device, and
 /// whether observations are checked. The caches build one from their own options.
 ///
@@ -87,6 +93,9 @@ struct EvictionPolicyOptions {
                         num_heads_);
     KVEVICT_CHECK_VALUE(num_layers_ <= kMax / batch_size_, type, ": num_layers x batch_size must be <= 2^40, got ",
                         num_layers_, " x ", batch_size_);
+    KVEVICT_CHECK_VALUE(total_heads_ == 0 || (total_heads_ >= num_heads_ && total_heads_ <= kMax), type,
+                        ": total_heads must be 0 (= num_heads) or in [num_heads = ", num_heads_, ", 2^40], got ",
+                        total_heads_);
   }
 
   /// Decoder layers, each with its own eviction state.
@@ -101,6 +110,21 @@ struct EvictionPolicyOptions {
   /// its query (causal), and the resulting rank finite; a failed check throws and changes
   /// nothing. Unset (the default): on for CPU, off for CUDA, where each check costs a host sync.
   KVEVICT_ARG(c10::optional<bool>, check_observations) = c10::nullopt;
+  /// Heavy hitters kept per layer (per-layer capacities, e.g. a pyramid: PyramidKV, Cai et al.
+  /// 2024, Sec. 3), one entry per layer; n_sink and n_recent stay shared. Empty (the default):
+  /// every layer keeps EvictionOptions::budget. Checked when the policy is built: every layer's
+  /// capacity n_sink + budget + n_recent must be >= 1; a bad entry is named by its layer.
+  KVEVICT_ARG(std::vector<int64_t>, layer_budgets) = {};
+  /// Heads the contributions are averaged over (the divisor H in scorers.hpp). 0 (the default):
+  /// num_heads. Tensor parallelism: the model's total heads, while num_heads counts this
+  /// rank's own.
+  KVEVICT_ARG(int64_t, total_heads) = 0;
+  /// Called by observe() with `sums` [B, S] fp64 on the policy's device: the exact fixed-point
+  /// sums over this process's heads and queries (scorers.hpp), before they are divided and
+  /// applied. It must replace them in place, e.g. by their sum over tensor-parallel ranks
+  /// (tensor_parallel.hpp); every rank then applies the same values. Empty (the default):
+  /// nothing is reduced.
+  KVEVICT_ARG(ContributionReducer, reduce_contributions) = nullptr;
 };
 
 namespace detail {
@@ -126,7 +150,10 @@ struct CacheOptionsBase {
     return EvictionPolicyOptions(num_layers_, num_heads_)
         .batch_size(batch_size_)
         .device(device_)
-        .check_observations(check_observations_);
+        .check_observations(check_observations_)
+        .layer_budgets(layer_budgets_)
+        .total_heads(total_heads_)
+        .reduce_contributions(reduce_contributions_);
   }
 
   /// Decoder layers, each with its own buffers and eviction state.
@@ -141,6 +168,12 @@ struct CacheOptionsBase {
   KVEVICT_ARG_AS(Derived, at::Device, device) = at::Device(at::kCPU);
   /// See EvictionPolicyOptions::check_observations. Default: unset (on for CPU, off for CUDA).
   KVEVICT_ARG_AS(Derived, c10::optional<bool>, check_observations) = c10::nullopt;
+  /// See EvictionPolicyOptions::layer_budgets. Default: empty (EvictionOptions::budget everywhere).
+  KVEVICT_ARG_AS(Derived, std::vector<int64_t>, layer_budgets) = {};
+  /// See EvictionPolicyOptions::total_heads. Default: 0 (num_heads).
+  KVEVICT_ARG_AS(Derived, int64_t, total_heads) = 0;
+  /// See EvictionPolicyOptions::reduce_contributions. Default: none.
+  KVEVICT_ARG_AS(Derived, ContributionReducer, reduce_contributions) = nullptr;
 };
 
 }  // namespace detail

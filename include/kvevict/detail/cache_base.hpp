@@ -51,8 +51,11 @@ class CacheBase {
   CacheBase(CacheBase&&) noexcept = default;
   CacheBase& operator=(CacheBase&&) noexcept = default;
 
-  /// Capacity n_sink + budget + n_recent: tokens per row after an eviction pass.
+  /// Capacity n_sink + budget + n_recent: tokens per row after an eviction pass (every layer,
+  /// unless layer_budgets are set: then capacity(layer)).
   int64_t capacity() const noexcept { return policy_.capacity(); }
+  /// Tokens per row of `layer` after a pass. \throws c10::IndexError for a bad layer.
+  int64_t capacity(int64_t layer) const { return policy_.capacity(layer); }
   int64_t num_layers() const noexcept { return policy_.num_layers(); }
   int64_t batch_size() const noexcept { return policy_.batch_size(); }
   int64_t num_heads() const noexcept { return policy_.num_heads(); }
@@ -118,7 +121,7 @@ class CacheBase {
       policy_.commit(layer, pass);  // throws before changing anything, or not at all
       for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i]);
     }
-    const int64_t base = policy_.base_slots();
+    const int64_t base = policy_.base_slots(layer);
     if (slots(layer) > base && size(layer) <= base) {
       try {
         resize(layer, base);
@@ -166,7 +169,7 @@ class CacheBase {
   void reset() {
     std::vector<std::vector<at::Tensor>> fresh;
     for (int64_t l = 0; l < num_layers(); ++l) {
-      fresh.push_back(slots(l) == policy_.base_slots() ? buffers_[l] : allocate(policy_.base_slots()));
+      fresh.push_back(slots(l) == policy_.base_slots(l) ? buffers_[l] : allocate(policy_.base_slots(l)));
     }
     policy_.reset();
     buffers_ = std::move(fresh);
@@ -200,7 +203,7 @@ class CacheBase {
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype) {
     try {
-      for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots()));
+      for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
     } catch (const c10::Error& e) {
       fail_allocation(e.what_without_backtrace());
     } catch (const std::bad_alloc& e) {
@@ -343,8 +346,8 @@ class CacheBase {
  private:
   [[noreturn]] void fail_allocation(const std::string& why) const {
     KVEVICT_CHECK(false, "could not allocate the cache buffers: num_layers=", num_layers(), ", batch_size=",
-                  batch_size(), ", num_heads=", num_heads(), ", ", policy_.base_slots(),
-                  " slots per row (capacity + evict_every), dtype ", dtype_, " on ", device(), ": ", why);
+                  batch_size(), ", num_heads=", num_heads(), ", ", policy_.base_slots(0),
+                  " slots per row in layer 0 (capacity + evict_every), dtype ", dtype_, " on ", device(), ": ", why);
     throw;  // not reached
   }
 
