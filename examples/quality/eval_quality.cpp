@@ -1,0 +1,303 @@
+// What eviction does to the quality model's answers. For every policy and budget (a fraction
+// of the context), in both cache layouts:
+//  - passkey retrieval accuracy (all 4 values right), by needle depth and context length,
+//    on held-out Brown filler;
+//  - held-out text bits per byte (and perplexity per byte) on 1,024-byte windows;
+//  - attention-output error against the full cache (relative L2 over all layers and the
+//    decoded positions).
+// Each document is prefilled up to the cache's capacity in one chunk (no eviction can happen
+// before), then decoded one token per step with evict() after each layer's attention.
+// Writes <out>/quality.csv (long format), gnuplot data and PNG plots.
+//
+//   eval_quality --weights examples/quality/weights.pt --data build-quality/data --out build-quality/eval
+#include "evaluate.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+using namespace kvq;
+
+namespace {
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) out.push_back(x);
+  return out;
+}
+
+struct Args {
+  std::string weights = "examples/quality/weights.pt", data = "build-quality/data", out = "build-quality/eval";
+  std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 75, 100};
+  std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
+  std::vector<std::string> policies{"h2o", "mean_observed", "tova", "decay", "sinks_window", "random"};
+  std::vector<std::string> layouts{"expanded", "latent"};
+  int64_t docs = 8, text_windows = 16, text_len = 1024, threads = 2, heat_budget = 25;
+  bool plots = true;
+  std::string ci_json;  // --write-ci-json: write the CI test's reference values and exit
+  int64_t ci_context = 512, ci_docs = 8;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto v = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      return argv[++i];
+    };
+    auto ints = [&](const std::string& s) {
+      std::vector<int64_t> r;
+      for (auto& x : split(s)) r.push_back(std::stoll(x));
+      return r;
+    };
+    if (k == "--weights") a.weights = v();
+    else if (k == "--data") a.data = v();
+    else if (k == "--out") a.out = v();
+    else if (k == "--contexts") a.contexts = ints(v());
+    else if (k == "--budgets") a.budgets = ints(v());
+    else if (k == "--depths") {
+      a.depths.clear();
+      for (auto& x : split(v())) a.depths.push_back(std::stod(x));
+    } else if (k == "--policies") a.policies = split(v());
+    else if (k == "--layouts") a.layouts = split(v());
+    else if (k == "--docs") a.docs = std::stoll(v());
+    else if (k == "--text-windows") a.text_windows = std::stoll(v());
+    else if (k == "--text-len") a.text_len = std::stoll(v());
+    else if (k == "--threads") a.threads = std::stoll(v());
+    else if (k == "--heat-budget") a.heat_budget = std::stoll(v());
+    else if (k == "--no-plots") a.plots = false;
+    else if (k == "--write-ci-json") a.ci_json = v();
+    else if (k == "--ci-context") a.ci_context = std::stoll(v());
+    else if (k == "--ci-docs") a.ci_docs = std::stoll(v());
+    else throw std::runtime_error("unknown argument " + k + " (see the comment at the top of eval_quality.cpp)");
+  }
+  for (auto b : a.budgets)
+    if (b < 1 || b > 100) throw std::runtime_error("--budgets: percentages in [1, 100], got " + std::to_string(b));
+  for (auto& p : a.policies) policy_from(p);
+  return a;
+}
+
+struct Csv {
+  std::ofstream f;
+  explicit Csv(const std::string& path) : f(path) {
+    if (!f) throw std::runtime_error("cannot write " + path);
+    f << "layout,policy,budget_pct,context,depth,metric,value,n\n";
+  }
+  void row(const std::string& layout, const std::string& policy, int64_t budget, int64_t context, const std::string& depth,
+           const std::string& metric, double value, int64_t n) {
+    f << layout << ',' << policy << ',' << budget << ',' << context << ',' << depth << ',' << metric << ',' << value << ','
+      << n << '\n';
+    f.flush();
+  }
+};
+
+std::string fmt_depth(double d) {
+  char b[16];
+  std::snprintf(b, sizeof b, "%.2f", d);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args a = parse(argc, argv);
+  torch::set_num_threads(static_cast<int>(a.threads));
+  std::system(("mkdir -p " + a.out).c_str());
+  Model m{Config()};
+  load_weights(m, a.weights);
+  m->eval();
+  if (!a.ci_json.empty()) {
+    // The value tests/quality checks against, measured here on the shipped weights.
+    const double e = ci_passkey_accuracy(m, Layout::Expanded, a.ci_context, a.ci_docs);
+    const double l = ci_passkey_accuracy(m, Layout::Latent, a.ci_context, a.ci_docs);
+    std::ofstream j(a.ci_json);
+    j << "{\n  \"weights\": \"weights.pt\",\n  \"ci_context\": " << a.ci_context << ",\n  \"ci_docs_per_depth\": " << a.ci_docs
+      << ",\n  \"ci_depths\": [0.1, 0.3, 0.5, 0.7, 0.9],\n  \"ci_filler\": \"synthetic pseudo-words (tasks.hpp), seed 2024\",\n"
+      << "  \"ci_full_cache_passkey_accuracy\": " << e << ",\n  \"ci_full_cache_passkey_accuracy_latent\": " << l
+      << ",\n  \"ci_tolerance\": 0.05\n}\n";
+    std::printf("wrote %s: full-cache passkey accuracy %.4f (expanded), %.4f (latent), %lld docs at %lld tokens\n",
+                a.ci_json.c_str(), e, l, (long long)(5 * a.ci_docs), (long long)a.ci_context);
+    return 0;
+  }
+  const std::string held = read_file(a.data + "/brown_heldout.txt");
+  Csv csv(a.out + "/quality.csv");
+
+  // Work items, for progress: per layout, per context (retrieval) + text, per policy x budget.
+  const int64_t units_per_layout = (static_cast<int64_t>(a.contexts.size()) + 1) * (1 + a.policies.size() * a.budgets.size());
+  const int64_t total = units_per_layout * a.layouts.size();
+  int64_t done = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto progress = [&](const std::string& what) {
+    ++done;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "[%3lld/%3lld] %6.0f s elapsed, ~%4.0f s left  %s\n", (long long)done, (long long)total, s,
+                 s / done * (total - done), what.c_str());
+  };
+
+  // results[layout][policy][budget][context] = accuracy per depth (retrieval)
+  std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, std::vector<double>>>>> acc;
+  std::map<std::string, std::map<std::string, std::map<int64_t, double>>> bpb, err_text;
+
+  for (const auto& lname : a.layouts) {
+    const Layout layout = lname == "latent" ? Layout::Latent : Layout::Expanded;
+    if (lname != "latent" && lname != "expanded") throw std::runtime_error("unknown layout " + lname);
+    // Tasks: retrieval documents per context length, then the text windows.
+    struct Task {
+      std::string name;
+      torch::Tensor tok;  // [B, T] incl. the answer
+      bool retrieval;
+      int64_t context;
+    };
+    std::vector<Task> tasks;
+    for (auto L : a.contexts)
+      tasks.push_back({"passkey@" + std::to_string(L), passkey_docs(held, L, a.depths, a.docs, 1000 + L).tok, true, L});
+    tasks.push_back({"text@" + std::to_string(a.text_len), text_windows(held, a.text_len, a.text_windows), false, a.text_len});
+
+    for (auto& task : tasks) {
+      const int64_t T = task.tok.size(1);
+      auto fed = task.tok.narrow(1, 0, T - 1);
+      const int64_t context = task.context;
+      std::vector<torch::Tensor> ref_attn;
+      auto full = run_policy(m, layout, Policy::Full, eviction_for(Policy::Full, T, T), fed, T, 0, nullptr, &ref_attn);
+      auto record = [&](const std::string& pname, int64_t budget, const RunResult& r) {
+        const double err = r.ref_sq > 0 ? std::sqrt(r.err_sq / r.ref_sq) : 0.0;
+        if (task.retrieval) {
+          auto ok = passkey_correct(r.logits, task.tok);
+          std::vector<double> per_depth;
+          for (size_t d = 0; d < a.depths.size(); ++d) {
+            const double v = ok.narrow(0, d * a.docs, a.docs).mean().item<double>();
+            per_depth.push_back(v);
+            csv.row(lname, pname, budget, context, fmt_depth(a.depths[d]), "passkey_acc", v, a.docs);
+          }
+          csv.row(lname, pname, budget, context, "all", "passkey_acc", ok.mean().item<double>(), ok.size(0));
+          csv.row(lname, pname, budget, context, "all", "attn_rel_err_passkey", err, ok.size(0));
+          acc[lname][pname][budget][context] = per_depth;
+        } else {
+          const double b = bits_per_token(r.logits, task.tok);
+          csv.row(lname, pname, budget, context, "all", "text_bits_per_byte", b, fed.numel());
+          csv.row(lname, pname, budget, context, "all", "text_ppl_per_byte", std::pow(2.0, b), fed.numel());
+          csv.row(lname, pname, budget, context, "all", "attn_rel_err_text", err, fed.numel());
+          bpb[lname][pname][budget] = b;
+          err_text[lname][pname][budget] = err;
+        }
+      };
+      record("full", 100, full);
+      progress(lname + " " + task.name + " full cache");
+      for (const auto& pname : a.policies) {
+        const Policy p = policy_from(pname);
+        for (auto budget : a.budgets) {
+          const int64_t cap = std::max<int64_t>(1, (budget * context + 50) / 100);
+          auto e = eviction_for(p, cap, T);
+          auto r = run_policy(m, layout, p, e, fed, cap, 77 + budget, &ref_attn);
+          record(pname, budget, r);
+          progress(lname + " " + task.name + " " + pname + " " + std::to_string(budget) + "% (capacity " +
+                   std::to_string(cap) + ")");
+        }
+      }
+    }
+  }
+
+  // Layouts must agree: same accuracy, bits per byte within 1e-3.
+  if (a.layouts.size() == 2) {
+    double max_acc = 0, max_bpb = 0;
+    for (auto& [p, byb] : acc["expanded"])
+      for (auto& [b, byc] : byb)
+        for (auto& [c, v] : byc)
+          for (size_t d = 0; d < v.size(); ++d) max_acc = std::max(max_acc, std::abs(v[d] - acc["latent"][p][b][c][d]));
+    for (auto& [p, byb] : bpb["expanded"])
+      for (auto& [b, v] : byb) max_bpb = std::max(max_bpb, std::abs(v - bpb["latent"][p][b]));
+    std::printf("layouts: max |accuracy difference| %.4f, max |bits-per-byte difference| %.2e -> %s\n", max_acc, max_bpb,
+                max_acc <= 1.0 / (a.docs * 2) + 1e-9 && max_bpb < 1e-3 ? "agree" : "DISAGREE");
+  }
+
+  // Summary table and gnuplot data (first layout).
+  const std::string L0 = a.layouts.front();
+  std::vector<std::string> names{"full"};
+  for (auto& p : a.policies) names.push_back(p);
+  auto mean_acc = [&](const std::string& p, int64_t b, int64_t ctx) {  // ctx < 0: all contexts
+    double s = 0;
+    int n = 0;
+    for (auto& [c, v] : acc[L0][p][b])
+      if (ctx < 0 || c == ctx)
+        for (double x : v) s += x, ++n;
+    return n ? s / n : 0.0;
+  };
+  std::printf("\n%s layout: passkey accuracy (all contexts and depths) | text bits/byte | attention rel. error (text)\n",
+              L0.c_str());
+  std::printf("%-14s", "policy");
+  for (auto b : a.budgets) std::printf(" | %5lld%%              ", (long long)b);
+  std::printf("\n");
+  for (auto& p : a.policies) {
+    std::printf("%-14s", p.c_str());
+    for (auto b : a.budgets) std::printf(" | %5.3f %5.3f %6.4f", mean_acc(p, b, -1), bpb[L0][p][b], err_text[L0][p][b]);
+    std::printf("\n");
+  }
+  std::printf("%-14s | %5.3f %5.3f (100%%, no eviction)\n", "full", mean_acc("full", 100, -1), bpb[L0]["full"][100]);
+
+  {
+    std::ofstream d(a.out + "/by_budget.dat");
+    d << "# policy blocks: budget_pct passkey_acc_all passkey_acc_ctx" << a.contexts.back() << " text_bpb text_ppl attn_err_text\n";
+    for (auto& p : a.policies) {
+      d << "# " << p << "\n";
+      for (auto b : a.budgets)
+        d << b << ' ' << mean_acc(p, b, -1) << ' ' << mean_acc(p, b, a.contexts.back()) << ' ' << bpb[L0][p][b] << ' '
+          << std::pow(2.0, bpb[L0][p][b]) << ' ' << err_text[L0][p][b] << "\n";
+      d << "\n\n";
+    }
+    std::ofstream h(a.out + "/heatmap.dat");  // per policy block: depth_index context_index acc
+    for (auto& p : names) {
+      const int64_t b = p == "full" ? 100 : a.heat_budget;
+      h << "# " << p << " at " << b << "%\n";
+      for (size_t ci = 0; ci < a.contexts.size(); ++ci) {
+        auto& v = acc[L0][p][b][a.contexts[ci]];
+        for (size_t di = 0; di < a.depths.size(); ++di) h << di << ' ' << ci << ' ' << (di < v.size() ? v[di] : 0) << "\n";
+        h << "\n";
+      }
+      h << "\n";
+    }
+  }
+  if (a.plots) {
+    std::ofstream gp(a.out + "/plots.gp");
+    std::string titles;
+    for (size_t i = 0; i < a.policies.size(); ++i) titles += (i ? " " : "") + a.policies[i];
+    std::string xt, yt;
+    for (size_t i = 0; i < a.depths.size(); ++i) xt += (i ? ", " : "") + std::string("\"") + fmt_depth(a.depths[i]) + "\" " + std::to_string(i);
+    for (size_t i = 0; i < a.contexts.size(); ++i) yt += (i ? ", " : "") + std::string("\"") + std::to_string(a.contexts[i]) + "\" " + std::to_string(i);
+    gp << "set terminal pngcairo size 900,560 font ',11'\nset datafile commentschars '#'\n"
+       << "names = '" << titles << "'\nset key outside right\nset grid\nset xlabel 'budget (% of context)'\n"
+       << "set logscale x\nset xtics (5, 10, 25, 50, 75, 100)\n"
+       << "set output '" << a.out << "/retrieval_vs_budget.png'\nset ylabel 'passkey accuracy (all contexts, depths)'\n"
+       << "set yrange [0:1.05]\nset title 'Retrieval vs KV budget (" << L0 << " layout; full cache = " << mean_acc("full", 100, -1) << ")'\n"
+       << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:2 with linespoints lw 2 title word(names, i+1)\n"
+       << "set output '" << a.out << "/perplexity_vs_budget.png'\nset ylabel 'held-out perplexity per byte'\nset autoscale y\n"
+       << "set title 'Held-out text perplexity vs KV budget (1,024-byte windows; full cache = " << std::pow(2.0, bpb[L0]["full"][100]) << ")'\n"
+       << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:5 with linespoints lw 2 title word(names, i+1)\n"
+       << "set output '" << a.out << "/attn_error_vs_budget.png'\nset ylabel 'attention output relative L2 error'\n"
+       << "set title 'Attention-output error vs full cache (text)'\n"
+       << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:6 with linespoints lw 2 title word(names, i+1)\n"
+       << "unset logscale x\nunset grid\nset terminal pngcairo size " << 300 * names.size() << ",360 font ',10'\n"
+       << "set output '" << a.out << "/retrieval_heatmap.png'\nset multiplot layout 1," << names.size()
+       << " title 'Passkey accuracy by needle depth (x) and context length (y); policies at " << a.heat_budget << "% budget'\n"
+       << "set xtics (" << xt << ")\nset ytics (" << yt << ")\nset xlabel 'depth'\nset ylabel 'context'\nset cbrange [0:1]\n"
+       << "set palette defined (0 '#b2182b', 0.5 '#f7f7f7', 1 '#2166ac')\nunset colorbox\n"
+       << "set xrange [-0.5:" << a.depths.size() - 0.5 << "]\nset yrange [-0.5:" << a.contexts.size() - 0.5 << "]\n";
+    for (size_t i = 0; i < names.size(); ++i)
+      gp << "set title '" << names[i] << "'\nplot '" << a.out << "/heatmap.dat' index " << i
+         << " using 1:2:3 with image notitle, '' index " << i << " using 1:2:(sprintf('%.2f',$3)) with labels notitle\n";
+    gp << "unset multiplot\n";
+    gp.close();
+    const int rc = std::system(("gnuplot " + a.out + "/plots.gp").c_str());
+    std::printf("plots (%s): %s/{retrieval_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
+                rc == 0 ? "gnuplot ok" : "gnuplot FAILED", a.out.c_str());
+  }
+  std::printf("csv: %s/quality.csv\n", a.out.c_str());
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,177 @@
+// Running the quality model through kvevict caches: policies, budgets, both layouts, and the
+// measurements (retrieval, text bits per byte, attention-output error vs the full cache).
+// Shared by eval_quality and the CI test.
+#pragma once
+
+#include "model.hpp"
+#include "tasks.hpp"
+
+#include <string>
+#include <vector>
+
+namespace kvq {
+
+enum class Layout { Expanded, Latent };
+inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expanded" : "latent"; }
+
+// Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
+// with_cache() below.
+enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random };
+inline const char* policy_name(Policy p) {
+  switch (p) {
+    case Policy::Full: return "full";
+    case Policy::H2O: return "h2o";
+    case Policy::MeanObserved: return "mean_observed";
+    case Policy::Tova: return "tova";
+    case Policy::Decay: return "decay";
+    case Policy::Window: return "sinks_window";
+    case Policy::Random: return "random";
+  }
+  return "?";
+}
+inline Policy policy_from(const std::string& s) {
+  for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
+                 Policy::Random})
+    if (s == policy_name(p)) return p;
+  throw std::runtime_error("unknown policy " + s);
+}
+
+constexpr int64_t kSinks = 4;
+
+// A cache of `capacity` tokens per row: 4 sinks; sinks+window gives the rest to the recent
+// window (budget 0); every other policy splits the rest evenly between heavy hitters and the
+// recent window (H2O's 50/50). Full: never evicts (budget = context).
+inline kvevict::EvictionOptions eviction_for(Policy p, int64_t capacity, int64_t context) {
+  if (p == Policy::Full) return kvevict::EvictionOptions(context).n_sink(kSinks).n_recent(0);
+  const int64_t sinks = std::min(kSinks, capacity), rest = capacity - sinks;
+  if (p == Policy::Window) return kvevict::EvictionOptions(0).n_sink(sinks).n_recent(rest);
+  const int64_t recent = std::max<int64_t>(1, rest / 2);
+  return kvevict::EvictionOptions(std::max<int64_t>(0, rest - recent)).n_sink(sinks).n_recent(std::min(recent, rest));
+}
+
+// Builds the cache type that `p` names for `layout` and calls f(cache).
+template <class F>
+void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f) {
+  auto run = [&](auto tag) {
+    using Scorer = decltype(tag);
+    if (layout == Layout::Expanded) {
+      kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(m->expanded_options(batch), e);
+      f(cache);
+    } else {
+      kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(m->latent_options(batch), e);
+      f(cache);
+    }
+  };
+  switch (p) {
+    case Policy::MeanObserved: run(kvevict::MeanObservedAttention{}); break;
+    case Policy::Tova: run(kvevict::LatestAttention{}); break;
+    case Policy::Decay: run(kvevict::DecayedAttention{}); break;  // the library's default gamma (0.9)
+    default: run(kvevict::CumulativeAttention{}); break;  // Full, H2O, Window, Random
+  }
+}
+
+struct RunResult {
+  torch::Tensor logits;     // [B, T, vocab] (T = fed tokens)
+  double err_sq = 0, ref_sq = 0;  // attention-output error vs `ref_attn` (if given), summed
+};
+
+// Feeds tokens [B, T] through a fresh cache: one prefill chunk of min(prefill, T) tokens, then
+// one token per step (decode). Random: attention is not observed; every new token gets a
+// uniform random score once, when it arrives (so eviction picks uniformly among candidates).
+// ref_attn (optional): per layer [B, H, T, v_dim] attention outputs of the full cache; the
+// squared error of this run's outputs against them is summed over positions >= prefill.
+inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e,
+                            const torch::Tensor& tok, int64_t prefill, uint64_t seed,
+                            const std::vector<torch::Tensor>* ref_attn = nullptr,
+                            std::vector<torch::Tensor>* attn_out = nullptr, bool evict = true) {
+  torch::NoGradGuard g;
+  const int64_t B = tok.size(0), T = tok.size(1);
+  RunResult res;
+  std::vector<torch::Tensor> chunks;
+  if (attn_out) attn_out->assign(m->c.n_layers, torch::Tensor());
+  std::vector<std::vector<torch::Tensor>> attn_parts(m->c.n_layers);
+  auto gen = at::detail::createCPUGenerator(seed);
+  with_cache(m, layout, p, e, B, [&](auto& cache) {
+    int64_t t = 0;
+    while (t < T) {
+      const int64_t n = t == 0 ? std::min(std::max<int64_t>(1, prefill), T) : 1;
+      const int64_t t0 = t;
+      AttnTap tap = [&](int64_t layer, const torch::Tensor& o) {
+        if (p == Policy::Random) {
+          const int64_t seen = cache.seen_tokens(layer);
+          auto fresh = cache.positions(layer).ge(seen - n).to(torch::kFloat);
+          cache.add_scores(layer, fresh * at::rand(fresh.sizes(), gen));
+        }
+        if (attn_out) attn_parts[layer].push_back(o);
+        if (ref_attn && t0 >= prefill) {
+          auto r = (*ref_attn)[layer].narrow(2, t0, n);
+          res.err_sq += (o - r).pow(2).sum().item<double>();
+          res.ref_sq += r.pow(2).sum().item<double>();
+        }
+      };
+      chunks.push_back(m->step(tok.narrow(1, t, n), cache, tap, p != Policy::Random, evict));
+      t += n;
+    }
+  });
+  res.logits = torch::cat(chunks, 1);
+  if (attn_out)
+    for (int64_t l = 0; l < m->c.n_layers; ++l) (*attn_out)[l] = torch::cat(attn_parts[l], 2);
+  return res;
+}
+
+// Retrieval documents: n passkey rows per depth, all of length T (context T - kPassLen).
+struct DocSet {
+  torch::Tensor tok;            // [B, T]
+  std::vector<double> depth;    // per row
+};
+inline DocSet passkey_docs(const std::string& filler_text, int64_t T, const std::vector<double>& depths, int64_t n,
+                           uint64_t seed) {
+  Rng r(seed);
+  DocSet d;
+  std::vector<int64_t> buf;
+  for (double dep : depths)
+    for (int64_t i = 0; i < n; ++i) {
+      auto row = passkey_row(r, filler_text, T, dep);
+      buf.insert(buf.end(), row.tok.begin(), row.tok.end());
+      d.depth.push_back(dep);
+    }
+  d.tok = torch::tensor(buf, torch::kLong).view({static_cast<int64_t>(d.depth.size()), T});
+  return d;
+}
+
+// Per row: 1 if all kPassLen answer tokens are the argmax (teacher-forced), from logits of the
+// fed tokens tok[:, :T-1].
+inline torch::Tensor passkey_correct(const torch::Tensor& logits, const torch::Tensor& tok) {
+  const int64_t T = tok.size(1);
+  auto pred = logits.narrow(1, T - 1 - kPassLen, kPassLen).argmax(-1);
+  return pred.eq(tok.narrow(1, T - kPassLen, kPassLen)).all(1).to(torch::kFloat);
+}
+
+// Held-out text windows: BOS + T-1 bytes, n windows evenly spaced.
+inline torch::Tensor text_windows(const std::string& text, int64_t T, int64_t n) {
+  std::vector<int64_t> buf;
+  const int64_t stride = (static_cast<int64_t>(text.size()) - T) / n;
+  for (int64_t i = 0; i < n; ++i) {
+    buf.push_back(kBos);
+    for (int64_t j = 0; j < T - 1; ++j) buf.push_back(static_cast<unsigned char>(text[i * stride + j]));
+  }
+  return torch::tensor(buf, torch::kLong).view({n, T});
+}
+
+// Mean cross-entropy in bits of tok[:, 1:] given logits of tok[:, :-1].
+inline double bits_per_token(const torch::Tensor& logits, const torch::Tensor& tok) {
+  const int64_t T = tok.size(1);
+  auto l = logits.narrow(1, 0, T - 1).reshape({-1, logits.size(-1)});
+  return torch::nn::functional::cross_entropy(l, tok.narrow(1, 1, T - 1).reshape({-1})).item<double>() / std::log(2.0);
+}
+
+// The CI set: n synthetic-filler passkey documents per depth (0.1 .. 0.9) of L tokens, full
+// cache, one prefill chunk. Returns the fraction answered exactly.
+inline double ci_passkey_accuracy(Model& m, Layout layout, int64_t L, int64_t n) {
+  auto set = passkey_docs("", L, {0.1, 0.3, 0.5, 0.7, 0.9}, n, 2024);
+  auto fed = set.tok.narrow(1, 0, L - 1);
+  auto lg = run_policy(m, layout, Policy::Full, eviction_for(Policy::Full, L, L), fed, L, 0).logits;
+  return passkey_correct(lg, set.tok).mean().item<double>();
+}
+
+}  // namespace kvq

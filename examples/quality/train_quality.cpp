@@ -1,0 +1,218 @@
+// Trains the quality model (model.hpp) on Brown text mixed with retrieval rows (tasks.hpp),
+// with a curriculum: short fixed-length copying and recall first (forms induction), then
+// longer contexts up to --max-len. Deterministic for a given --seed and --steps (the wall-clock
+// --minutes limit only stops early). Writes checkpoints (LibTorch serialization) and, at the
+// end, the shipped fp16 weights.
+//
+//   train_quality --data build-quality/data --out build-quality/run [--steps 2200] [--minutes 100]
+#include "model.hpp"
+#include "tasks.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+using namespace kvq;
+
+namespace {
+
+struct Args {
+  std::string data = "build-quality/data", out = "build-quality/run", resume;
+  int64_t steps = 2200, tokens_per_step = 2048, max_len = 1024, warm = 200, eval_every = 100, threads = 2;
+  int64_t seed = 1234;
+  double lr = 2e-3, minutes = 1e9;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto v = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
+      return argv[++i];
+    };
+    if (k == "--data") a.data = v();
+    else if (k == "--out") a.out = v();
+    else if (k == "--resume") a.resume = v();
+    else if (k == "--steps") a.steps = std::stoll(v());
+    else if (k == "--tokens-per-step") a.tokens_per_step = std::stoll(v());
+    else if (k == "--max-len") a.max_len = std::stoll(v());
+    else if (k == "--warm") a.warm = std::stoll(v());
+    else if (k == "--eval-every") a.eval_every = std::stoll(v());
+    else if (k == "--threads") a.threads = std::stoll(v());
+    else if (k == "--seed") a.seed = std::stoll(v());
+    else if (k == "--lr") a.lr = std::stod(v());
+    else if (k == "--minutes") a.minutes = std::stod(v());
+    else throw std::runtime_error("unknown argument " + k);
+  }
+  return a;
+}
+
+// The step's context length: fixed 128 during the warm-up, then a ramp to max_len.
+int64_t step_len(Rng& r, const Args& a, int64_t step) {
+  if (step < a.warm) return 128;
+  const double f = static_cast<double>(step - a.warm) / std::max<int64_t>(1, a.steps - a.warm);
+  std::vector<int64_t> lens{128, 256, 512};
+  if (f > 0.15) lens.push_back(1024);
+  if (f > 0.4) lens = {256, 512, 1024, 1024};
+  int64_t T = lens[r.uniform(static_cast<int64_t>(lens.size()))];
+  return std::min(T, a.max_len);
+}
+
+Row make_row(Rng& r, const std::string& text, int64_t T, int64_t step, const Args& a) {
+  // Half of the retrieval rows use synthetic filler, so the CI test can run without the corpus.
+  const std::string empty;
+  const std::string& fill = r.uniform(2) ? text : empty;
+  const double u = r.unit();
+  if (step < a.warm) {
+    if (u < 0.45) return copy_row(r, fill, T, 24 + r.uniform(32));
+    if (u < 0.75) return mqar_row(r, fill, T, 4 + r.uniform(5), 8);
+    if (u < 0.85) return passkey_row(r, fill, T, -1);
+    return text_row(r, text, T);
+  }
+  if (u < 0.25) return text_row(r, text, T);
+  if (u < 0.55) return mqar_row(r, fill, T, 2 + r.uniform(7), 4 + r.uniform(8));
+  if (u < 0.85) return passkey_row(r, fill, T, -1);
+  return copy_row(r, fill, T, 8 + r.uniform(std::min<int64_t>(56, T / 4)));
+}
+
+// Passkey accuracy (all four values right) on held-out filler, full forward; n docs per length.
+double passkey_eval(Model& m, const std::string& text, int64_t T, int64_t n, uint64_t seed) {
+  torch::NoGradGuard g;
+  Rng r(seed);
+  std::vector<int64_t> buf;
+  for (int64_t i = 0; i < n; ++i) {
+    auto row = passkey_row(r, text, T, (i + 0.5) / n);
+    buf.insert(buf.end(), row.tok.begin(), row.tok.end());
+  }
+  auto tok = torch::tensor(buf, torch::kLong).view({n, T});
+  auto logits = m->forward(tok.narrow(1, 0, T - 1));
+  auto pred = logits.narrow(1, T - 1 - kPassLen, kPassLen).argmax(-1);
+  auto ok = pred.eq(tok.narrow(1, T - kPassLen, kPassLen)).all(1);
+  return ok.to(torch::kFloat).mean().item<double>();
+}
+
+double text_bpb(Model& m, const std::string& text, int64_t T, int64_t n) {
+  torch::NoGradGuard g;
+  std::vector<int64_t> buf;
+  const int64_t stride = (static_cast<int64_t>(text.size()) - T) / n;
+  for (int64_t i = 0; i < n; ++i) {
+    buf.push_back(kBos);
+    for (int64_t j = 0; j < T - 1; ++j) buf.push_back(static_cast<unsigned char>(text[i * stride + j]));
+  }
+  auto tok = torch::tensor(buf, torch::kLong).view({n, T});
+  auto logits = m->forward(tok.narrow(1, 0, T - 1));
+  auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}),
+                                                   tok.narrow(1, 1, T - 1).reshape({-1}));
+  return loss.item<double>() / std::log(2.0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args a = parse(argc, argv);
+  torch::set_num_threads(static_cast<int>(a.threads));
+  torch::manual_seed(a.seed);
+  const std::string text = read_file(a.data + "/brown_train.txt");
+  const std::string held = read_file(a.data + "/brown_heldout.txt");
+  std::system(("mkdir -p " + a.out).c_str());
+
+  Model model{Config()};
+  std::printf("params: %lld (%lld without the embedding)\n", (long long)count_params(model, true),
+              (long long)count_params(model, false));
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.1));
+  int64_t start = 0;
+  if (!a.resume.empty()) {
+    torch::load(model, a.resume + "/model.pt");
+    torch::load(opt, a.resume + "/optim.pt");
+    std::ifstream(a.resume + "/step.txt") >> start;
+    std::printf("resumed at step %lld\n", (long long)start);
+  }
+  auto save = [&](const std::string& dir, int64_t step) {
+    std::system(("mkdir -p " + dir).c_str());
+    torch::save(model, dir + "/model.pt");
+    torch::save(opt, dir + "/optim.pt");
+    std::ofstream(dir + "/step.txt") << step << "\n";
+  };
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  double cat_loss[kNumCats] = {}, cat_hit[kNumCats] = {}, cat_n[kNumCats] = {};
+  int64_t tokens = 0, step = start;
+  for (; step < a.steps; ++step) {
+    if (elapsed() > a.minutes * 60) {
+      std::printf("wall-clock limit reached at step %lld\n", (long long)step);
+      break;
+    }
+    // The data of step s depends only on (seed, s): resuming reproduces the same run.
+    Rng r(static_cast<uint64_t>(a.seed) * 1000003ull + static_cast<uint64_t>(step));
+    const int64_t T = step_len(r, a, step), B = std::max<int64_t>(1, a.tokens_per_step / T);
+    std::vector<int64_t> buf;
+    std::vector<int8_t> cats;
+    for (int64_t b = 0; b < B; ++b) {
+      Row row = make_row(r, text, T, step, a);
+      buf.insert(buf.end(), row.tok.begin(), row.tok.end());
+      cats.insert(cats.end(), row.cat.begin(), row.cat.end());
+    }
+    auto tok = torch::tensor(buf, torch::kLong).view({B, T});
+    auto cat = torch::tensor(std::vector<int64_t>(cats.begin(), cats.end()), torch::kLong).view({B, T}).narrow(1, 1, T - 1);
+    // Warm-up 100 steps, constant, then linear decay to 10% over the last 20% of the steps.
+    const double f = static_cast<double>(step) / a.steps;
+    double lr = a.lr * std::min(1.0, (step + 1) / 100.0);
+    if (f > 0.8) lr *= 1.0 - 0.9 * (f - 0.8) / 0.2;
+    for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+
+    auto logits = model->forward(tok.narrow(1, 0, T - 1));
+    auto target = tok.narrow(1, 1, T - 1);
+    auto ce = torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), target.reshape({-1}),
+                                                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+                  .view({B, T - 1});
+    auto w = cat.gt(0).to(torch::kFloat) + cat.ge(kMqar).to(torch::kFloat);  // retrieval targets count twice
+    auto loss = (ce * w).sum() / w.sum();
+    opt.zero_grad();
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    opt.step();
+    tokens += B * T;
+    {
+      torch::NoGradGuard g;
+      auto hit = logits.argmax(-1).eq(target);
+      for (int c = 1; c < kNumCats; ++c) {
+        auto m = cat.eq(c);
+        const double n = m.sum().item<double>();
+        if (n == 0) continue;
+        cat_n[c] += n;
+        cat_loss[c] += (ce * m).sum().item<double>();
+        cat_hit[c] += (hit & m).sum().item<double>();
+      }
+    }
+    if ((step + 1) % 20 == 0) {
+      std::printf("step %5lld T %4lld lr %.2e tok/s %5.0f | text %.3f bpb | acc mqar %.2f passkey %.2f copy %.2f | %.1f min\n",
+                  (long long)(step + 1), (long long)T, lr, tokens / elapsed(),
+                  cat_n[kText] ? cat_loss[kText] / cat_n[kText] / std::log(2.0) : 0.0,
+                  cat_n[kMqar] ? cat_hit[kMqar] / cat_n[kMqar] : 0.0,
+                  cat_n[kPasskey] ? cat_hit[kPasskey] / cat_n[kPasskey] : 0.0,
+                  cat_n[kCopyAns] ? cat_hit[kCopyAns] / cat_n[kCopyAns] : 0.0, elapsed() / 60);
+      std::fflush(stdout);
+      for (int c = 0; c < kNumCats; ++c) cat_loss[c] = cat_hit[c] = cat_n[c] = 0;
+    }
+    if ((step + 1) % a.eval_every == 0) {
+      model->eval();
+      std::printf("eval step %lld: held-out %.3f bpb (T=512) | passkey full forward: T=256 %.2f T=512 %.2f T=1024 %.2f\n",
+                  (long long)(step + 1), text_bpb(model, held, 512, 4), passkey_eval(model, held, 256, 8, 7),
+                  passkey_eval(model, held, 512, 8, 8), passkey_eval(model, held, 1024, 8, 9));
+      std::fflush(stdout);
+      model->train();
+      save(a.out + "/ckpt", step + 1);
+      save_weights(model, a.out + "/weights.pt");
+    }
+  }
+  save(a.out + "/ckpt", step);
+  save_weights(model, a.out + "/weights.pt");
+  std::printf("done: %lld steps, %lld tokens, %.1f min\n", (long long)step, (long long)tokens, elapsed() / 60);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,80 @@
+// CI test for the shipped quality model (examples/quality/weights.pt): no corpus, no network.
+//  1. cached decode (expanded and latent layouts) matches the full forward;
+//  2. eviction at 100% budget leaves the logits exactly unchanged (vs never calling evict);
+//  3. full-cache passkey accuracy on a fixed synthetic set matches the value stored with the
+//     weights (weights.json) within a tolerance.
+// Usage: test_quality <weights.pt> <weights.json>
+#include "evaluate.hpp"
+
+#include <cstdio>
+#include <regex>
+
+using namespace kvq;
+
+namespace {
+int failures = 0;
+void check(bool ok, const std::string& what) {
+  std::printf("%s - %s\n", ok ? "ok  " : "FAIL", what.c_str());
+  if (!ok) ++failures;
+}
+double json_number(const std::string& json, const std::string& key) {
+  std::smatch m;
+  if (!std::regex_search(json, m, std::regex("\"" + key + "\"\\s*:\\s*([0-9.eE+-]+)")))
+    throw std::runtime_error("no \"" + key + "\" in the weights' JSON");
+  return std::stod(m[1]);
+}
+}  // namespace
+
+int main(int argc, char** argv) try {
+  if (argc != 3) throw std::runtime_error("usage: test_quality <weights.pt> <weights.json>");
+  torch::set_num_threads(2);
+  Model m{Config()};
+  load_weights(m, argv[1]);
+  m->eval();
+  const std::string json = read_file(argv[2]);
+  torch::NoGradGuard g;
+
+  // 1. One synthetic passkey document, T = 192: full forward vs token-by-token cached decode.
+  auto doc = passkey_docs("", 192, {0.3}, 1, 11).tok;
+  auto fed = doc.narrow(1, 0, doc.size(1) - 1);
+  const int64_t T = fed.size(1);
+  auto full = m->forward(fed);
+  auto full_e = kvq::eviction_for(Policy::Full, T, T);
+  auto exp = run_policy(m, Layout::Expanded, Policy::Full, full_e, fed, 1, 0).logits;
+  auto lat = run_policy(m, Layout::Latent, Policy::Full, full_e, fed, 1, 0).logits;
+  const double d_exp = (exp - full).abs().max().item<double>(), d_lat = (lat - exp).abs().max().item<double>();
+  check(d_exp < 1e-3, "expanded cache decode vs full forward: max |dlogit| = " + std::to_string(d_exp));
+  check(d_lat < 1e-3, "latent (absorbed) vs expanded decode: max |dlogit| = " + std::to_string(d_lat));
+
+  // 2. Capacity exactly T (budget T - sinks - window): evict() runs every step and must change
+  //    nothing, bit for bit, for every scorer and both layouts.
+  for (auto layout : {Layout::Expanded, Layout::Latent})
+    for (auto p : {Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window}) {
+      auto e = eviction_for(p, T, T);
+      auto with = run_policy(m, layout, p, e, fed, 1, 0).logits;
+      auto without = run_policy(m, layout, p, e, fed, 1, 0, nullptr, nullptr, /*evict=*/false).logits;
+      check(torch::equal(with, without), std::string("100% budget, ") + layout_name(layout) + ", " + policy_name(p) +
+                                             ": logits exactly unchanged by eviction");
+    }
+  // ... while a 25% budget does change them (the check above can fail).
+  auto small = run_policy(m, Layout::Expanded, Policy::H2O, eviction_for(Policy::H2O, T / 4, T), fed, 1, 0).logits;
+  check(!torch::equal(small, exp), "25% budget changes the logits");
+
+  // 3. Full-cache passkey accuracy on the fixed set the JSON describes.
+  const auto L = static_cast<int64_t>(json_number(json, "ci_context"));
+  const auto n = static_cast<int64_t>(json_number(json, "ci_docs_per_depth"));
+  const double stored = json_number(json, "ci_full_cache_passkey_accuracy");
+  const double tol = json_number(json, "ci_tolerance");
+  for (auto layout : {Layout::Expanded, Layout::Latent}) {
+    const double acc = ci_passkey_accuracy(m, layout, L, n);
+    char msg[200];
+    std::snprintf(msg, sizeof msg, "%s full-cache passkey accuracy %.4f vs stored %.4f (tolerance %.3f), %lld docs at %lld tokens",
+                  layout_name(layout), acc, stored, tol, (long long)(5 * n), (long long)L);
+    check(std::abs(acc - stored) <= tol, msg);
+  }
+  std::printf("%s\n", failures ? "FAILED" : "all passed");
+  return failures ? 1 : 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}
