@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 namespace kvevict {
 namespace detail {
@@ -60,6 +61,45 @@ at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer, bool
   return probs;
 }
 
+/// Attention row by row, for a batch that is not dense (rows of different lengths, pad query
+/// columns, idle or free rows): row b runs on its own real query columns [q0, T) and live
+/// slots [0, len) only, so every matmul and softmax has exactly the shapes the request has
+/// alone in a batch-1 cache. Batched kernels round differently for different shapes (their
+/// reductions block by T and S), so one batched product over the padded [B, H, T, S] would
+/// make a request's outputs and scores depend on the other rows. `row(b, q0, c, len)` returns
+/// {logits [1, H, c, len], values [1, H or 1, len, w]} in the compute dtype `dt`. Pad columns
+/// and free rows get zero output and probabilities. Observes the probabilities [B, H, T, S]
+/// once (if `observe`). \note Reads the query positions on the host (a sync on CUDA).
+template <class Cache, class Row>
+at::Tensor attend_rows(Cache& cache, int64_t layer, int64_t T, int64_t width, at::ScalarType dt, bool observe,
+                       at::Tensor* probs_out, Row&& row) {
+  const int64_t B = cache.batch_size(), H = cache.num_heads(), S = cache.size(layer);
+  const auto pos = cache.positions(layer);                                // [B, S], -1 dead
+  const auto query_pos = cache.policy().query_positions(layer, T);       // [B, T], -1 pad
+  const auto host_qpos = query_pos.to(at::kCPU).contiguous();
+  const int64_t* qp = host_qpos.template data_ptr<int64_t>();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(cache.device());
+  auto probs = at::zeros({B, H, T, S}, f32);
+  auto out = at::zeros({B, H, T, width}, f32.dtype(dt));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = cache.size(layer, b);
+    int64_t q0 = 0;  // pads lead: real columns are [q0, T)
+    while (q0 < T && qp[b * T + q0] < 0) ++q0;
+    const int64_t c = T - q0;
+    if (c == 0 || len == 0) continue;
+    const auto lv = row(b, q0, c, len);
+    const auto seen = pos.select(0, b).narrow(0, 0, len).view({1, 1, 1, len}).le(
+        query_pos.select(0, b).narrow(0, q0, c).view({1, 1, c, 1}));
+    const auto p = at::softmax(lv.first.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity()), -1,
+                               at::kFloat);  // [1, H, c, len]
+    probs.select(0, b).narrow(1, q0, c).narrow(2, 0, len).copy_(p.select(0, 0));
+    out.select(0, b).narrow(1, q0, c).copy_(at::matmul(p.to(dt), lv.second).select(0, 0));
+  }
+  if (observe) cache.observe(layer, probs);
+  if (probs_out) *probs_out = probs;
+  return out.to(cache.dtype());
+}
+
 }  // namespace detail
 
 /// Attention of the T tokens of the latest update over `layer`'s live slots (expanded layout),
@@ -84,9 +124,18 @@ at::Tensor attend(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t lay
                   bool observe = true) {
   const auto k = cache.keys(layer);  // [B, H, S, qk_dim]
   const auto v = cache.values(layer);
-  detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
+  const int64_t T = detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
   const auto dt = detail::compute_dtype(cache);
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+  if (!cache.policy().dense(layer, T)) {  // ragged: row by row, each with its own shapes
+    return detail::attend_rows(cache, layer, T, cache.options().v_dim(), dt, observe, probs_out,
+                               [&](int64_t b, int64_t q0, int64_t c, int64_t len) {
+                                 return std::make_pair(
+                                     at::matmul(q.narrow(0, b, 1).narrow(2, q0, c).to(dt).mul(s),
+                                                k.narrow(0, b, 1).narrow(2, 0, len).to(dt).transpose(-2, -1)),
+                                     v.narrow(0, b, 1).narrow(2, 0, len).to(dt));
+                               });
+  }
   // Scaled before the product, so an fp16 logit overflows only if the scaled one would.
   const auto logits = at::matmul(q.to(dt).mul(s), k.to(dt).transpose(-2, -1));  // [B, H, T, S]
   const auto probs = detail::observed_softmax(logits, cache, layer, observe);
@@ -120,6 +169,17 @@ at::Tensor attend_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe,
   KVEVICT_CHECK(q_pe.size(2) == T, "q_pe must have the T of q_absorbed (", T, "), got ", q_pe.size(2));
   const auto dt = detail::compute_dtype(cache);
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
+  if (!cache.policy().dense(layer, T)) {  // ragged: row by row, each with its own shapes
+    return detail::attend_rows(
+        cache, layer, T, o.kv_lora_rank(), dt, observe, probs_out, [&](int64_t b, int64_t q0, int64_t c, int64_t len) {
+          const auto row_latent = ckv.narrow(0, b, 1).narrow(2, 0, len).to(dt);
+          const auto logits =
+              at::matmul(q_absorbed.narrow(0, b, 1).narrow(2, q0, c).to(dt).mul(s), row_latent.transpose(-2, -1))
+                  .add(at::matmul(q_pe.narrow(0, b, 1).narrow(2, q0, c).to(dt).mul(s),
+                                  kpe.narrow(0, b, 1).narrow(2, 0, len).to(dt).transpose(-2, -1)));
+          return std::make_pair(logits, row_latent);
+        });
+  }
   const auto latent = ckv.to(dt);
   // Scaled before the products, so an fp16 logit overflows only if the scaled one would.
   const auto logits = at::matmul(q_absorbed.to(dt).mul(s), latent.transpose(-2, -1))
