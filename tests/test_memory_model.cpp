@@ -129,3 +129,17 @@ TEST_CASE("the memory model rejects bad values, naming them", "[memory_model][er
   CHECK_THROWS_AS(kvevict::capped_cache_bytes(c, Layout::kLatent, 10, 0), c10::ValueError);
   CHECK_THROWS_WITH(kvevict::capped_cache_bytes(c, Layout::kLatent, 10, 0), Contains("capacity must be >= 1, got 0"));
 }
+
+TEST_CASE("the memory model throws on int64 overflow instead of wrapping", "[memory_model][errors][cpu]") {
+  MlaMemoryConfig c;
+  c.num_heads = int64_t{1} << 60;
+  CHECK_THROWS_AS(kvevict::bytes_per_token_per_layer(c, Layout::kExpanded), c10::ValueError);
+  CHECK_THROWS_WITH(kvevict::bytes_per_token_per_layer(c, Layout::kExpanded), Contains("overflows int64"));
+  CHECK(kvevict::bytes_per_token_per_layer(c, Layout::kLatent) == (512 + 64) * 2);  // heads do not count
+  const MlaMemoryConfig v3;
+  CHECK_THROWS_WITH(kvevict::full_cache_bytes(v3, Layout::kExpanded, int64_t{1} << 50),
+                    Contains("seq_len x bytes per token overflows int64"));
+  MlaMemoryConfig layers;
+  layers.num_layers = int64_t{1} << 60;
+  CHECK_THROWS_WITH(kvevict::bytes_per_token(layers, Layout::kLatent), Contains("bytes per token (all layers) overflows"));
+}

@@ -7,6 +7,25 @@
 #include <cstdint>
 
 namespace kvevict {
+namespace detail {
+
+/// a * b, or a c10::ValueError naming `what` if the product does not fit in int64.
+inline int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  KVEVICT_CHECK_VALUE(!__builtin_mul_overflow(a, b, &out), "memory model: ", what, " overflows int64 (", a, " x ", b,
+                      ")");
+  return out;
+}
+
+/// a + b, or a c10::ValueError naming `what` on int64 overflow.
+inline int64_t checked_add(int64_t a, int64_t b, const char* what) {
+  int64_t out = 0;
+  KVEVICT_CHECK_VALUE(!__builtin_add_overflow(a, b, &out), "memory model: ", what, " overflows int64 (", a, " + ", b,
+                      ")");
+  return out;
+}
+
+}  // namespace detail
 
 /// The two ways an MLA model's cache can be stored.
 enum class Layout {
@@ -29,34 +48,45 @@ struct MlaMemoryConfig {
   int64_t bytes_per_element = 2;
 };
 
-/// Bytes one token takes in one layer (K/V data only; the caches' own bookkeeping adds 16 bytes
-/// per slot and layer, independent of the layout: fp32 score, int64 position, fp32 scratch,
-/// plus 4 for MeanObservedAttention's count; and a layer holds capacity + evict_every slots).
-/// \throws c10::ValueError if a dimension is < 1.
+/// Bytes one token takes in one layer (K/V data only; the eviction state adds 8 + 4 x W bytes
+/// per slot and layer, independent of the layout: the int64 position and W fp32 values of
+/// scorer state (W = 1, or 2 for MeanObservedAttention); and a layer holds capacity +
+/// evict_every slots per row, see README "Memory").
+/// \throws c10::ValueError if a dimension is < 1, or the result overflows int64.
 inline int64_t bytes_per_token_per_layer(const MlaMemoryConfig& c, Layout layout) {
   KVEVICT_CHECK_VALUE(c.num_layers >= 1 && c.num_heads >= 1 && c.qk_dim >= 1 && c.v_dim >= 1 &&
                           c.kv_lora_rank >= 1 && c.qk_rope_dim >= 1 && c.bytes_per_element >= 1,
-                      "MlaMemoryConfig: every dimension must be >= 1");
-  return layout == Layout::kExpanded ? c.num_heads * (c.qk_dim + c.v_dim) * c.bytes_per_element
-                                     : (c.kv_lora_rank + c.qk_rope_dim) * c.bytes_per_element;
+                      "MlaMemoryConfig: every dimension must be >= 1, got num_layers=", c.num_layers,
+                      ", num_heads=", c.num_heads, ", qk_dim=", c.qk_dim, ", v_dim=", c.v_dim,
+                      ", kv_lora_rank=", c.kv_lora_rank, ", qk_rope_dim=", c.qk_rope_dim,
+                      ", bytes_per_element=", c.bytes_per_element);
+  using detail::checked_add;
+  using detail::checked_mul;
+  return layout == Layout::kExpanded
+             ? checked_mul(checked_mul(c.num_heads, checked_add(c.qk_dim, c.v_dim, "qk_dim + v_dim"),
+                                       "num_heads x (qk_dim + v_dim)"),
+                           c.bytes_per_element, "bytes per token and layer")
+             : checked_mul(checked_add(c.kv_lora_rank, c.qk_rope_dim, "kv_lora_rank + qk_rope_dim"),
+                           c.bytes_per_element, "bytes per token and layer");
 }
 
 /// Bytes one token takes across all layers (seed config, expanded, 64 heads, fp16:
 /// 61 * 64 * 320 * 2 = 2,498,560).
+/// \throws c10::ValueError if a dimension is < 1, or the result overflows int64.
 inline int64_t bytes_per_token(const MlaMemoryConfig& c, Layout layout) {
-  return c.num_layers * bytes_per_token_per_layer(c, layout);
+  return detail::checked_mul(c.num_layers, bytes_per_token_per_layer(c, layout), "bytes per token (all layers)");
 }
 
 /// Bytes a full cache of `seq_len` tokens takes for one sequence, all layers.
-/// \throws c10::ValueError if seq_len < 0.
+/// \throws c10::ValueError if seq_len < 0, or the result overflows int64.
 inline int64_t full_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len) {
   KVEVICT_CHECK_VALUE(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
-  return seq_len * bytes_per_token(c, layout);
+  return detail::checked_mul(seq_len, bytes_per_token(c, layout), "seq_len x bytes per token");
 }
 
 /// Bytes a cache capped at `capacity` tokens (n_sink + budget + n_recent) takes after
 /// `seq_len` tokens, one sequence, all layers: min(seq_len, capacity) tokens.
-/// \throws c10::ValueError if seq_len < 0 or capacity < 1.
+/// \throws c10::ValueError if seq_len < 0, capacity < 1, or the result overflows int64.
 inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity) {
   KVEVICT_CHECK_VALUE(capacity >= 1, "capacity must be >= 1, got ", capacity);
   return full_cache_bytes(c, layout, std::min(seq_len, capacity));
