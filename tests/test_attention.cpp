@@ -422,3 +422,92 @@ TEST_CASE("CUDA: attend equals the CPU result; a CPU query is rejected", "[atten
   CHECK_THROWS_WITH(kvevict::attend(at::randn({2, 2, 1, kQk}, cuda), cpu, 0),
                     Contains("q must be on the cache's device cpu, got cuda:0"));
 }
+
+namespace {
+
+/// Bit-for-bit equality of two fp32 tensors (as int32: -0 != +0).
+bool same_bits_f32(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && at::equal(a.contiguous().view(at::kInt), b.contiguous().view(at::kInt));
+}
+
+}  // namespace
+
+TEST_CASE("attend and attend_absorbed give each row of a ragged batch, bit for bit, what it gets alone",
+          "[attention][cpu]") {
+  // Batched matmuls and softmaxes round differently for other shapes (T, S), so attention over
+  // a padded [B, H, T, S] would make a row's output and scores depend on the other rows. Rows:
+  // a long prompt, a short left-padded one, a row that joins later, and one left free.
+  const int64_t B = 4, H = 3;
+  const auto ev = EvictionOptions(/*budget=*/3).n_sink(1).n_recent(2);
+  const std::vector<std::vector<int64_t>> steps = {{9, 4, 0, 0}, {1, 1, 6, 0}, {1, 0, 1, 0}, {1, 1, 1, 0}};
+  kvevict_test::on_both_paths([&] {
+    for (const bool latent : {false, true}) {
+      INFO("latent " << latent);
+      const int64_t Dk = latent ? 40 : 24, Dr = 8, Dv = 16;
+      auto make = [&](int64_t batch) {
+        return std::make_pair(
+            MlaCache(MlaCacheOptions(1, H).batch_size(batch).qk_dim(Dk).v_dim(Dv), ev),
+            kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, H).batch_size(batch).kv_lora_rank(Dk).qk_rope_dim(Dr), ev));
+      };
+      auto shared = make(B);
+      shared.first.finish(3);
+      shared.second.finish(3);
+      std::vector<std::pair<MlaCache, kvevict::MlaLatentCache>> alone;
+      for (int64_t b = 0; b < B - 1; ++b) alone.push_back(make(1));
+      std::vector<int64_t> seen(B, 0);
+      for (size_t step = 0; step < steps.size(); ++step) {
+        INFO("step " << step);
+        const auto& counts = steps[step];
+        const int64_t T = *std::max_element(counts.begin(), counts.end());
+        at::manual_seed(static_cast<uint64_t>(step));
+        // Per row: its own tokens, right-aligned in T columns (pads hold other random values).
+        const auto k = at::randn({B, H, T, Dk}), v = at::randn({B, H, T, Dv}), q = at::randn({B, H, T, Dk}).mul(2);
+        const auto ckv = at::randn({B, T, Dk}), kpe = at::randn({B, T, Dr}), qpe = at::randn({B, H, T, Dr});
+        at::Tensor out, probs;
+        if (latent) {
+          shared.second.update(0, ckv, kpe, counts);
+          out = kvevict::attend_absorbed(q, qpe, shared.second, 0, c10::nullopt, &probs);
+        } else {
+          shared.first.update(0, k, v, counts);
+          out = kvevict::attend(q, shared.first, 0, c10::nullopt, &probs);
+        }
+        for (int64_t b = 0; b < B - 1; ++b) {
+          INFO("row " << b);
+          const int64_t c = counts[b];
+          if (c > 0) {
+            auto cols = [&](const at::Tensor& t, int64_t dim) { return t.narrow(0, b, 1).narrow(dim, T - c, c); };
+            at::Tensor own_out, own_probs;
+            if (latent) {
+              alone[b].second.update(0, cols(ckv, 1), cols(kpe, 1));
+              own_out = kvevict::attend_absorbed(cols(q, 2), cols(qpe, 2), alone[b].second, 0, c10::nullopt, &own_probs);
+            } else {
+              alone[b].first.update(0, cols(k, 2), cols(v, 2));
+              own_out = kvevict::attend(cols(q, 2), alone[b].first, 0, c10::nullopt, &own_probs);
+            }
+            const int64_t len = own_probs.size(3);
+            CHECK(same_bits_f32(out[b].narrow(1, T - c, c), own_out[0]));
+            CHECK(same_bits_f32(probs[b].narrow(1, T - c, c).narrow(2, 0, len), own_probs[0]));
+          }
+          // Pad columns and idle rows: zero output.
+          CHECK(at::equal(out[b].narrow(1, 0, T - c), at::zeros({H, T - c, out.size(3)})));
+          const auto& mine = latent ? shared.second.scores(0) : shared.first.scores(0);
+          const auto& own = latent ? alone[b].second.scores(0) : alone[b].first.scores(0);
+          CHECK(same_bits_f32(mine[b].narrow(0, 0, own.size(1)), own[0]));
+        }
+        CHECK(at::equal(out[B - 1], at::zeros_like(out[B - 1])));  // the free row
+        for (int64_t b = 0; b < B - 1; ++b) {
+          if (latent) {
+            alone[b].second.evict(0);
+          } else {
+            alone[b].first.evict(0);
+          }
+        }
+        if (latent) {
+          shared.second.evict(0);
+        } else {
+          shared.first.evict(0);
+        }
+      }
+    }
+  });
+}
