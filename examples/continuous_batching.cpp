@@ -92,9 +92,9 @@ struct Latent {
   static constexpr const char* kName = "MlaLatentCache + attend_absorbed";
   static constexpr int64_t kRank = 64, kRope = 16;
   static std::unique_ptr<Cache> make(int64_t batch) {
-    return std::make_unique<Cache>(
-        kvevict::MlaLatentCacheOptions(kLayers, kHeads).kv_lora_rank(kRank).qk_rope_dim(kRope).qk_nope_dim(32).batch_size(batch),
-        kEviction);
+    const auto options =
+        kvevict::MlaLatentCacheOptions(kLayers, kHeads).kv_lora_rank(kRank).qk_rope_dim(kRope).qk_nope_dim(32);
+    return std::make_unique<Cache>(kvevict::MlaLatentCacheOptions(options).batch_size(batch), kEviction);
   }
   /// ckv, kpe: [L, N, width]; queries q_absorbed, q_pe: [L, H, N, width].
   static std::vector<at::Tensor> cached(int64_t n) {
@@ -163,7 +163,6 @@ std::map<int, Outcome> run() {
   auto shared = Layout::make(kBatch);
   std::map<int, std::unique_ptr<Cache>> solo;  // per running request: its own batch-1 cache
   std::map<int, Outcome> out;
-  std::vector<int> row_of(kRequests.size(), -1);
   std::vector<int> in_row(kBatch, -1);       // request id per row, -1 when free
   std::vector<int64_t> done(kRequests.size(), 0);  // tokens appended so far, per request
   for (int b = 0; b < kBatch; ++b) shared->finish(b);  // every row starts active: free them all
@@ -190,7 +189,9 @@ std::map<int, Outcome> run() {
         solo.erase(id);
       }
     }
-    while (next_arrival < kRequests.size() && kRequests[next_arrival].arrival <= step) waiting.push_back(kRequests[next_arrival++].id);
+    while (next_arrival < kRequests.size() && kRequests[next_arrival].arrival <= step) {
+      waiting.push_back(kRequests[next_arrival++].id);
+    }
     while (!waiting.empty()) {
       bool free_row = false;
       for (int b = 0; b < kBatch; ++b) free_row = free_row || in_row[b] < 0;
@@ -226,7 +227,8 @@ std::map<int, Outcome> run() {
         for (int b = 0; b < kBatch; ++b) {
           const int id = in_row[b];
           const int64_t tdim = Layout::token_dim(i);
-          rows.push_back(id < 0 ? chunk_of(kv[0][i], l, 0, 0, T, tdim) : chunk_of(kv[id][i], l, done[id], counts[b], T, tdim));
+          rows.push_back(id < 0 ? chunk_of(kv[0][i], l, 0, 0, T, tdim)  // a free row: all pads
+                                : chunk_of(kv[id][i], l, done[id], counts[b], T, tdim));
         }
         in.push_back(at::cat(rows));
       }
@@ -234,7 +236,8 @@ std::map<int, Outcome> run() {
         std::vector<at::Tensor> rows;
         for (int b = 0; b < kBatch; ++b) {
           const int id = in_row[b];
-          rows.push_back(id < 0 ? chunk_of(qs[0][i], l, 0, 0, T, 2) : chunk_of(qs[id][i], l, done[id], counts[b], T, 2));
+          rows.push_back(id < 0 ? chunk_of(qs[0][i], l, 0, 0, T, 2)
+                                : chunk_of(qs[id][i], l, done[id], counts[b], T, 2));
         }
         q.push_back(at::cat(rows));
       }
@@ -248,7 +251,9 @@ std::map<int, Outcome> run() {
         for (size_t i = 0; i < kv[id].size(); ++i) {
           own_in.push_back(kv[id][i][l].narrow(Layout::token_dim(i) - 1, done[id], counts[b]).unsqueeze(0));
         }
-        for (size_t i = 0; i < qs[id].size(); ++i) own_q.push_back(qs[id][i][l].narrow(1, done[id], counts[b]).unsqueeze(0));
+        for (size_t i = 0; i < qs[id].size(); ++i) {
+          own_q.push_back(qs[id][i][l].narrow(1, done[id], counts[b]).unsqueeze(0));
+        }
         Layout::update(*solo[id], l, own_in, nullptr);
         solo_attn[b] = Layout::attend(*solo[id], l, own_q);
       }
