@@ -12,7 +12,8 @@
 // attend, MlaLatentCache with attend_absorbed), both paths (CPU host loops and the tensor-op
 // path that CUDA runs, forced on CPU), and the two paths must keep the same tokens.
 //
-// Prints one line per request and configuration, then PASS (exit 0) or FAIL (exit 1).
+// `--device cuda` adds a run of the tensor path on that device (its kept tokens must match the
+// CPU host path's too). Prints one line per request and run, then PASS (exit 0) or FAIL (exit 1).
 #include <kvevict/kvevict.hpp>
 
 #include <fmt/core.h>
@@ -34,6 +35,8 @@ namespace {
 
 constexpr int64_t kLayers = 3, kHeads = 4, kBatch = 4;
 const auto kEviction = kvevict::EvictionOptions(/*budget=*/6).n_sink(2).n_recent(4).evict_every(1);
+/// Device of the caches (--device): CPU by default; a CUDA run adds one pass over the schedule.
+at::Device g_device = at::kCPU;
 
 struct Request {
   int id;
@@ -67,7 +70,7 @@ struct Expanded {
   static constexpr const char* kName = "MlaCache + attend";
   static constexpr int64_t kQk = 48, kV = 32;
   static std::unique_ptr<Cache> make(int64_t batch) {
-    return std::make_unique<Cache>(kvevict::MlaCacheOptions(kLayers, kHeads).qk_dim(kQk).v_dim(kV).batch_size(batch),
+    return std::make_unique<Cache>(kvevict::MlaCacheOptions(kLayers, kHeads).qk_dim(kQk).v_dim(kV).batch_size(batch).device(g_device),
                                    kEviction);
   }
   /// Cached inputs (k, v) and queries (q) of every layer and position: [L, H, N, width].
@@ -94,7 +97,7 @@ struct Latent {
   static std::unique_ptr<Cache> make(int64_t batch) {
     const auto options =
         kvevict::MlaLatentCacheOptions(kLayers, kHeads).kv_lora_rank(kRank).qk_rope_dim(kRope).qk_nope_dim(32);
-    return std::make_unique<Cache>(kvevict::MlaLatentCacheOptions(options).batch_size(batch), kEviction);
+    return std::make_unique<Cache>(kvevict::MlaLatentCacheOptions(options).batch_size(batch).device(g_device), kEviction);
   }
   /// ckv, kpe: [L, N, width]; queries q_absorbed, q_pe: [L, H, N, width].
   static std::vector<at::Tensor> cached(int64_t n) {
@@ -230,7 +233,7 @@ std::map<int, Outcome> run() {
           rows.push_back(id < 0 ? chunk_of(kv[0][i], l, 0, 0, T, tdim)  // a free row: all pads
                                 : chunk_of(kv[id][i], l, done[id], counts[b], T, tdim));
         }
-        in.push_back(at::cat(rows));
+        in.push_back(at::cat(rows).to(g_device));
       }
       for (size_t i = 0; i < qs[0].size(); ++i) {
         std::vector<at::Tensor> rows;
@@ -239,7 +242,7 @@ std::map<int, Outcome> run() {
           rows.push_back(id < 0 ? chunk_of(qs[0][i], l, 0, 0, T, 2)
                                 : chunk_of(qs[id][i], l, done[id], counts[b], T, 2));
         }
-        q.push_back(at::cat(rows));
+        q.push_back(at::cat(rows).to(g_device));
       }
       Layout::update(*shared, l, in, &counts);
       const auto attn = Layout::attend(*shared, l, q);
@@ -249,10 +252,10 @@ std::map<int, Outcome> run() {
         if (id < 0 || counts[b] == 0) continue;
         std::vector<at::Tensor> own_in, own_q;
         for (size_t i = 0; i < kv[id].size(); ++i) {
-          own_in.push_back(kv[id][i][l].narrow(Layout::token_dim(i) - 1, done[id], counts[b]).unsqueeze(0));
+          own_in.push_back(kv[id][i][l].narrow(Layout::token_dim(i) - 1, done[id], counts[b]).unsqueeze(0).to(g_device));
         }
         for (size_t i = 0; i < qs[id].size(); ++i) {
-          own_q.push_back(qs[id][i][l].narrow(1, done[id], counts[b]).unsqueeze(0));
+          own_q.push_back(qs[id][i][l].narrow(1, done[id], counts[b]).unsqueeze(0).to(g_device));
         }
         Layout::update(*solo[id], l, own_in, nullptr);
         solo_attn[b] = Layout::attend(*solo[id], l, own_q);
@@ -323,15 +326,37 @@ std::map<int, Outcome> run() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   at::set_num_threads(1);  // deterministic and polite on a shared machine
+  // Runs: the CPU host path, the tensor path forced on CPU, and with `--device cuda[:N]` the
+  // tensor path on that device too (its kept tokens must also match the CPU host path's).
+  std::vector<std::string> runs = {"cpu", "tensor"};
+  if (argc == 3 && std::string(argv[1]) == "--device") {
+    runs.push_back(argv[2]);
+  } else if (argc != 1) {
+    fmt::print(stderr, "usage: {} [--device DEVICE]\n", argv[0]);
+    return 2;
+  }
   bool ok = true;
   std::map<std::string, std::map<int, Outcome>> digests;  // layout -> path -> outcomes
-  for (const bool tensor_path : {false, true}) {
+  for (const auto& run_name : runs) {
+    const bool tensor_path = run_name == "tensor";
+    g_device = run_name == "tensor" ? at::Device(at::kCPU) : at::Device(run_name);
     kvevict::detail::force_tensor_path() = tensor_path;  // caches built now take this path
-    const char* path = tensor_path ? "tensor path (what CUDA runs)" : "CPU host path";
+    const std::string path = run_name == "cpu"      ? "CPU host path"
+                             : run_name == "tensor" ? "tensor path (what CUDA runs), forced on CPU"
+                                                    : "tensor path on " + run_name;
     for (int layout = 0; layout < 2; ++layout) {
-      const auto outcomes = layout == 0 ? run<Expanded>() : run<Latent>();
+      std::map<int, Outcome> outcomes;
+      try {
+        outcomes = layout == 0 ? run<Expanded>() : run<Latent>();
+      } catch (const c10::Error& e) {  // e.g. --device names a device this machine lacks
+        const std::string why = e.what_without_backtrace();
+        fmt::print("{} on the {}: FAIL, {}\n", layout == 0 ? Expanded::kName : Latent::kName, path,
+                   why.substr(0, why.find('\n')));
+        ok = false;
+        continue;
+      }
       const auto& any = outcomes.begin()->second;
       fmt::print("{} on the {}: {} steps mixed prefill and decode rows, {} chunks held several prompts, {} tokens "
                  "evicted\n",
