@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Sets up (apt + CMake), builds the examples, then runs the smoke test, the 1000-step
-# validation (CSV in build/validate_eviction.csv) and the memory table.
+# validation (CSV in build/validate_eviction.csv), the memory table and tensor parallelism
+# (2 ranks, then 4 lazy, on loopback: every rank's kept-positions digest must be equal).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh smoke_test validate_eviction memory_table
+scripts/setup.sh smoke_test validate_eviction memory_table tensor_parallel
 ./build/examples/smoke_test
 ./build/examples/validate_eviction --out-csv build/validate_eviction.csv
 ./build/examples/memory_table
+./build/examples/tensor_parallel --world 2
+./build/examples/tensor_parallel --world 4 --lazy

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(cmake g++ make libtorch-dev libopenblas0-pthread catch2 libfmt-dev libbenchmark-dev)
+pkgs=(cmake g++ make libtorch-dev libopenblas0-pthread catch2 libfmt-dev libbenchmark-dev
+      libgloo-dev)  # Gloo headers: c10d groups for tensor parallelism (LibTorch links libgloo)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

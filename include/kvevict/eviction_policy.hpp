@@ -52,6 +52,13 @@ struct RankIsState : std::false_type {};
 template <class S>
 struct RankIsState<S, std::void_t<decltype(S::kRankIsState)>> : std::bool_constant<S::kRankIsState> {};
 
+/// Whether Scorer declares `kLinear = true` (scorers.hpp): EvictionPolicyOptions::lazy_reduction
+/// may then apply many observations as one.
+template <class S, class = void>
+struct IsLinear : std::false_type {};
+template <class S>
+struct IsLinear<S, std::void_t<decltype(S::kLinear)>> : std::bool_constant<S::kLinear> {};
+
 /// A host vector mirrored on a device: uploaded only when its values change, so a steady-state
 /// step (same values every time) makes no copy and keeps the same device tensor (CUDA graphs).
 struct DeviceMirror {
@@ -132,6 +139,10 @@ class EvictionPolicy {
         host_(device_.is_cpu() && !detail::force_tensor_path()),
         check_(options.checks_observations(device_)),
         layer_eviction_(per_layer(options, eviction)) {
+    KVEVICT_CHECK_VALUE(!options_.lazy_reduction() || detail::IsLinear<Scorer>::value,
+                        "EvictionPolicyOptions: lazy_reduction needs a linear scorer (Scorer::kLinear: one observation "
+                        "of summed contributions equals the observations one by one), got ", Scorer::kName,
+                        "; use lazy_reduction(false)");
     const int64_t B = options_.batch_size();
     try {
       active_.assign(static_cast<size_t>(B), 1);
@@ -301,9 +312,13 @@ class EvictionPolicy {
   }
 
   /// [B, size(layer)] fp32 rank of each slot (Scorer::rank of its state), 0 past a row's length.
-  /// A copy, on the policy's device.
+  /// A copy, on the policy's device. \throws c10::Error while lazy_reduction observations are
+  /// pending on `layer` (flush() first).
   at::Tensor scores(int64_t layer) const {
     const auto& L = at(layer);
+    KVEVICT_CHECK(L.pending_terms == 0, "scores: layer ", layer,
+                  " holds observations not yet applied (lazy_reduction); call flush(", layer,
+                  ") first (a collective under tensor parallelism)");
     const int64_t S = max_of(L.len);
     const auto rank = scorer_.rank(L.state.narrow(1, 0, S));
     return at::where(L.position.narrow(1, 0, S).ge(0), rank, at::zeros({}, rank.options()));
@@ -443,6 +458,19 @@ class EvictionPolicy {
     }
   }
 
+  /// lazy_reduction: reduces the observations of `layer` not yet applied (reduce_contributions,
+  /// once, on the summed fixed-point sums) and applies them as one observation. A no-op without
+  /// lazy_reduction or when nothing is pending; plan() and evict() call it. With a reducer across
+  /// processes it is a collective: every process calls it for the same layers in the same order
+  /// (plan() and evict() do, as every process sees the same due()).
+  /// \throws c10::IndexError for a bad layer; what the reducer throws; with checks on,
+  ///         c10::Error on a non-finite resulting rank. The state and the pending sums are then
+  ///         unchanged.
+  void flush(int64_t layer) { flush_layer(at(layer), layer); }
+
+  /// lazy_reduction: true while `layer` holds observations that flush() has yet to apply.
+  bool pending(int64_t layer) const { return at(layer).pending_terms > 0; }
+
   /// Whether a pass on `layer` would run now: a row holds more than capacity() tokens and at
   /// least evict_every appends happened since the last pass (or construction).
   bool due(int64_t layer) const {
@@ -479,11 +507,13 @@ class EvictionPolicy {
     if (S > 0) {
       N.position.narrow(1, 0, S).copy_(L.position.narrow(1, 0, S));
       N.state.narrow(1, 0, S).copy_(L.state.narrow(1, 0, S));
+      if (L.pending.defined()) N.pending.narrow(1, 0, S).copy_(L.pending.narrow(1, 0, S));
     }
     // Nothing below throws: swap the new tensors in.
     L.slots = N.slots;
     L.position = std::move(N.position);
     L.state = std::move(N.state);
+    L.pending = std::move(N.pending);
     std::swap(L.host, N.host);
   }
 
@@ -518,9 +548,11 @@ class EvictionPolicy {
     at::Tensor src_t, dst_t;       // tensor path: [B, columns] on the device
   };
 
-  /// Plans a pass on `layer` (the caller checked due()); changes nothing.
+  /// Plans a pass on `layer` (the caller checked due()); changes nothing but, with
+  /// lazy_reduction, first applies the pending observations (flush(): may throw as it does).
   Pass plan(int64_t layer) {
     auto& L = at(layer);
+    flush_layer(L, layer);
     Pass pass = empty_pass(L);
     for (int64_t b = 0; b < batch_size(); ++b) {
       pass.n[b] = std::max<int64_t>(L.len[b] - capacity(layer), 0);
@@ -589,6 +621,7 @@ class EvictionPolicy {
  private:
   struct HostScratch {
     std::vector<double> fixed;            // [B, slots] fixed-point sums
+    std::vector<double> reduced;          // [B, slots] lazy_reduction: pending sums being reduced
     std::vector<float> observers;         // [slots]
     std::vector<float> rank;              // [slots]
     std::vector<detail::Candidate> candidates;
@@ -604,6 +637,11 @@ class EvictionPolicy {
     at::Tensor seen_device;  // [B] int64 seen tokens (tensor path: positions come from it)
     std::vector<int64_t> len, seen, last_new;  // [B] host
     int64_t last_T = 0, appends_since_pass = 0, events = 0, evicted = 0;
+    // lazy_reduction: [B, slots, 2] fp64 this process's fixed-point sums and observer counts
+    // not yet reduced and applied (0 in dead slots), and the fixed-point terms per slot they add
+    // up since the last flush (kept <= 2^21, so the sums stay exact integers).
+    at::Tensor pending;
+    int64_t pending_terms = 0;
     HostScratch host;
     // Device copies of host facts, one per use so that each stays unchanged in the steady state.
     detail::DeviceMirror append_mirror, index_mirror, qmask_mirror, rows_mirror, pass_mirror, counts_mirror;
@@ -664,12 +702,14 @@ class EvictionPolicy {
     const auto opts = at::TensorOptions().device(device_);
     L.position = at::full({B, slots}, -1, opts.dtype(at::kLong));
     L.state = at::zeros({B, slots, W}, opts.dtype(at::kFloat));
+    if (options_.lazy_reduction()) L.pending = at::zeros({B, slots, 2}, opts.dtype(at::kDouble));
     if (!host_ && !L.seen_device.defined()) {
       L.seen_device = at::tensor(L.seen.empty() ? std::vector<int64_t>(B, 0) : L.seen, at::TensorOptions().dtype(at::kLong)).to(device_);
     }
     if (host_) {
       auto& H = L.host;
       H.fixed.resize(static_cast<size_t>(B * slots));
+      if (options_.lazy_reduction()) H.reduced.resize(static_cast<size_t>(B * slots));
       H.observers.resize(slots);
       H.rank.resize(slots);
       H.candidates.reserve(slots);
@@ -712,6 +752,7 @@ class EvictionPolicy {
   int64_t state_bytes(const Layer& L) const {
     int64_t bytes = L.position.nbytes() + L.state.nbytes();
     if (L.seen_device.defined()) bytes += L.seen_device.nbytes();
+    if (L.pending.defined()) bytes += L.pending.nbytes();
     return bytes;
   }
 
@@ -722,9 +763,14 @@ class EvictionPolicy {
       if (host_) {
         auto* p = L.position.template data_ptr<int64_t>() + row * L.slots;
         std::fill(p, p + L.slots, int64_t{-1});
+        if (L.pending.defined()) {
+          auto* q = L.pending.template data_ptr<double>() + row * L.slots * 2;
+          std::fill(q, q + L.slots * 2, 0.0);
+        }
       } else {
         L.position.select(0, row).fill_(-1);
         L.seen_device.select(0, row).zero_();
+        if (L.pending.defined()) L.pending.select(0, row).zero_();
       }
       L.len[row] = L.seen[row] = L.last_new[row] = 0;
     }
@@ -814,6 +860,10 @@ class EvictionPolicy {
         }
       }
     }
+    if (options_.lazy_reduction()) {
+      defer_host(L, layer, Q);
+      return;
+    }
     if (options_.reduce_contributions()) {
       auto sums = at::from_blob(HS.fixed.data(), {B, L.slots}, at::TensorOptions().dtype(at::kDouble));
       options_.reduce_contributions()(layer, sums);
@@ -851,6 +901,140 @@ class EvictionPolicy {
   /// The divisor H of the contributions: total_heads, or num_heads when unset.
   int64_t divisor_heads() const noexcept {
     return options_.total_heads() > 0 ? options_.total_heads() : options_.num_heads();
+  }
+
+  // lazy_reduction: observations add to L.pending; flush_layer() reduces and applies them.
+
+  /// Fixed-point terms per slot that keep a pending sum an exact integer in fp64 (2^53 / 2^32).
+  static constexpr int64_t kMaxPendingTerms = int64_t{1} << 21;
+
+  /// Terms per slot of an observation of Q columns: counted queries x heads of all processes.
+  /// The same on every process, so every process flushes early at the same observation.
+  int64_t observation_terms(int64_t Q) const {
+    return (Scorer::kLastQueryOnly ? std::min<int64_t>(Q, 1) : Q) * divisor_heads();
+  }
+
+  /// Host path: adds an observation's sums (L.host.fixed, Q columns) and observer counts to
+  /// pending.
+  void defer_host(Layer& L, int64_t layer, int64_t Q) {
+    const int64_t terms = observation_terms(Q);
+    if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) flush_layer(L, layer);
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    double* pd = L.pending.template data_ptr<double>();
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      const int64_t first = first_real(L, b, Q);
+      if (first >= Q) continue;
+      const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
+      const int64_t len = L.len[b], seen = L.seen[b], first_q_pos = seen - Q + q0;
+      const int64_t* pb = pos + b * L.slots;
+      const double* fx = L.host.fixed.data() + b * L.slots;
+      double* pe = pd + b * L.slots * 2;
+      for (int64_t s = 0; s < len; ++s) {
+        pe[2 * s] += fx[s];
+        pe[2 * s + 1] += static_cast<double>(
+            std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
+      }
+    }
+    L.pending_terms += terms;
+  }
+
+  /// Tensor path: checks an observation's probabilities (checks on), then adds its sums [B, S]
+  /// fp64 and observers [B, S] fp32 (Q columns) to pending where `keep` [B, S].
+  void defer_tensor(Layer& L, int64_t layer, int64_t Q, const at::Tensor& sum, const at::Tensor& observers,
+                    const at::Tensor& keep, const at::Tensor& bad) {
+    if (check_ && bad.defined()) {
+      KVEVICT_CHECK(!bad.template item<bool>(),
+                    "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
+                    "non-finite, out-of-range or non-causal value; the state is unchanged",
+                    kChecksHint);
+    }
+    const int64_t terms = observation_terms(Q);
+    if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) flush_layer(L, layer);
+    const auto pend = L.pending.narrow(1, 0, keep.size(1));
+    const auto zero = at::zeros({}, pend.options());
+    pend.select(2, 0).add_(at::where(keep, sum, zero));
+    pend.select(2, 1).add_(at::where(keep, observers.to(at::kDouble), zero));
+    L.pending_terms += terms;
+  }
+
+  /// Reduces the pending sums once and applies them, with the pending observer counts, to every
+  /// live slot of every active row as one observation; then zeroes them. Throws before changing
+  /// anything (the reduction runs on a copy).
+  void flush_layer(Layer& L, int64_t layer) {
+    if (L.pending_terms == 0) return;
+    at::NoGradGuard no_grad;
+    const int64_t B = batch_size();
+    if (host_) {
+      auto& HS = L.host;
+      double* pd = L.pending.template data_ptr<double>();
+      for (int64_t i = 0; i < B * L.slots; ++i) HS.reduced[i] = pd[2 * i];
+      if (options_.reduce_contributions()) {
+        auto sums = at::from_blob(HS.reduced.data(), {B, L.slots}, at::TensorOptions().dtype(at::kDouble));
+        options_.reduce_contributions()(layer, sums);
+      }
+      const float heads = static_cast<float>(divisor_heads());
+      float* st = L.state.template data_ptr<float>();
+      for (int round = check_ ? 0 : 1; round < 2; ++round) {  // check every row first, then apply
+        for (int64_t b = 0; b < B; ++b) {
+          if (!active_[b]) continue;
+          float* sb = st + b * L.slots * W;
+          for (int64_t s = 0; s < L.len[b]; ++s) {
+            const float c = detail::from_fixed(HS.reduced[b * L.slots + s], heads);
+            const auto observers = static_cast<float>(pd[2 * (b * L.slots + s) + 1]);
+            if (round == 0) {
+              float next[W];
+              std::copy(sb + s * W, sb + (s + 1) * W, next);
+              scorer_.apply(next, c, observers);
+              check_rank(scorer_.rank(next), b, s, c);
+            } else {
+              scorer_.apply(sb + s * W, c, observers);
+            }
+          }
+        }
+      }
+      std::fill(pd, pd + B * L.slots * 2, 0.0);
+    } else {
+      const int64_t S = max_of(L.len);
+      if (S > 0) {
+        const auto pend = L.pending.narrow(1, 0, S);
+        auto sum = pend.select(2, 0).clone();  // [B, S] fp64
+        if (options_.reduce_contributions()) options_.reduce_contributions()(layer, sum);
+        const auto c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
+        const auto observers = pend.select(2, 1).to(at::kFloat);
+        std::vector<int64_t> act(active_.begin(), active_.end());
+        const auto& rows = L.rows_mirror.get(act, device_, {B});
+        const auto keep = rows.gt(0).unsqueeze(1).logical_and(L.position.narrow(1, 0, S).ge(0));
+        apply_tensor(L, S, c, observers, keep, at::Tensor());
+      }
+      L.pending.zero_();
+    }
+    L.pending_terms = 0;
+  }
+
+  /// Moves the pending sums with the slot moves of `pass` (L.len: the lengths before it) and
+  /// zeroes the slots it frees.
+  void move_pending(Layer& L, Pass& pass) {
+    const int64_t B = batch_size();
+    if (host_) {
+      if (pass.columns > 0) {
+        detail::apply_moves_host(pass.src.data(), pass.dst.data(), B, pass.columns, pass.columns, L.pending, 1);
+      }
+      double* pd = L.pending.template data_ptr<double>();
+      for (int64_t b = 0; b < B; ++b) {
+        std::fill(pd + (b * L.slots + pass.new_len[b]) * 2, pd + (b * L.slots + L.len[b]) * 2, 0.0);
+      }
+      return;
+    }
+    if (pass.columns > 0) {
+      const auto opts = at::TensorOptions().dtype(at::kLong);
+      const auto src = pass.src_t.defined() ? pass.src_t : at::tensor(pass.src, opts).view({B, pass.columns}).to(device_);
+      const auto dst = pass.dst_t.defined() ? pass.dst_t : at::tensor(pass.dst, opts).view({B, pass.columns}).to(device_);
+      const auto rows = at::arange(B, src.options()).unsqueeze(1);
+      const auto moved = L.pending.index({rows, src});  // all reads before any write
+      L.pending.index_put_({rows, dst}, moved);
+    }
+    const auto nl = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).to(device_).unsqueeze(1);
+    L.pending.masked_fill_(at::arange(L.slots, nl.options()).unsqueeze(0).ge(nl).unsqueeze(2), 0.0);
   }
 
   void check_row_probs(const float* row, const int64_t* pos, int64_t len, int64_t query_pos, int64_t b, int64_t h,
@@ -927,7 +1111,7 @@ class EvictionPolicy {
       // detail::fixed_term on tensors; pads and other rows' columns count 0.
       const auto term = x.clamp(0.0, 1.0).to(at::kDouble).mul(detail::kFixedOne).round().add(x.sub(x).to(at::kDouble));
       auto sum = at::where(qmask.gt(0).view({B, 1, Q, 1}), term, at::zeros({}, term.options())).sum({1, 2});
-      if (options_.reduce_contributions()) options_.reduce_contributions()(layer, sum);
+      if (options_.reduce_contributions() && !options_.lazy_reduction()) options_.reduce_contributions()(layer, sum);
       // Divided by a [1] tensor, not a scalar: a scalar divisor may become a multiply by its
       // reciprocal on CUDA, which rounds differently from the host's division.
       c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
@@ -940,6 +1124,10 @@ class EvictionPolicy {
       for (int64_t b = 0; b < B; ++b) observed[b] = first_real(L, b, Q) < Q ? 1 : 0;
       const auto& obs_rows = L.rows_mirror.get(observed, device_, {B});
       const auto keep = obs_rows.gt(0).unsqueeze(1).logical_and(live);  // [B, S]
+      if (options_.lazy_reduction()) {
+        defer_tensor(L, layer, Q, sum, observers, keep, bad);
+        return;
+      }
       apply_tensor(L, S, c, observers, keep, bad);
       return;
     }
@@ -1097,6 +1285,7 @@ class EvictionPolicy {
 
   /// Moves the state rows of a pass and marks the freed tail dead.
   void commit_state(Layer& L, Pass& pass) {
+    if (L.pending_terms > 0) move_pending(L, pass);  // lazy_reduction, after truncate() (a pass flushed first)
     const int64_t B = batch_size();
     if (host_) {
       if (pass.columns > 0) {

@@ -125,6 +125,15 @@ struct EvictionPolicyOptions {
   /// (tensor_parallel.hpp); every rank then applies the same values. Empty (the default):
   /// nothing is reduced.
   KVEVICT_ARG(ContributionReducer, reduce_contributions) = nullptr;
+  /// Defer the reduction: observe() adds this process's fixed-point sums (and observer counts)
+  /// to per-layer pending sums [B, slots] fp64 instead of reducing and applying them; a pass
+  /// (plan(), evict()) or flush() first reduces the pending sums once (reduce_contributions)
+  /// and applies them as one observation. Under tensor parallelism: one all-reduce per pass
+  /// instead of one per observe(). Only for scorers whose update is linear (Scorer::kLinear:
+  /// CumulativeAttention, MeanObservedAttention); the policy rejects it for others. Changes
+  /// the rounding (fp32 adds once per pass, not per observation), so compare lazy with lazy.
+  /// Default: false.
+  KVEVICT_ARG(bool, lazy_reduction) = false;
 };
 
 namespace detail {
@@ -153,7 +162,8 @@ struct CacheOptionsBase {
         .check_observations(check_observations_)
         .layer_budgets(layer_budgets_)
         .total_heads(total_heads_)
-        .reduce_contributions(reduce_contributions_);
+        .reduce_contributions(reduce_contributions_)
+        .lazy_reduction(lazy_reduction_);
   }
 
   /// Decoder layers, each with its own buffers and eviction state.
@@ -174,6 +184,8 @@ struct CacheOptionsBase {
   KVEVICT_ARG_AS(Derived, int64_t, total_heads) = 0;
   /// See EvictionPolicyOptions::reduce_contributions. Default: none.
   KVEVICT_ARG_AS(Derived, ContributionReducer, reduce_contributions) = nullptr;
+  /// See EvictionPolicyOptions::lazy_reduction. Default: false.
+  KVEVICT_ARG_AS(Derived, bool, lazy_reduction) = false;
 };
 
 }  // namespace detail

@@ -31,6 +31,9 @@
 //              const at::Tensor& observers) const;  // state [B, S, W] in place; others [B, S]
 //   at::Tensor rank(const at::Tensor& state) const; // [B, S, W] -> [B, S] fp32
 // Lower rank is evicted first (ties: the older position; non-finite ranks lowest).
+// Optional: `static constexpr bool kLinear = true;` when two observations equal one with their
+// contributions and observers summed (apply(apply(s, c1, o1), c2, o2) == apply(s, c1 + c2,
+// o1 + o2) up to fp32 rounding). EvictionPolicyOptions::lazy_reduction needs it.
 
 #include <kvevict/check.hpp>
 
@@ -47,6 +50,7 @@ namespace kvevict {
 struct CumulativeAttention {
   static constexpr const char* kName = "CumulativeAttention";
   static constexpr bool kLastQueryOnly = false;
+  static constexpr bool kLinear = true;  // lazy_reduction applies
   static constexpr int64_t kStateWidth = 1;  // {score}
   void apply(float* state, float c, float /*observers*/) const noexcept { state[0] += c; }
   float rank(const float* state) const noexcept { return state[0]; }
@@ -63,6 +67,7 @@ struct CumulativeAttention {
 struct MeanObservedAttention {
   static constexpr const char* kName = "MeanObservedAttention";
   static constexpr bool kLastQueryOnly = false;
+  static constexpr bool kLinear = true;  // lazy_reduction applies
   static constexpr int64_t kStateWidth = 2;  // {sum, observers}
   void apply(float* state, float c, float observers) const noexcept {
     state[0] += c;

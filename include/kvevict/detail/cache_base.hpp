@@ -89,6 +89,9 @@ class CacheBase {
   void observe(int64_t layer, const at::Tensor& probs) { policy_.observe(layer, probs); }
   /// Adds caller-computed scores [B, S]: EvictionPolicy::add_scores().
   void add_scores(int64_t layer, const at::Tensor& scores) { policy_.add_scores(layer, scores); }
+  /// Applies the observations lazy_reduction holds back on `layer`: EvictionPolicy::flush() (a
+  /// collective under tensor parallelism; evict() calls it when a pass is due).
+  void flush(int64_t layer) { policy_.flush(layer); }
 
   /// Runs an eviction pass on `layer` if one is due (EvictionPolicy::due: a row over capacity
   /// and evict_every updates since the last pass) and moves the K/V rows the pass says; else a
