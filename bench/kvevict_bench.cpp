@@ -13,7 +13,7 @@
 //   attend        kvevict::attend (expanded) or attend_absorbed (latent) over capacity + 1 slots
 //                 (its observe included): the attention decode step the bookkeeping serves
 //   u+o+e graph   (CUDA only) one replay of a CUDA graph of update + observe + evict, captured
-//                 on a second cache with check_finite off: the step without launch overhead
+//                 on a second cache with observation checks off: the step without launch overhead
 //   naive         the same bookkeeping done by gathering (seed_reference.py's maybe_evict, in
 //                 LibTorch): cat the new token onto every buffer and a 0 onto the scores, add
 //                 the head-mean probabilities, top-k the middle, gather the kept rows into new
@@ -28,6 +28,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <chrono>
@@ -75,12 +76,13 @@ struct Args {
   std::vector<int64_t> batches{1};
   int64_t n_sink = 4, n_recent = 16;
   int64_t threads = 1;
-  bool check_finite = true;
+  bool check_observations = true;
   int64_t reps = 5;
   double min_time = 0.2;  // seconds per repetition, when --iters is not given
   int64_t iters = 0;      // steps per repetition; 0: from --min-time
   bool naive = true;
   bool tensor_path = false;  // CPU: time the tensor-op path CUDA takes instead of the host loops
+  bool count_ops = false;    // count the ATen ops of one steady-state step instead of timing
   std::string out_csv, out_json;
 };
 
@@ -104,13 +106,16 @@ Options (default in brackets):
   --n-sink N           sinks [4]
   --n-recent N         recent window [16]
   --threads N          intra-op threads (at::set_num_threads) [1]
-  --check-finite B     on or off: the cache's check_finite [on]
+  --check-observations B  on or off: the cache's observation checks [on]
   --reps N             repetitions; the median is reported [5]
   --min-time SEC       seconds per repetition, > 0 (sets the steps per repetition) [0.2]
   --iters N            steps per repetition (overrides --min-time) [from --min-time]
   --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
+  --count-ops          instead of timing: count the ATen operators one steady-state step
+                       (update + observe + evict) calls on the tensor path (the path CUDA takes;
+                       on CPU too), top-level calls only, by name, per configuration
   --out-csv PATH       also write the results as CSV
   --out-json PATH      also write the results as JSON
   --help               print this and exit
@@ -146,7 +151,8 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--n-sink", [&](auto& f, auto& v) { a.n_sink = parse_int(f, v, 0); }},
           {"--n-recent", [&](auto& f, auto& v) { a.n_recent = parse_int(f, v, 0); }},
           {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1); }},
-          {"--check-finite", [&](auto& f, auto& v) { a.check_finite = parse_choice(f, v, {"on", "off"}) == "on"; }},
+          {"--check-observations",
+           [&](auto& f, auto& v) { a.check_observations = parse_choice(f, v, {"on", "off"}) == "on"; }},
           {"--reps", [&](auto& f, auto& v) { a.reps = parse_int(f, v, 1); }},
           {"--iters", [&](auto& f, auto& v) { a.iters = parse_int(f, v, 1); }},
           {"--min-time", [&](auto& f, auto& v) { a.min_time = kvevict_cli::parse_seconds(f, v); }},
@@ -156,6 +162,7 @@ bool parse_args(int argc, char** argv, Args& a) {
       {
           {"--no-naive", [&] { a.naive = false; }},
           {"--tensor-path", [&] { a.tensor_path = true; }},
+          {"--count-ops", [&] { a.count_ops = true; }},
       });
   if (!run) return false;
   for (auto cap : a.capacities) {
@@ -191,7 +198,7 @@ struct Expanded {
                                        .v_dim(a.v_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_observations(a.check_finite),
+                                       .check_observations(a.check_observations),
                                    e);
   }
   /// Shapes of T tokens' rows as update() takes them: {k_new, v_new}.
@@ -226,7 +233,7 @@ struct Latent {
                                        .qk_rope_dim(a.qk_rope_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_observations(a.check_finite),
+                                       .check_observations(a.check_observations),
                                    e);
   }
   /// {ckv_new [B, T, kv_lora_rank], kpe_new [B, T, qk_rope_dim]}.
@@ -378,12 +385,12 @@ void bookkeeping_step(Cache& cache, const std::vector<at::Tensor>& row, const at
 
 #if KVEVICT_CUDA_GRAPHS
 /// Microseconds per replay of a CUDA graph of one steady-state step, on a second cache built
-/// with check_finite off (a capture cannot wait for the host). The replay reads `row` and
+/// with observation checks off (a capture cannot wait for the host). The replay reads `row` and
 /// `probs` where they are; it shows the step's GPU time without the per-op launch cost.
 template <class Layout>
 double graph_step_us(const Config& c, Args a, const kvevict::EvictionOptions& e, const std::vector<at::Tensor>& row,
                      const at::Tensor& probs, const DeviceSync& sync) {
-  a.check_finite = false;
+  a.check_observations = false;
   auto cache = Layout::make_cache(c, a, e);
   fill_to_capacity<Layout>(*cache, c, a);
   at::cuda::CUDAGraph graph;
@@ -485,14 +492,14 @@ void write_csv(const std::string& path, const std::vector<Result>& results, cons
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (!f) throw std::runtime_error("cannot write " + path);
   std::fprintf(f,
-               "layout,heads,dims,dtype,device,batch,capacity,threads,check_finite,update_evict_us,observe_us,"
+               "layout,heads,dims,dtype,device,batch,capacity,threads,check_observations,update_evict_us,observe_us,"
                "uoe_us,uoe_graph_us,attend_us,naive_us,ue_over_attend,uoe_over_attend,naive_over_attend,naive_over_ue,bytes_held\n");
   for (const auto& r : results) {
     const auto& c = r.config;
     std::fprintf(f, "%s,%lld,%s,%s,%s,%lld,%lld,%lld,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.6g,%.6g,%.6g,%.6g,%lld\n",
                  c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
                  c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
-                 static_cast<long long>(a.threads), a.check_finite ? 1 : 0, r.update_evict, r.observe, r.uoe,
+                 static_cast<long long>(a.threads), a.check_observations ? 1 : 0, r.update_evict, r.observe, r.uoe,
                  r.uoe_graph, r.attend, r.naive, r.update_evict / r.attend, r.uoe / r.attend, r.naive / r.attend,
                  r.naive / r.update_evict, static_cast<long long>(r.bytes_held));
   }
@@ -515,13 +522,13 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
     const auto& c = r.config;
     std::fprintf(f,
                  "  {\"layout\": \"%s\", \"heads\": %lld, \"dims\": \"%s\", \"dtype\": \"%s\", \"device\": \"%s\", "
-                 "\"batch\": %lld, \"capacity\": %lld, \"threads\": %lld, \"check_finite\": %s, "
+                 "\"batch\": %lld, \"capacity\": %lld, \"threads\": %lld, \"check_observations\": %s, "
                  "\"update_evict_us\": %s, \"observe_us\": %s, \"uoe_us\": %s, \"uoe_graph_us\": %s, \"attend_us\": %s, \"naive_us\": %s, "
                  "\"ue_over_attend\": %s, \"uoe_over_attend\": %s, \"naive_over_attend\": %s, \"naive_over_ue\": %s, "
                  "\"bytes_held\": %lld}%s\n",
                  c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
                  c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
-                 static_cast<long long>(a.threads), a.check_finite ? "true" : "false",
+                 static_cast<long long>(a.threads), a.check_observations ? "true" : "false",
                  json_number(r.update_evict).c_str(), json_number(r.observe).c_str(), json_number(r.uoe).c_str(),
                  json_number(r.uoe_graph).c_str(), json_number(r.attend).c_str(), json_number(r.naive).c_str(),
                  json_number(r.update_evict / r.attend).c_str(), json_number(r.uoe / r.attend).c_str(),
@@ -557,6 +564,89 @@ void print_scaling(const std::vector<Result>& results) {
   }
 }
 
+/// Counts the top-level ATen operator calls (RecordFunction, FUNCTION scope) of this thread
+/// while alive; an operator called by another one is not counted again.
+class OpCounter {
+ public:
+  OpCounter() {
+    counts().clear();
+    depth() = 0;
+    handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&OpCounter::enter, &OpCounter::leave)
+                                             .scopes({at::RecordScope::FUNCTION}));
+  }
+  ~OpCounter() { at::removeCallback(handle_); }
+  OpCounter(const OpCounter&) = delete;
+  OpCounter& operator=(const OpCounter&) = delete;
+  /// (operator name, calls), in first-call order.
+  static std::vector<std::pair<std::string, int64_t>>& counts() {
+    static thread_local std::vector<std::pair<std::string, int64_t>> c;
+    return c;
+  }
+
+ private:
+  static int& depth() {
+    static thread_local int d = 0;
+    return d;
+  }
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+    if (depth()++ == 0) {
+      const std::string name = fn.name();
+      auto& c = counts();
+      auto it = std::find_if(c.begin(), c.end(), [&](const auto& x) { return x.first == name; });
+      if (it == c.end()) {
+        c.emplace_back(name, 1);
+      } else {
+        ++it->second;
+      }
+    }
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
+  at::CallbackHandle handle_;
+};
+
+/// Prints the ATen operators one steady-state step (update, observe, evict of layer 0) calls on
+/// the tensor path, after a few steps of warm-up so that uploads of unchanged host facts and
+/// the first pass are behind it.
+template <class Layout>
+void count_ops(const Config& c, Args a) {
+  kvevict::detail::force_tensor_path() = true;
+  const auto e = kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent).n_sink(a.n_sink).n_recent(a.n_recent);
+  auto cache = Layout::make_cache(c, a, e);
+  fill_to_capacity<Layout>(*cache, c, a);
+  std::vector<at::Tensor> row;
+  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
+  const auto probs = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + 1}, at::TensorOptions().device(c.device)), -1);
+  for (int i = 0; i < 4; ++i) bookkeeping_step(*cache, row, probs);
+  int64_t per_part[3] = {0, 0, 0}, views = 0;
+  const std::vector<std::string> view_ops{"aten::narrow", "aten::unsqueeze", "aten::select", "aten::transpose",
+                                          "aten::view", "aten::expand", "aten::squeeze", "aten::slice",
+                                          "aten::as_strided", "aten::alias", "aten::permute"};
+  std::string names;
+  const char* parts[3] = {"update", "observe", "evict"};
+  for (int part = 0; part < 3; ++part) {
+    OpCounter counter;
+    if (part == 0) cache->update(0, row[0], row[1]);
+    if (part == 1) cache->observe(0, probs);
+    if (part == 2) cache->evict(0);
+    names += std::string(" ") + parts[part] + ":";
+    for (const auto& x : OpCounter::counts()) {
+      per_part[part] += x.second;
+      if (std::find(view_ops.begin(), view_ops.end(), x.first) != view_ops.end()) views += x.second;
+      names += " " + x.first + (x.second > 1 ? "x" + std::to_string(x.second) : "");
+    }
+  }
+  std::printf("%s H=%lld B=%lld cap=%lld %s, observation checks %s | ATen ops per step: %lld (update %lld, observe %lld, "
+              "evict %lld), of which %lld are views (no kernel) |%s\n",
+              c.layout.c_str(), static_cast<long long>(c.heads), static_cast<long long>(c.batch),
+              static_cast<long long>(c.capacity), c.device.str().c_str(), a.check_observations ? "on" : "off",
+              static_cast<long long>(per_part[0] + per_part[1] + per_part[2]), static_cast<long long>(per_part[0]),
+              static_cast<long long>(per_part[1]), static_cast<long long>(per_part[2]), static_cast<long long>(views),
+              names.c_str());
+  std::fflush(stdout);
+  kvevict::detail::force_tensor_path() = a.tensor_path;
+}
+
 int run(const Args& a) {
   at::set_num_threads(static_cast<int>(a.threads));
   at::manual_seed(0);
@@ -569,10 +659,10 @@ int run(const Args& a) {
     std::snprintf(reps, sizeof reps, "~%.2f s each", a.min_time);
   }
   std::printf("kvevict_bench: one layer, per decode step in the steady state (capacity + 1 -> capacity), median of "
-              "%lld reps (%s); %lld intra-op thread(s), %u hardware threads; check_finite %s; n_sink %lld, "
+              "%lld reps (%s); %lld intra-op thread(s), %u hardware threads; check_observations %s; n_sink %lld, "
               "n_recent %lld%s\n",
               static_cast<long long>(a.reps), reps, static_cast<long long>(a.threads),
-              std::thread::hardware_concurrency(), a.check_finite ? "on" : "off", static_cast<long long>(a.n_sink),
+              std::thread::hardware_concurrency(), a.check_observations ? "on" : "off", static_cast<long long>(a.n_sink),
               static_cast<long long>(a.n_recent), a.tensor_path ? "; tensor-op path" : "");
   std::vector<Result> results;
   for (const auto& layout : a.layouts) {
@@ -581,6 +671,14 @@ int run(const Args& a) {
         for (auto batch : a.batches) {
           for (auto cap : a.capacities) {
             Config c{layout, dtype, heads, batch, cap, kvevict_cli::make_dtype(dtype), device};
+            if (a.count_ops) {
+              if (layout == "latent") {
+                count_ops<Latent>(c, a);
+              } else {
+                count_ops<Expanded>(c, a);
+              }
+              continue;
+            }
             results.push_back(layout == "latent" ? run_config<Latent>(c, a) : run_config<Expanded>(c, a));
             print_line(results.back());
           }

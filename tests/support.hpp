@@ -56,10 +56,11 @@ std::vector<T> to_vec(const at::Tensor& t) {
   return std::vector<T>(data, data + c.numel());
 }
 
-/// Positions of row `b` of a layer, ascending.
+/// Positions of row `b` of a layer, ascending (slots past the row's length, -1, left out).
 template <class Cache>
 std::vector<int64_t> kept_positions(const Cache& cache, int64_t layer, int64_t b = 0) {
   auto p = to_vec<int64_t>(cache.positions(layer)[b]);
+  p.erase(std::remove(p.begin(), p.end(), int64_t{-1}), p.end());
   std::sort(p.begin(), p.end());
   return p;
 }

@@ -5,6 +5,10 @@
 
 #include <kvevict/kvevict.hpp>
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Optional.h>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -1286,7 +1290,7 @@ TEST_CASE("CUDA: -0 and +0 are equal scores: the older token is evicted", "[mla_
 TEST_CASE("CUDA: inputs on the wrong device are rejected naming both devices", "[mla_cache][errors][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   const at::Device cuda("cuda:0");
-  MlaCache gpu(small_options(1, 2, 2).device(cuda), EvictionOptions(2).n_sink(1).n_recent(1));
+  MlaCache gpu(small_options(1, 2, 2).device(cuda).check_observations(true), EvictionOptions(2).n_sink(1).n_recent(1));
   gpu.update(0, at::randn({2, 2, 3, kQk}, cuda), at::randn({2, 2, 3, kV}, cuda));
   const auto before = snapshot(gpu);
   const auto k = at::randn({2, 2, 1, kQk}), v = at::randn({2, 2, 1, kV});
@@ -1306,7 +1310,7 @@ TEST_CASE("CUDA: inputs on the wrong device are rejected naming both devices", "
                     Contains("attention probs must be on the cache's device cpu, got cuda:0"));
   CHECK(same_state(before_cpu, snapshot(cpu)));
 
-  // check_finite on CUDA (one host sync): a NaN observation throws and changes nothing.
+  // Checked observations on CUDA (opt-in there: one host sync): a NaN throws, nothing changes.
   auto p = at::rand({2, 2, 1, 3}, cuda);
   p[0][1][0][2] = kNaN;
   CHECK_THROWS_WITH(gpu.observe(0, p), Contains("non-finite"));
@@ -1326,5 +1330,195 @@ TEST_CASE("Inputs that require grad leave the cache's buffers out of any autogra
     CHECK_FALSE(cache.values(0).requires_grad());
     CHECK_FALSE(cache.scores(0).requires_grad());
     CHECK_FALSE(cache.ordered(0).keys.requires_grad());
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modes, aliasing, views, failures half-way, odd inputs
+// ---------------------------------------------------------------------------------------------
+
+TEST_CASE("A cache built under InferenceMode resets and steps outside it, and the other way round", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    auto step = [](MlaCache& c) {
+      c.update(0, at::randn({1, 2, 1, kQk}), at::randn({1, 2, 1, kV}));
+      c.observe(0, at::full({1, 2, 1, c.size(0)}, 1.0 / static_cast<double>(c.size(0))));
+      c.evict(0);
+    };
+    c10::optional<MlaCache> built_inside;
+    {
+      c10::InferenceMode guard;
+      built_inside.emplace(small_options(2, 1, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+      for (int i = 0; i < 6; ++i) step(*built_inside);
+    }
+    built_inside->reset();  // every layer, outside InferenceMode
+    CHECK(built_inside->size(0) == 0);
+    for (int i = 0; i < 6; ++i) step(*built_inside);
+    CHECK(built_inside->size(0) == 4);
+    CHECK(kept_positions(*built_inside, 0)[0] == 0);
+
+    MlaCache built_outside(small_options(2, 1, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+    for (int i = 0; i < 6; ++i) step(built_outside);
+    {
+      c10::InferenceMode guard;
+      built_outside.reset();
+      for (int i = 0; i < 6; ++i) step(built_outside);
+      const auto k = built_outside.keys(0);
+      CHECK(k.is_view());
+    }
+    CHECK(built_outside.size(0) == 4);
+  });
+}
+
+TEST_CASE("update copies an input that aliases the cache's own slots as it was", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    MlaCache cache(small_options(1, 1, 2), EvictionOptions(8));
+    const auto k0 = at::randn({1, 2, 4, kQk}), v0 = at::randn({1, 2, 4, kV});
+    auto kv = cache.update(0, k0, v0);
+    cache.reset();
+    // Slots 1..3 of the old views go into slots 0..2: source and destination overlap.
+    const auto k_in = kv.first.narrow(2, 1, 3), v_in = kv.second.narrow(2, 1, 3);
+    const auto k_expected = k0.narrow(2, 1, 3).clone(), v_expected = v0.narrow(2, 1, 3).clone();
+    cache.update(0, k_in, v_in);
+    CHECK(bit_equal(cache.keys(0), k_expected));
+    CHECK(bit_equal(cache.values(0), v_expected));
+  });
+}
+
+TEST_CASE("update and keys return real views: autograd sees a later in-place eviction", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    MlaCache cache(small_options(1, 1, 1), EvictionOptions(1).n_sink(1).n_recent(1));
+    const auto kv = cache.update(0, at::randn({1, 1, 3, kQk}), at::randn({1, 1, 3, kV}));
+    CHECK(kv.first.is_view());
+    CHECK(cache.keys(0).is_view());
+    const auto q = at::randn({1, 1, 1, kQk}).requires_grad_();
+    const auto k = cache.keys(0);
+    const auto loss = at::matmul(q, k.transpose(-2, -1)).sum();  // saves k for backward
+    cache.add_scores(0, at::tensor({0.f, 0.f, 5.f}).view({1, 3}));
+    cache.update(0, at::randn({1, 1, 1, kQk}), at::randn({1, 1, 1, kV}));
+    REQUIRE(cache.evict(0) > 0);  // moves a row into a slot k covers
+    CHECK_THROWS_WITH(loss.backward(), Contains("modified by an inplace operation"));
+  });
+}
+
+namespace {
+
+/// A CPU allocator that fails (throws c10::Error) on its `fail_at`-th allocation while installed.
+class FailingCpuAllocator final : public c10::Allocator {
+ public:
+  explicit FailingCpuAllocator(int64_t fail_at) : inner_(c10::GetCPUAllocator()), fail_at_(fail_at) {
+    c10::SetCPUAllocator(this, kPriority);
+  }
+  ~FailingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
+  FailingCpuAllocator(const FailingCpuAllocator&) = delete;
+  FailingCpuAllocator& operator=(const FailingCpuAllocator&) = delete;
+  bool failed() const { return failed_; }
+  // LibTorch 1.13 declares `allocate(size_t) const`, 2.x `allocate(size_t)`: define both.
+  c10::DataPtr allocate(size_t n) const { return counted(n); }
+  c10::DataPtr allocate(size_t n) { return counted(n); }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
+
+ private:
+  static constexpr uint8_t kPriority = 255;
+  c10::DataPtr counted(size_t n) const {
+    if (++count_ == fail_at_) {
+      failed_ = true;
+      TORCH_CHECK(false, "injected allocation failure");
+    }
+    return inner_->allocate(n);
+  }
+  c10::Allocator* inner_;
+  int64_t fail_at_;
+  mutable int64_t count_ = 0;
+  mutable bool failed_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("An allocation failure at any point of a tensor-path pass leaves the cache as it was", "[mla_cache][cpu]") {
+  ForceTensorPath guard(true);
+  bool completed = false;
+  for (int64_t fail_at = 1; fail_at < 400 && !completed; ++fail_at) {
+    INFO("failing allocation " << fail_at);
+    at::manual_seed(11);
+    MlaCache cache(small_options(1, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));  // capacity 4
+    cache.update(0, at::randn({2, 2, 7, kQk}), at::randn({2, 2, 7, kV}));
+    cache.add_scores(0, at::rand({2, 7}));
+    const auto before = snapshot(cache);
+    int64_t evicted = -1;
+    bool failed = false;
+    {
+      FailingCpuAllocator failing(fail_at);
+      try {
+        evicted = cache.evict(0);
+      } catch (const c10::Error&) {
+        failed = true;
+      }
+      if (failed) CHECK(failing.failed());  // (a failed shrink after a completed pass is not an error)
+    }
+    if (failed) {
+      CHECK(same_state(before, snapshot(cache)));
+    } else {
+      completed = true;
+      CHECK(evicted == 2 * 3);
+      CHECK(cache.size(0) == 4);
+    }
+  }
+  CHECK(completed);
+}
+
+TEST_CASE("Sparse, meta and undefined inputs get a message naming the argument", "[mla_cache][errors][cpu]") {
+  MlaCache cache(small_options(1, 1, 2), EvictionOptions(2));
+  cache.update(0, at::randn({1, 2, 2, kQk}), at::randn({1, 2, 2, kV}));
+  const auto before = snapshot(cache);
+  const auto k = at::randn({1, 2, 1, kQk}), v = at::randn({1, 2, 1, kV});
+  CHECK_THROWS_WITH(cache.update(0, k.to_sparse(), v), Contains("k_new must be a dense (strided) tensor"));
+  CHECK_THROWS_WITH(cache.update(0, k, v.to_sparse()), Contains("v_new must be a dense (strided) tensor"));
+  CHECK_THROWS_WITH(cache.update(0, at::empty({1, 2, 1, kQk}, at::Device(at::kMeta)), v),
+                    Contains("k_new must have data") && Contains("meta"));
+  CHECK_THROWS_WITH(cache.observe(0, at::rand({1, 2, 1, 2}).to_sparse()),
+                    Contains("attention probs must be a dense (strided) tensor"));
+  CHECK_THROWS_WITH(cache.add_scores(0, at::rand({1, 2}).to_sparse()), Contains("scores must be a dense (strided) tensor"));
+  CHECK_THROWS_WITH(kvevict::attend(at::randn({1, 2, 1, kQk}).to_sparse(), cache, 0),
+                    Contains("q must be a dense (strided) tensor"));
+  CHECK(same_state(before, snapshot(cache)));
+}
+
+TEST_CASE("positions() and scores() are copies: writing into them leaves the cache alone", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    MlaCache cache(small_options(1, 1, 2), EvictionOptions(1).n_sink(1).n_recent(1));
+    cache.update(0, at::randn({1, 2, 4, kQk}), at::randn({1, 2, 4, kV}));
+    const auto before = snapshot(cache);
+    const MlaCache& view = cache;
+    view.positions(0).fill_(0);
+    view.scores(0).fill_(9);
+    CHECK(same_state(before, snapshot(cache)));
+    CHECK(cache.evict(0) == 1);
+    CHECK(kept_positions(cache, 0) == std::vector<int64_t>{0, 2, 3});
+  });
+}
+
+TEST_CASE("Observations are checked by default on CPU (range, causality), off by default on CUDA",
+          "[mla_cache][errors][cpu]") {
+  CHECK(kvevict::EvictionPolicyOptions(1, 1).checks_observations(at::Device(at::kCPU)));
+  CHECK_FALSE(kvevict::EvictionPolicyOptions(1, 1).checks_observations(at::Device(at::kCUDA)));
+  CHECK(kvevict::EvictionPolicyOptions(1, 1).check_observations(true).checks_observations(at::Device(at::kCUDA)));
+  kvevict_test::on_both_paths([] {
+    MlaCache cache(small_options(1, 1, 2), EvictionOptions(1).n_sink(1).n_recent(1));
+    CHECK(cache.policy().checks_observations());
+    cache.update(0, at::randn({1, 2, 3, kQk}), at::randn({1, 2, 3, kV}));
+    const auto before = snapshot(cache);
+    // Query 0 (position 0) gives mass to position 2: not causal.
+    auto p = at::zeros({1, 2, 3, 3});
+    p.select(2, 0).select(2, 2).fill_(0.5);
+    CHECK_THROWS_WITH(cache.observe(0, p), Contains("causal"));
+    CHECK_THROWS_WITH(cache.observe(0, at::full({1, 2, 1, 3}, -0.25)), Contains("[0, 1]"));
+    CHECK_THROWS_WITH(cache.observe(0, at::full({1, 2, 1, 3}, 1.5)), Contains("[0, 1]"));
+    CHECK(same_state(before, snapshot(cache)));
+    // Unchecked, the same inputs are accepted; out-of-range values are clamped to [0, 1].
+    MlaCache unchecked(small_options(1, 1, 2).check_observations(false), EvictionOptions(1).n_sink(1).n_recent(1));
+    unchecked.update(0, at::randn({1, 2, 3, kQk}), at::randn({1, 2, 3, kV}));
+    unchecked.observe(0, at::full({1, 2, 1, 3}, 1.5));
+    CHECK(to_vec<float>(unchecked.scores(0)[0]) == std::vector<float>{1.f, 1.f, 1.f});
   });
 }

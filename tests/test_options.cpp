@@ -69,3 +69,22 @@ TEST_CASE("A cache on a device this build cannot use fails when built, naming th
   CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2).device(at::kCUDA)),
                     Contains("options: device cuda is not usable here"));
 }
+
+TEST_CASE("Sizes too large to allocate throw c10::Error naming every size, not std::bad_alloc", "[options][errors][cpu]") {
+  const int64_t huge = int64_t{1} << 39;
+  for (auto opts : {kvevict::MlaCacheOptions(huge, 1), kvevict::MlaCacheOptions(1, 1).batch_size(huge), kvevict::MlaCacheOptions(1, huge)}) {
+    INFO("num_layers " << opts.num_layers() << ", batch_size " << opts.batch_size() << ", num_heads " << opts.num_heads());
+    try {
+      kvevict::MlaCache cache(opts, kvevict::EvictionOptions(4));
+      FAIL("allocated " << opts.num_layers() << " layers");
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      CHECK_THAT(what, Contains("could not allocate"));
+      CHECK_THAT(what, Contains("num_layers=" + std::to_string(opts.num_layers())));
+      CHECK_THAT(what, Contains("batch_size=" + std::to_string(opts.batch_size())));
+      CHECK_THAT(what, Contains("num_heads=" + std::to_string(opts.num_heads())));
+    }
+  }
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(huge, 1).batch_size(huge), kvevict::EvictionOptions(4)),
+                    Contains("num_layers x batch_size must be <= 2^40"));
+}

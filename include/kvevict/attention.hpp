@@ -39,24 +39,19 @@ at::ScalarType compute_dtype(const Cache& cache) {
   return cache.device().is_cpu() && cache.dtype() == at::kHalf ? at::kFloat : cache.dtype();
 }
 
-/// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens, masked per
-/// sequence: a key is seen by a query when it is live (position >= 0) and not newer than the
-/// query (position <= query position). Pad queries (left padding, idle rows) get all-zero
-/// probabilities. Observes the fp32 probabilities (if `observe`) and returns them.
+/// Softmax over scaled logits [B, H, T, S] (slot order) of the newest T tokens of a dense batch
+/// (every row as long as S, no pad: see attend_rows() for the others), causal by position
+/// inside a multi-token append. Observes the fp32 probabilities (if `observe`) and returns them.
 template <class Cache>
 at::Tensor observed_softmax(at::Tensor logits, Cache& cache, int64_t layer, bool observe) {
   const int64_t B = logits.size(0), T = logits.size(2), S = logits.size(3);
-  if (T == 1 && cache.policy().dense(layer, 1)) {  // one query per row, no pad: no mask needed
-    auto probs = at::softmax(logits, -1, at::kFloat);
-    if (observe) cache.observe(layer, probs);
-    return probs;
+  if (T > 1) {
+    const auto pos = cache.positions(layer);                           // [B, S]
+    const auto query_pos = cache.policy().query_positions(layer, T);  // [B, T]
+    const auto future = pos.view({B, 1, 1, S}).gt(query_pos.view({B, 1, T, 1}));
+    logits = logits.masked_fill(future, -std::numeric_limits<double>::infinity());
   }
-  const auto pos = cache.positions(layer);                                // [B, S], -1 dead
-  const auto query_pos = cache.policy().query_positions(layer, T);       // [B, T], -1 pad
-  const auto seen = pos.ge(0).view({B, 1, 1, S}).logical_and(pos.view({B, 1, 1, S}).le(query_pos.view({B, 1, T, 1})));
-  logits = logits.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
   auto probs = at::softmax(logits, -1, at::kFloat);
-  probs = probs.masked_fill(query_pos.lt(0).view({B, 1, T, 1}), 0.0);  // pads: all -inf gave NaN
   if (observe) cache.observe(layer, probs);
   return probs;
 }

@@ -12,6 +12,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,6 +63,24 @@ struct IsLinear : std::false_type {};
 template <class S>
 struct IsLinear<S, std::void_t<decltype(S::kLinear)>> : std::bool_constant<S::kLinear> {};
 
+/// How many of the newest real query columns of an observation a scorer counts: all of them,
+/// 1 for `kLastQueryOnly`, or `scorer.last_queries()` when the scorer has that member (an
+/// observation window, e.g. SnapKV).
+template <class S, class = void>
+struct HasLastQueries : std::false_type {};
+template <class S>
+struct HasLastQueries<S, std::void_t<decltype(std::declval<const S&>().last_queries())>> : std::true_type {};
+template <class S>
+int64_t counted_queries(const S& scorer, int64_t Q) {
+  if constexpr (S::kLastQueryOnly) {
+    return std::min<int64_t>(Q, 1);
+  } else if constexpr (HasLastQueries<S>::value) {
+    return std::min<int64_t>(Q, scorer.last_queries());
+  } else {
+    return Q;
+  }
+}
+
 /// A host vector mirrored on a device: uploaded only when its values change, so a steady-state
 /// step (same values every time) makes no copy and keeps the same device tensor (CUDA graphs).
 struct DeviceMirror {
@@ -78,14 +100,41 @@ struct DeviceMirror {
 /// The fixed-point unit of a probability in the reduction (scorers.hpp): 2^32.
 constexpr double kFixedOne = 4294967296.0;
 
-/// One probability as a fixed-point term, in double: round(clamp(p, 0, 1) * 2^32), NaN if p is
-/// not finite. Rounding is half to even, by the 1.5 * 2^52 trick (exact for |x| < 2^51), so
-/// the loop vectorises and matches at::round on the tensor path. A sum of up to 2^21 such terms
-/// is an integer below 2^53: exact in double, whatever the order.
+/// One probability as a fixed-point term, in double: round(clamp(p, 0, 1) * 2^32), or NaN if p
+/// is not finite (p - p is 0 for a finite p, NaN otherwise). Rounding is half to even, by the
+/// 1.5 * 2^52 trick (exact for |x| < 2^51), which matches at::round on the tensor path. A sum of
+/// up to 2^21 such terms is an integer below 2^53: exact in double, whatever the order.
 inline double fixed_term(float p) noexcept {
   constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
-  const double clamped = static_cast<double>(std::min(std::max(p, 0.f), 1.f)) * kFixedOne;
-  return ((clamped + kRound) - kRound) + static_cast<double>(p - p);  // p - p: 0, or NaN if p is not finite
+  const float clamped = (p < 0.f ? 0.f : (p > 1.f ? 1.f : p)) + (p - p);
+  return (static_cast<double>(clamped) * kFixedOne + kRound) - kRound;
+}
+
+/// fx[s] += fixed_term(row[s]) for s in [0, n); returns whether every row[s] was in [0, 1]. SSE2 (every x86-64) takes 4 probabilities per iteration, bit-identical to the scalar
+/// form; elsewhere the scalar loop.
+inline bool add_fixed_row(const float* row, double* fx, int64_t n) noexcept {
+  int64_t s = 0;
+  bool in_range = true;
+#if defined(__SSE2__) || defined(_M_X64)
+  const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.f);
+  const __m128d scale = _mm_set1_pd(kFixedOne), round = _mm_set1_pd(6755399441055744.0);
+  int ok = 0xF;
+  for (; s + 4 <= n; s += 4) {
+    const __m128 raw = _mm_loadu_ps(row + s);
+    ok &= _mm_movemask_ps(_mm_and_ps(_mm_cmpge_ps(raw, zero), _mm_cmple_ps(raw, one)));  // false for NaN
+    const __m128 v = _mm_add_ps(_mm_min_ps(one, _mm_max_ps(zero, raw)), _mm_sub_ps(raw, raw));  // as fixed_term
+    const __m128d lo = _mm_sub_pd(_mm_add_pd(_mm_mul_pd(_mm_cvtps_pd(v), scale), round), round);
+    const __m128d hi = _mm_sub_pd(_mm_add_pd(_mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(v, v)), scale), round), round);
+    _mm_storeu_pd(fx + s, _mm_add_pd(_mm_loadu_pd(fx + s), lo));
+    _mm_storeu_pd(fx + s + 2, _mm_add_pd(_mm_loadu_pd(fx + s + 2), hi));
+  }
+  in_range = ok == 0xF;
+#endif
+  for (; s < n; ++s) {
+    in_range = in_range && row[s] >= 0.f && row[s] <= 1.f;
+    fx[s] += fixed_term(row[s]);
+  }
+  return in_range;
 }
 
 /// The contribution of a fixed-point sum over `heads` heads: float(sum) * 2^-32 / heads.
@@ -137,14 +186,16 @@ class EvictionPolicy {
         scorer_(std::move(scorer)),
         device_(resolved(options.device())),
         host_(device_.is_cpu() && !detail::force_tensor_path()),
-        check_(options.checks_observations(device_)),
-        layer_eviction_(per_layer(options, eviction)) {
+        check_(options.checks_observations(device_)) {
+    check_layer_budgets(options_, eviction_);
     KVEVICT_CHECK_VALUE(!options_.lazy_reduction() || detail::IsLinear<Scorer>::value,
                         "EvictionPolicyOptions: lazy_reduction needs a linear scorer (Scorer::kLinear: one observation "
                         "of summed contributions equals the observations one by one), got ", Scorer::kName,
                         "; use lazy_reduction(false)");
     const int64_t B = options_.batch_size();
     try {
+      layer_eviction_ = per_layer(options_, eviction_);
+      selections_ = make_selections(layer_eviction_);
       active_.assign(static_cast<size_t>(B), 1);
       layers_.resize(static_cast<size_t>(options_.num_layers()));
       for (size_t l = 0; l < layers_.size(); ++l) {
@@ -427,12 +478,96 @@ class EvictionPolicy {
     KVEVICT_CHECK(probs.size(2) >= 1 && probs.size(2) <= max_of(L.seen), "attention probs: Q must be in [1, ",
                   max_of(L.seen), "], got ", probs.size(2), " (at most the seen tokens)");
     at::NoGradGuard no_grad;
-    if (host_) {
-      observe_host(L, layer, probs);
-    } else {
-      observe_tensor(L, layer, probs, /*direct=*/false);
+    const int64_t Q = probs.size(2);
+    begin_observation(L, Q);
+    try {
+      add_observation(L, probs, 0, 0);
+      end_observation(L, layer);
+    } catch (...) {
+      L.open_q = 0;
+      throw;
     }
   }
+
+  /// Starts an observation of Q query columns that arrives in pieces: observe_add() each
+  /// [query chunk x head chunk] of the probabilities, then observe_end(). The scorer then gets
+  /// exactly what observe(probs [B, H, Q, S]) would give it, bit for bit (the fixed-point sums
+  /// of scorers.hpp are exact in any order), without the whole tensor ever existing, e.g.
+  /// probabilities recomputed from a fused kernel's LSE (lse_scores.hpp). Discards an
+  /// observation still open on `layer`. An append, pass, reset or resize of the layer before
+  /// observe_end() also discards it.
+  ///
+  /// \param Q  query columns of the whole observation, right-aligned on the newest append as
+  ///           in observe(); 1 <= Q <= seen_tokens(layer).
+  /// \throws c10::Error on a bad layer or Q, or if the layer holds no token.
+  /// \note Host path: no allocation. Tensor path: one [B, S] fp64 buffer until observe_end().
+  void observe_begin(int64_t layer, int64_t Q) {
+    auto& L = at(layer);
+    L.open_q = 0;
+    KVEVICT_CHECK(max_of(L.len) >= 1, "observe_begin: the layer holds no token (append first)");
+    KVEVICT_CHECK_VALUE(Q >= 1 && Q <= max_of(L.seen), "observe_begin: Q must be in [1, ", max_of(L.seen), "], got ",
+                        Q, " (at most the seen tokens)");
+    at::NoGradGuard no_grad;
+    begin_observation(L, Q);
+  }
+
+  /// Adds one piece of the observation opened by observe_begin(): the probabilities of query
+  /// columns [q_begin, q_begin + Qc) and heads [h_begin, h_begin + Hc). Pieces may come in any
+  /// order; each (head, query column) must come exactly once. Columns a scorer does not count
+  /// (LatestAttention counts only column Q - 1) may be left out.
+  ///
+  /// \param probs  [B, Hc, Qc, S] probabilities, any floating dtype, the policy's device,
+  ///               S = size(layer), slot order; pads and dead slots may hold anything.
+  /// \throws c10::Error if no observation is open, on a bad shape, range, dtype or device, or
+  ///         (checks on) as observe(); the open observation is discarded then and the state is
+  ///         unchanged.
+  void observe_add(int64_t layer, const at::Tensor& probs, int64_t q_begin, int64_t h_begin) {
+    auto& L = at(layer);
+    KVEVICT_CHECK(L.open_q > 0, "observe_add: no observation is open on layer ", layer,
+                  " (observe_begin() first; an append, pass or reset in between discards it)");
+    try {
+      const int64_t S = max_of(L.len), Q = L.open_q;
+      detail::check_tensor(probs, "attention probs", device_);
+      detail::check_shape(probs, "attention probs", {batch_size(), -1, -1, S}, {"B", "Hc", "Qc", "S"},
+                          "[B, Hc, Qc, S] with S = size(layer)");
+      detail::check_floating(probs, "attention probs");
+      detail::check_device(probs, "attention probs", device_);
+      const int64_t Hc = probs.size(1), Qc = probs.size(2);
+      KVEVICT_CHECK_VALUE(h_begin >= 0 && Hc >= 1 && h_begin + Hc <= num_heads(), "observe_add: heads [", h_begin,
+                          ", ", h_begin + Hc, ") must lie in [0, H = ", num_heads(), ")");
+      KVEVICT_CHECK_VALUE(q_begin >= 0 && Qc >= 1 && q_begin + Qc <= Q, "observe_add: query columns [", q_begin, ", ",
+                          q_begin + Qc, ") must lie in [0, Q = ", Q, ")");
+      at::NoGradGuard no_grad;
+      add_observation(L, probs, q_begin, h_begin);
+    } catch (...) {
+      L.open_q = 0;
+      throw;
+    }
+  }
+
+  /// Applies the observation opened by observe_begin() to the scorer, as observe() does.
+  /// \throws c10::Error if no observation is open, if the pieces did not cover every counted
+  ///         (head, query column) exactly as often as H x counted columns, or (checks on) on a
+  ///         non-finite resulting rank; the observation is closed and the state unchanged then.
+  void observe_end(int64_t layer) {
+    auto& L = at(layer);
+    KVEVICT_CHECK(L.open_q > 0, "observe_end: no observation is open on layer ", layer,
+                  " (observe_begin() first; an append, pass or reset in between discards it)");
+    try {
+      const int64_t expected = num_heads() * detail::counted_queries(scorer_, L.open_q);
+      KVEVICT_CHECK(L.open_cells == expected, "observe_end: the pieces covered ", L.open_cells,
+                    " (head, counted query column) cells, expected H x counted columns = ", expected,
+                    "; the state is unchanged");
+      at::NoGradGuard no_grad;
+      end_observation(L, layer);
+    } catch (...) {
+      L.open_q = 0;
+      throw;
+    }
+  }
+
+  /// True while an observation opened by observe_begin() on `layer` waits for observe_end().
+  bool observing(int64_t layer) const { return at(layer).open_q > 0; }
 
   /// Adds caller-computed per-token scores, as one observation with contribution `scores` and
   /// one observer (CumulativeAttention adds them, LatestAttention replaces, ...). Every live
@@ -515,6 +650,7 @@ class EvictionPolicy {
     L.state = std::move(N.state);
     L.pending = std::move(N.pending);
     std::swap(L.host, N.host);
+    L.open_q = 0;
   }
 
   /// The slots per row `layer` returns to after a pass or reset(): max(capacity(layer) +
@@ -637,6 +773,8 @@ class EvictionPolicy {
     at::Tensor seen_device;  // [B] int64 seen tokens (tensor path: positions come from it)
     std::vector<int64_t> len, seen, last_new;  // [B] host
     int64_t last_T = 0, appends_since_pass = 0, events = 0, evicted = 0;
+    int64_t open_q = 0, open_cells = 0;  // an observation in pieces: its Q (0: none), cells added
+    at::Tensor open_sum, open_bad;       // tensor path: [B, S] fp64 sums, [] bool "a check failed"
     // lazy_reduction: [B, slots, 2] fp64 this process's fixed-point sums and observer counts
     // not yet reduced and applied (0 in dead slots), and the fixed-point terms per slot they add
     // up since the last flush (kept <= 2^21, so the sums stay exact integers).
@@ -647,24 +785,29 @@ class EvictionPolicy {
     detail::DeviceMirror append_mirror, index_mirror, qmask_mirror, rows_mirror, pass_mirror, counts_mirror;
   };
 
-  /// The eviction options of every layer; \throws c10::ValueError naming a layer whose budget
-  /// gives a capacity < 1, or a layer_budgets of the wrong length.
-  static std::vector<EvictionOptions> per_layer(const EvictionPolicyOptions& o, const EvictionOptions& e) {
+  /// Checks layer_budgets without allocating. \throws c10::ValueError naming a layer whose
+  /// budget is out of range or gives a capacity < 1, or a layer_budgets of the wrong length.
+  static void check_layer_budgets(const EvictionPolicyOptions& o, const EvictionOptions& e) {
     const auto& budgets = o.layer_budgets();
-    if (budgets.empty()) return std::vector<EvictionOptions>(static_cast<size_t>(o.num_layers()), e);
+    if (budgets.empty()) return;
     KVEVICT_CHECK_VALUE(static_cast<int64_t>(budgets.size()) == o.num_layers(),
                         "layer_budgets must have one entry per layer (num_layers = ", o.num_layers(), "), got ",
                         budgets.size());
-    std::vector<EvictionOptions> out;
     for (size_t l = 0; l < budgets.size(); ++l) {
-      auto layer = e;
-      layer.budget(budgets[l]);
       KVEVICT_CHECK_VALUE(budgets[l] >= 0 && budgets[l] <= EvictionOptions::kMaxTokens, "layer_budgets[", l,
                           "] must be in [0, 2^40], got ", budgets[l]);
-      KVEVICT_CHECK_VALUE(layer.capacity() >= 1, "layer ", l, ": capacity = n_sink + budget + n_recent must be >= 1, got ",
-                          "n_sink=", e.n_sink(), ", layer_budgets[", l, "]=", budgets[l], ", n_recent=", e.n_recent());
-      out.push_back(layer);
+      KVEVICT_CHECK_VALUE(e.n_sink() + budgets[l] + e.n_recent() >= 1, "layer ", l,
+                          ": capacity = n_sink + budget + n_recent must be >= 1, got n_sink=", e.n_sink(),
+                          ", layer_budgets[", l, "]=", budgets[l], ", n_recent=", e.n_recent());
     }
+  }
+
+  /// The eviction options of every layer (checked by check_layer_budgets()).
+  static std::vector<EvictionOptions> per_layer(const EvictionPolicyOptions& o, const EvictionOptions& e) {
+    const auto& budgets = o.layer_budgets();
+    if (budgets.empty()) return std::vector<EvictionOptions>(static_cast<size_t>(o.num_layers()), e);
+    std::vector<EvictionOptions> out;
+    for (const auto budget : budgets) out.push_back(EvictionOptions(e).budget(budget));
     return out;
   }
 
@@ -773,6 +916,7 @@ class EvictionPolicy {
         if (L.pending.defined()) L.pending.select(0, row).zero_();
       }
       L.len[row] = L.seen[row] = L.last_new[row] = 0;
+      L.open_q = 0;
     }
   }
 
@@ -798,6 +942,7 @@ class EvictionPolicy {
     }
     L.last_T = T;
     L.appends_since_pass += 1;
+    L.open_q = 0;
   }
 
   void append_tensor(Layer& L, const int64_t* counts, int64_t T) {
@@ -833,37 +978,89 @@ class EvictionPolicy {
     L.seen_device.add_(counts_dev);
   }
 
-  /// Host observe: per active row, the fixed-point sums over heads and real queries (checking
-  /// the probabilities on the way), the reducer, then the observer counts, the rank check and
-  /// the scorer's update.
-  void observe_host(Layer& L, int64_t layer, const at::Tensor& in) {
+  /// The first query column (of Q) that the scorer counts in row b: its first real one, or
+  /// later for a scorer that counts only the newest (detail::counted_queries); Q if none.
+  int64_t first_counted(const Layer& L, int64_t b, int64_t Q) const {
+    const int64_t first = first_real(L, b, Q);
+    return first >= Q ? Q : std::max(first, Q - detail::counted_queries(scorer_, Q));
+  }
+
+  /// Opens an observation of Q columns: host path, every row's fixed-point sums at 0; tensor
+  /// path, a [B, S] fp64 buffer.
+  void begin_observation(Layer& L, int64_t Q) {
+    if (host_) {
+      std::fill(L.host.fixed.begin(), L.host.fixed.begin() + batch_size() * L.slots, 0.0);
+    } else {
+      L.open_sum = at::zeros({batch_size(), max_of(L.len)}, L.position.options().dtype(at::kDouble));
+      L.open_bad = at::Tensor();
+    }
+    L.open_q = Q;
+    L.open_cells = 0;
+  }
+
+  /// Adds the fixed-point terms of probs [B, Hc, Qc, S] (query columns from q_begin, heads from
+  /// h_begin) to the open observation, checking them on the way when checks are on.
+  void add_observation(Layer& L, const at::Tensor& in, int64_t q_begin, int64_t h_begin) {
+    const int64_t Q = L.open_q, Hc = in.size(1), Qc = in.size(2);
+    const int64_t from = Q - detail::counted_queries(scorer_, Q);
+    if (host_) {
+      add_host(L, in, q_begin, h_begin);
+    } else {
+      add_tensor(L, in, q_begin);
+    }
+    L.open_cells += Hc * std::max<int64_t>(0, std::min(q_begin + Qc, Q) - std::max(q_begin, from));
+  }
+
+  /// Applies the open observation (reducer, observers, rank check, scorer) and closes it.
+  void end_observation(Layer& L, int64_t layer) {
+    if (host_) {
+      end_host(L, layer);
+    } else {
+      end_tensor(L, layer);
+    }
+    L.open_q = 0;
+  }
+
+  /// Host path: per active row, the fixed-point sums over the piece's heads and counted
+  /// queries (checking the probabilities on the way).
+  void add_host(Layer& L, const at::Tensor& in, int64_t q_begin, int64_t h_begin) {
     const bool as_is = in.scalar_type() == at::kFloat && in.is_contiguous();  // skips a dispatch
     const auto x = as_is ? in : in.to(at::kFloat).contiguous();
     const float* p = x.template data_ptr<float>();
-    const int64_t B = batch_size(), H = num_heads(), Q = x.size(2), S = x.size(3);
+    const int64_t B = batch_size(), Hc = x.size(1), Qc = x.size(2), S = x.size(3), Q = L.open_q;
     const int64_t* pos = L.position.template data_ptr<int64_t>();
-    float* st = L.state.template data_ptr<float>();
     auto& HS = L.host;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = first_real(L, b, Q);  // real queries: columns [first, Q)
+      const int64_t q0 = first_counted(L, b, Q);  // counted queries: columns [q0, Q)
+      if (q0 >= Q) continue;
       const int64_t len = L.len[b], seen = L.seen[b];
       double* fx = HS.fixed.data() + b * L.slots;
-      std::fill(fx, fx + L.slots, 0.0);
-      if (first >= Q) continue;
-      const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
       const int64_t* pb = pos + b * L.slots;
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t q = q0; q < Q; ++q) {
-          const float* row = p + ((b * H + h) * Q + q) * S;
-          if (check_) check_row_probs(row, pb, len, seen - Q + q, b, h, q);
-          for (int64_t s = 0; s < len; ++s) fx[s] += detail::fixed_term(row[s]);
+      for (int64_t h = 0; h < Hc; ++h) {
+        for (int64_t q = std::max<int64_t>(q0 - q_begin, 0); q < Qc; ++q) {
+          const float* row = p + ((b * Hc + h) * Qc + q) * S;
+          const int64_t query_pos = seen - Q + q_begin + q;
+          const bool in_range = detail::add_fixed_row(row, fx, len);
+          // Causality needs a look only where some key could be newer than the query (inside a
+          // multi-token append); the message comes from the scalar check.
+          if (check_ && (!in_range || query_pos < seen - 1)) {
+            check_row_probs(row, pb, len, query_pos, b, h_begin + h, q_begin + q);
+          }
         }
       }
     }
+  }
+
+  /// Host path: the reducer, then the observer counts, the rank check and the scorer's update.
+  void end_host(Layer& L, int64_t layer) {
     if (options_.lazy_reduction()) {
-      defer_host(L, layer, Q);
+      defer_host(L, layer);
       return;
     }
+    const int64_t B = batch_size(), Q = L.open_q;
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    float* st = L.state.template data_ptr<float>();
+    auto& HS = L.host;
     if (options_.reduce_contributions()) {
       auto sums = at::from_blob(HS.fixed.data(), {B, L.slots}, at::TensorOptions().dtype(at::kDouble));
       options_.reduce_contributions()(layer, sums);
@@ -872,16 +1069,15 @@ class EvictionPolicy {
     // Two rounds: check every row first (nothing changes on a throw), then apply.
     for (int round = check_ ? 0 : 1; round < 2; ++round) {
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t first = first_real(L, b, Q);
-        if (first >= Q) continue;
+        const int64_t q0 = first_counted(L, b, Q);
+        if (q0 >= Q) continue;
         const int64_t len = L.len[b], seen = L.seen[b];
-        const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
         const int64_t* pb = pos + b * L.slots;
         const double* fx = HS.fixed.data() + b * L.slots;
         float* sb = st + b * L.slots * W;
-        const int64_t first_q_pos = seen - Q + q0;  // real queries: positions first_q_pos .. seen - 1
+        const int64_t first_q_pos = seen - Q + q0;  // counted queries: positions first_q_pos .. seen - 1
         for (int64_t s = 0; s < len; ++s) {
-          // Observers: real queries at or after the token's position.
+          // Observers: counted queries at or after the token's position.
           const float observers =
               static_cast<float>(std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
           const float c = detail::from_fixed(fx[s], heads);
@@ -910,21 +1106,17 @@ class EvictionPolicy {
 
   /// Terms per slot of an observation of Q columns: counted queries x heads of all processes.
   /// The same on every process, so every process flushes early at the same observation.
-  int64_t observation_terms(int64_t Q) const {
-    return (Scorer::kLastQueryOnly ? std::min<int64_t>(Q, 1) : Q) * divisor_heads();
-  }
+  int64_t observation_terms(int64_t Q) const { return detail::counted_queries(scorer_, Q) * divisor_heads(); }
 
-  /// Host path: adds an observation's sums (L.host.fixed, Q columns) and observer counts to
-  /// pending.
-  void defer_host(Layer& L, int64_t layer, int64_t Q) {
-    const int64_t terms = observation_terms(Q);
+  /// Host path: adds the open observation's sums (L.host.fixed) and observer counts to pending.
+  void defer_host(Layer& L, int64_t layer) {
+    const int64_t Q = L.open_q, terms = observation_terms(Q);
     if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) flush_layer(L, layer);
     const int64_t* pos = L.position.template data_ptr<int64_t>();
     double* pd = L.pending.template data_ptr<double>();
     for (int64_t b = 0; b < batch_size(); ++b) {
-      const int64_t first = first_real(L, b, Q);
-      if (first >= Q) continue;
-      const int64_t q0 = Scorer::kLastQueryOnly ? Q - 1 : first;
+      const int64_t q0 = first_counted(L, b, Q);
+      if (q0 >= Q) continue;
       const int64_t len = L.len[b], seen = L.seen[b], first_q_pos = seen - Q + q0;
       const int64_t* pb = pos + b * L.slots;
       const double* fx = L.host.fixed.data() + b * L.slots;
@@ -938,9 +1130,9 @@ class EvictionPolicy {
     L.pending_terms += terms;
   }
 
-  /// Tensor path: checks an observation's probabilities (checks on), then adds its sums [B, S]
-  /// fp64 and observers [B, S] fp32 (Q columns) to pending where `keep` [B, S].
-  void defer_tensor(Layer& L, int64_t layer, int64_t Q, const at::Tensor& sum, const at::Tensor& observers,
+  /// Tensor path: checks the open observation's probabilities (checks on), then adds its sums
+  /// [B, S] fp64 and observers [B, S] fp32 to pending where `keep` [B, S].
+  void defer_tensor(Layer& L, int64_t layer, const at::Tensor& sum, const at::Tensor& observers,
                     const at::Tensor& keep, const at::Tensor& bad) {
     if (check_ && bad.defined()) {
       KVEVICT_CHECK(!bad.template item<bool>(),
@@ -948,7 +1140,7 @@ class EvictionPolicy {
                     "non-finite, out-of-range or non-causal value; the state is unchanged",
                     kChecksHint);
     }
-    const int64_t terms = observation_terms(Q);
+    const int64_t terms = observation_terms(L.open_q);
     if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) flush_layer(L, layer);
     const auto pend = L.pending.narrow(1, 0, keep.size(1));
     const auto zero = at::zeros({}, pend.options());
@@ -1082,58 +1274,78 @@ class EvictionPolicy {
     }
   }
 
-  /// Tensor observe: the same reduction with tensor ops ([B, H, Q, S] fixed point -> int64 sums).
-  void observe_tensor(Layer& L, int64_t layer, const at::Tensor& in, bool direct) {
-    const int64_t B = batch_size(), S = max_of(L.len);
+  /// Tensor path: the counted query columns of Q as a [B, Q] int64 0/1 mask on the device,
+  /// uploaded only when it changes.
+  const at::Tensor& counted_mask(Layer& L, int64_t Q) {
+    const int64_t B = batch_size();
+    std::vector<int64_t> mask(static_cast<size_t>(B * Q), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t q = first_counted(L, b, Q); q < Q; ++q) mask[b * Q + q] = 1;
+    }
+    return L.qmask_mirror.get(mask, device_, {B, Q});
+  }
+
+  /// Tensor path: the same reduction with tensor ops ([B, Hc, Qc, S] fixed point -> fp64 sums,
+  /// exact integers, so pieces add up to the whole in any order).
+  void add_tensor(Layer& L, const at::Tensor& in, int64_t q_begin) {
+    const int64_t B = batch_size(), Q = L.open_q, Qc = in.size(2), S = max_of(L.len);
     const auto pos = L.position.narrow(1, 0, S);
     const auto live = pos.ge(0);  // [B, S]
-    at::Tensor c, observers, bad;
-    if (direct) {
-      c = in.to(at::kFloat);
-      observers = at::ones({B, S}, c.options());
-    } else {
-      const int64_t H = num_heads(), Q = in.size(2);
-      // Real query columns per row: [Q - n, Q) (or only Q - 1 for last-query scorers).
-      std::vector<int64_t> mask(static_cast<size_t>(B * Q), 0);
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t first = first_real(L, b, Q);
-        for (int64_t q = Scorer::kLastQueryOnly ? Q - 1 : first; q < Q && first < Q; ++q) mask[b * Q + q] = 1;
-      }
-      const auto& qmask = L.qmask_mirror.get(mask, device_, {B, Q});  // [B, Q] int64 0/1
-      const auto x = in.to(at::kFloat);
-      if (check_) {
-        const auto qpos = L.seen_device.unsqueeze(1).sub(Q).add(at::arange(Q, pos.options()).unsqueeze(0));  // [B, Q]
-        const auto real = qmask.gt(0).view({B, 1, Q, 1}).logical_and(live.view({B, 1, 1, S}));
-        const auto out_of_range = x.lt(0).logical_or(x.gt(1)).logical_or(x.isnan());
-        const auto future = pos.view({B, 1, 1, S}).gt(qpos.view({B, 1, Q, 1})).logical_and(x.ne(0));
-        bad = out_of_range.logical_or(future).logical_and(real).any();
-      }
-      // detail::fixed_term on tensors; pads and other rows' columns count 0.
-      const auto term = x.clamp(0.0, 1.0).to(at::kDouble).mul(detail::kFixedOne).round().add(x.sub(x).to(at::kDouble));
-      auto sum = at::where(qmask.gt(0).view({B, 1, Q, 1}), term, at::zeros({}, term.options())).sum({1, 2});
-      if (options_.reduce_contributions() && !options_.lazy_reduction()) options_.reduce_contributions()(layer, sum);
-      // Divided by a [1] tensor, not a scalar: a scalar divisor may become a multiply by its
-      // reciprocal on CUDA, which rounds differently from the host's division.
-      c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
-      const auto qpos = L.seen_device.unsqueeze(1).sub(Q).add(at::arange(Q, pos.options()).unsqueeze(0));
-      observers = qpos.unsqueeze(1).ge(pos.unsqueeze(2)).logical_and(qmask.gt(0).unsqueeze(1)).sum(2).to(at::kFloat);
-      observers = observers.mul(live.to(at::kFloat));
-      // Rows with no real query contribute nothing: their sums are 0 and observers 0, but a
-      // scorer that replaces (LatestAttention) must not see them at all.
-      std::vector<int64_t> observed(static_cast<size_t>(B));
-      for (int64_t b = 0; b < B; ++b) observed[b] = first_real(L, b, Q) < Q ? 1 : 0;
-      const auto& obs_rows = L.rows_mirror.get(observed, device_, {B});
-      const auto keep = obs_rows.gt(0).unsqueeze(1).logical_and(live);  // [B, S]
-      if (options_.lazy_reduction()) {
-        defer_tensor(L, layer, Q, sum, observers, keep, bad);
-        return;
-      }
-      apply_tensor(L, S, c, observers, keep, bad);
+    const auto qmask = counted_mask(L, Q).narrow(1, q_begin, Qc);  // [B, Qc]
+    const auto x = in.to(at::kFloat);
+    if (check_) {
+      const auto qpos =
+          L.seen_device.unsqueeze(1).sub(Q).add(at::arange(q_begin, q_begin + Qc, pos.options()).unsqueeze(0));
+      const auto real = qmask.gt(0).view({B, 1, Qc, 1}).logical_and(live.view({B, 1, 1, S}));
+      const auto out_of_range = x.lt(0).logical_or(x.gt(1)).logical_or(x.isnan());
+      const auto future = pos.view({B, 1, 1, S}).gt(qpos.view({B, 1, Qc, 1})).logical_and(x.ne(0));
+      const auto bad = out_of_range.logical_or(future).logical_and(real).any();
+      L.open_bad = L.open_bad.defined() ? L.open_bad.logical_or(bad) : bad;
+    }
+    // detail::fixed_term on tensors; pads and other rows' columns count 0.
+    const auto term = x.clamp(0.0, 1.0).add(x.sub(x)).to(at::kDouble).mul(detail::kFixedOne).round();
+    L.open_sum.add_(at::where(qmask.gt(0).view({B, 1, Qc, 1}), term, at::zeros({}, term.options())).sum({1, 2}));
+  }
+
+  /// Tensor path: the reducer, contributions, observers and the scorer's update.
+  void end_tensor(Layer& L, int64_t layer) {
+    const int64_t B = batch_size(), Q = L.open_q, S = max_of(L.len);
+    const auto pos = L.position.narrow(1, 0, S);
+    const auto live = pos.ge(0);  // [B, S]
+    auto sum = L.open_sum;
+    if (options_.reduce_contributions() && !options_.lazy_reduction()) options_.reduce_contributions()(layer, sum);
+    // Divided by a [1] tensor, not a scalar: a scalar divisor may become a multiply by its
+    // reciprocal on CUDA, which rounds differently from the host's division.
+    const auto c = sum.to(at::kFloat).mul(static_cast<float>(1.0 / detail::kFixedOne)).div(heads_divisor());
+    const auto& qmask = counted_mask(L, Q);
+    const auto qpos = L.seen_device.unsqueeze(1).sub(Q).add(at::arange(Q, pos.options()).unsqueeze(0));
+    auto observers = qpos.unsqueeze(1).ge(pos.unsqueeze(2)).logical_and(qmask.gt(0).unsqueeze(1)).sum(2).to(at::kFloat);
+    observers = observers.mul(live.to(at::kFloat));
+    // Rows with no real query contribute nothing: their sums are 0 and observers 0, but a
+    // scorer that replaces (LatestAttention) must not see them at all.
+    std::vector<int64_t> observed(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) observed[b] = first_real(L, b, Q) < Q ? 1 : 0;
+    const auto& obs_rows = L.rows_mirror.get(observed, device_, {B});
+    const auto keep = obs_rows.gt(0).unsqueeze(1).logical_and(live);  // [B, S]
+    const auto bad = L.open_bad;
+    L.open_sum = at::Tensor();
+    L.open_bad = at::Tensor();
+    if (options_.lazy_reduction()) {
+      defer_tensor(L, layer, sum, observers, keep, bad);
       return;
     }
+    apply_tensor(L, S, c, observers, keep, bad);
+  }
+
+  /// Tensor add_scores: the caller's scores as one observation with one observer.
+  void observe_tensor(Layer& L, int64_t /*layer*/, const at::Tensor& in, bool /*direct*/) {
+    const int64_t B = batch_size(), S = max_of(L.len);
+    const auto live = L.position.narrow(1, 0, S).ge(0);  // [B, S]
+    const auto c = in.to(at::kFloat);
+    const auto observers = at::ones({B, S}, c.options());
     std::vector<int64_t> act(active_.begin(), active_.end());
     const auto& act_rows = L.rows_mirror.get(act, device_, {B});
-    apply_tensor(L, S, c, observers, act_rows.gt(0).unsqueeze(1).logical_and(live), bad);
+    apply_tensor(L, S, c, observers, act_rows.gt(0).unsqueeze(1).logical_and(live), at::Tensor());
   }
 
   /// Applies contribution/observers to the live slots `keep` [B, S]; with checks, computes the
@@ -1287,6 +1499,7 @@ class EvictionPolicy {
   void commit_state(Layer& L, Pass& pass) {
     if (L.pending_terms > 0) move_pending(L, pass);  // lazy_reduction, after truncate() (a pass flushed first)
     const int64_t B = batch_size();
+    L.open_q = 0;  // slots move: an observation in pieces no longer matches them
     if (host_) {
       if (pass.columns > 0) {
         detail::apply_moves_host(pass.src.data(), pass.dst.data(), B, pass.columns, pass.columns, L.position, 1);
@@ -1306,12 +1519,13 @@ class EvictionPolicy {
         pass.dst_t = at::tensor(pass.dst, opts).view({B, pass.columns}).to(device_);
       }
       const SlotMoves m{pass.src_t, pass.dst_t};
-      auto gp = detail::gather_moves(m, L.position, 1);  // both gathers before any write
-      auto gs = detail::gather_moves(m, L.state, 1);
+      const auto rows = detail::move_rows(m);  // everything that allocates comes before any write
+      auto gp = detail::gather_moves(m, L.position, 1, rows);
+      auto gs = detail::gather_moves(m, L.state, 1, rows);
       const auto nl = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).to(device_).unsqueeze(1);
       const auto dead = at::arange(L.slots, L.position.options()).unsqueeze(0).ge(nl);
-      detail::scatter_moves(m, L.position, 1, gp);
-      detail::scatter_moves(m, L.state, 1, gs);
+      detail::scatter_moves(m, L.position, 1, gp, rows);
+      detail::scatter_moves(m, L.state, 1, gs, rows);
       L.position.masked_fill_(dead, -1);
     }
     for (int64_t b = 0; b < B; ++b) L.len[b] = pass.new_len[b];
@@ -1320,7 +1534,7 @@ class EvictionPolicy {
   EvictionPolicyOptions options_;
   EvictionOptions eviction_;
   std::vector<EvictionOptions> layer_eviction_;  // per layer: its budget
-  std::vector<Selection> selections_ = make_selections(layer_eviction_);
+  std::vector<Selection> selections_;            // per layer
   Scorer scorer_;
   at::Device device_;
   bool host_;

@@ -19,6 +19,10 @@
 //   observers     fp32: how many of those queries could see the token (query position >=
 //                 token position).
 // add_scores() passes the caller's score as the contribution and 1 as observers.
+// A scorer may also have `int64_t last_queries() const`: only the newest last_queries() real
+// queries of each observation count (an observation window, e.g. SnapKV), and
+// `at::Tensor pool(const at::Tensor& ranks) const`: a smoothing of [B, T] ranks in position
+// order, applied by prompt_scores() (lse_scores.hpp) where positions are contiguous.
 //
 // The interface (host and tensor forms must perform the same fp32 operations in the same order,
 // so both paths keep the same tokens):
@@ -132,6 +136,68 @@ struct DecayedAttention {
 
  private:
   float gamma_;
+};
+
+/// SnapKV's observation window (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for
+/// Before Generation", Sec. 4.1 "voting" and 4.2 "clustering via pooling"), a scorer for
+/// prompt compression: a token's score is the attention that the last `window` queries of the
+/// prompt give it, averaged over heads (mean_h sum_{q in window} p[b, h, q, s]: the paper's
+/// sum over heads divided by H, the same order), then pooled along the token axis with a 1-D
+/// kernel of `kernel` tokens (stride 1, zero padding of kernel / 2 on each side; average
+/// pooling counts the padding, as `avg_pool1d(count_include_pad = true)` does), so that
+/// neighbours of a heavy hitter survive with it.
+///
+/// Use it through prompt_scores() / compress_prompt() (lse_scores.hpp), which observe the
+/// whole prompt and pool in position order. In a cache it is a plain scorer (each observation
+/// replaces the score by the last `window` queries' attention) and does not pool: slot order
+/// is not position order there. SnapKV keeps the window itself: set n_recent >= window.
+/// Defaults follow the authors' reference code (window 64, kernel 5, average pooling).
+struct SnapKV {
+  enum class Pooling { kAvg, kMax };
+  static constexpr const char* kName = "SnapKV";
+  static constexpr bool kLastQueryOnly = false;
+  static constexpr int64_t kStateWidth = 1;  // {window score}
+
+  /// \param window   prompt queries that vote (the newest), >= 1. Default 64.
+  /// \param kernel   pooling width in tokens, odd, >= 1 (1: no pooling). Default 5.
+  /// \param pooling  kAvg (default) or kMax.
+  /// \throws c10::ValueError if window < 1 or kernel is even or < 1.
+  explicit SnapKV(int64_t window = 64, int64_t kernel = 5, Pooling pooling = Pooling::kAvg)
+      : window_(window), kernel_(kernel), pooling_(pooling) {
+    KVEVICT_CHECK_VALUE(window >= 1, "SnapKV: window must be >= 1, got ", window);
+    KVEVICT_CHECK_VALUE(kernel >= 1 && kernel % 2 == 1, "SnapKV: kernel must be odd and >= 1, got ", kernel);
+  }
+  int64_t window() const noexcept { return window_; }
+  int64_t kernel() const noexcept { return kernel_; }
+  Pooling pooling() const noexcept { return pooling_; }
+  /// Only the newest `window` real queries of an observation count.
+  int64_t last_queries() const noexcept { return window_; }
+
+  void apply(float* state, float c, float /*observers*/) const noexcept { state[0] = c; }
+  float rank(const float* state) const noexcept { return state[0]; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& /*observers*/) const {
+    state.select(2, 0).copy_(c);
+  }
+  at::Tensor rank(const at::Tensor& state) const { return state.select(2, 0); }
+
+  /// Pools ranks along the token axis.
+  /// \param ranks  [B, T] fp32, position order (column t is the token at position t).
+  /// \return [B, T] fp32: max or mean over tokens t - kernel/2 .. t + kernel/2 (zeros
+  ///         outside [0, T) count in the mean; they never win the max, ranks being >= 0).
+  at::Tensor pool(const at::Tensor& ranks) const {
+    if (kernel_ == 1) return ranks;
+    const auto x = ranks.to(at::kFloat).unsqueeze(1);  // [B, 1, T]
+    const int64_t pad = kernel_ / 2;
+    if (pooling_ == Pooling::kMax) {
+      return at::constant_pad_nd(x, {pad, pad}, 0.0).unfold(2, kernel_, 1).amax(-1).squeeze(1);
+    }
+    return at::constant_pad_nd(x, {pad, pad}, 0.0).unfold(2, kernel_, 1).sum(-1).div(static_cast<double>(kernel_)).squeeze(1);
+  }
+
+ private:
+  int64_t window_;
+  int64_t kernel_;
+  Pooling pooling_;
 };
 
 }  // namespace kvevict

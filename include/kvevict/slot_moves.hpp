@@ -60,6 +60,7 @@ inline void apply_moves_host(const int64_t* src, const int64_t* dst, int64_t bat
   const RowLayout L(buffer, token_dim);
   const int64_t bytes = L.row * static_cast<int64_t>(buffer.element_size());
   auto* base = static_cast<char*>(buffer.data_ptr());
+  if (n > 0) buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = src[b * stride + j], d = dst[b * stride + j];
@@ -72,16 +73,21 @@ inline void apply_moves_host(const int64_t* src, const int64_t* dst, int64_t bat
   }
 }
 
+/// [B, 1] int64 row indices for the tensor-op moves (made before any write, so that nothing
+/// allocates between the first and the last write of a pass).
+inline at::Tensor move_rows(const SlotMoves& moves) {
+  return at::arange(moves.src.size(0), moves.src.options()).unsqueeze(1);
+}
+
 /// Tensor-op moves, first half: the source rows of every move, [B, n, rest...] (allocates).
-inline at::Tensor gather_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim) {
-  const auto rows = at::arange(buffer.size(0), moves.src.options()).unsqueeze(1);
+inline at::Tensor gather_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim,
+                               const at::Tensor& rows) {
   return buffer.transpose(1, token_dim).index({rows, moves.src});
 }
 
 /// Tensor-op moves, second half: writes what gather_moves() read into the destinations.
 inline void scatter_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim,
-                          const at::Tensor& gathered) {
-  const auto rows = at::arange(buffer.size(0), moves.dst.options()).unsqueeze(1);
+                          const at::Tensor& gathered, const at::Tensor& rows) {
   auto v = buffer.transpose(1, token_dim);
   v.index_put_({rows, moves.dst}, gathered);
 }
@@ -112,7 +118,8 @@ inline void apply_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_
                              buffer, token_dim);
     return;
   }
-  detail::scatter_moves(moves, buffer, token_dim, detail::gather_moves(moves, buffer, token_dim));
+  const auto rows = detail::move_rows(moves);
+  detail::scatter_moves(moves, buffer, token_dim, detail::gather_moves(moves, buffer, token_dim, rows), rows);
 }
 
 /// Writes the new tokens of an append into one buffer the caller owns, where the slot mapping

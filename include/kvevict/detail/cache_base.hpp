@@ -92,6 +92,13 @@ class CacheBase {
   /// Applies the observations lazy_reduction holds back on `layer`: EvictionPolicy::flush() (a
   /// collective under tensor parallelism; evict() calls it when a pass is due).
   void flush(int64_t layer) { policy_.flush(layer); }
+  /// An observation in pieces (query and head chunks), exactly as observe() of the whole:
+  /// EvictionPolicy::observe_begin(), observe_add() per piece [B, Hc, Qc, S], observe_end().
+  void observe_begin(int64_t layer, int64_t Q) { policy_.observe_begin(layer, Q); }
+  void observe_add(int64_t layer, const at::Tensor& probs, int64_t q_begin, int64_t h_begin) {
+    policy_.observe_add(layer, probs, q_begin, h_begin);
+  }
+  void observe_end(int64_t layer) { policy_.observe_end(layer); }
 
   /// Runs an eviction pass on `layer` if one is due (EvictionPolicy::due: a row over capacity
   /// and evict_every updates since the last pass) and moves the K/V rows the pass says; else a
@@ -118,11 +125,13 @@ class CacheBase {
     } else {
       const auto moves = policy_.to_moves(pass);
       std::vector<at::Tensor> gathered;
+      at::Tensor rows;
       if (!moves.empty()) {
-        for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i)));
+        rows = move_rows(moves);
+        for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i), rows));
       }
       policy_.commit(layer, pass);  // throws before changing anything, or not at all
-      for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i]);
+      for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
     }
     const int64_t base = policy_.base_slots(layer);
     if (slots(layer) > base && size(layer) <= base) {
@@ -396,6 +405,7 @@ class CacheBase {
     const int64_t elem = src.element_size(), row_bytes = specs_[i].inner * elem;
     const auto* s = static_cast<const char*>(src.data_ptr());
     auto& buf = buffers_[layer][i];
+    buf.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
     auto* d = static_cast<char*>(buf.data_ptr());
     const int64_t slots = buf.size(tdim);
     int64_t groups_per_row = 1;

@@ -1,0 +1,241 @@
+// Sequences in a cache (docs/DESIGN.md, "Per sequence"): rows that join and leave (finish,
+// add_sequence, reset(row)), ragged and left-padded appends, rollback (truncate), and memory
+// that stays capped (growth given back after a pass, reset(), reserve()). Expected values are
+// hand-worked or come from separate batch-1 caches fed the same inputs.
+#include "support.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+using Catch::Matchers::Contains;
+
+namespace {
+
+using kvevict::EvictionOptions;
+using kvevict::MlaCache;
+using kvevict::MlaCacheOptions;
+using kvevict_test::kept_positions;
+using kvevict_test::on_both_paths;
+using kvevict_test::to_vec;
+
+constexpr int64_t kQk = 6, kV = 4;
+
+MlaCacheOptions options(int64_t B, int64_t H = 2, int64_t layers = 1) {
+  return MlaCacheOptions(layers, H).batch_size(B).qk_dim(kQk).v_dim(kV);
+}
+
+bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const auto x = a.to(at::kCPU).contiguous(), y = b.to(at::kCPU).contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+/// Keys of one token: every element equals 100 * id + position (so rows are recognisable).
+at::Tensor key_rows(int64_t B, int64_t H, int64_t T, float id, int64_t first_position, int64_t width) {
+  auto t = at::arange(first_position, first_position + T, at::kFloat).add(100 * id);
+  return t.view({1, 1, T, 1}).expand({B, H, T, width}).contiguous();
+}
+
+/// Row b's live keys in position order, as [H, S_b, qk].
+at::Tensor ordered_keys(const MlaCache& c, int64_t layer, int64_t b) {
+  const auto o = c.ordered(layer);
+  const int64_t n = c.size(layer, b);
+  return o.keys[b].narrow(1, 0, n);
+}
+
+}  // namespace
+
+TEST_CASE("finish frees a row, add_sequence reuses it, the other rows go on", "[sequences][cpu]") {
+  on_both_paths([] {
+    MlaCache cache(options(3), EvictionOptions(2).n_sink(1).n_recent(1));  // capacity 4
+    for (int64_t l = 0; l < 6; ++l) {
+      cache.update(0, at::randn({3, 2, 1, kQk}), at::randn({3, 2, 1, kV}));
+      cache.evict(0);
+    }
+    CHECK(cache.size(0, 1) == 4);
+    cache.finish(1);
+    CHECK_FALSE(cache.active(1));
+    CHECK(cache.size(0, 1) == 0);
+    CHECK(cache.seen_tokens(0, 1) == 0);
+    CHECK(cache.size(0, 0) == 4);
+    CHECK(cache.seen_tokens(0, 0) == 6);
+    // A plain update appends to the active rows only.
+    cache.update(0, at::randn({3, 2, 1, kQk}), at::randn({3, 2, 1, kV}));
+    CHECK(cache.size(0, 0) == 5);
+    CHECK(cache.size(0, 1) == 0);
+    CHECK(to_vec<int64_t>(cache.positions(0)[1]) == std::vector<int64_t>(5, -1));
+    // A count for a free row is an error naming the row; nothing changes.
+    CHECK_THROWS_WITH(cache.update(0, at::randn({3, 2, 1, kQk}), at::randn({3, 2, 1, kV}), {1, 1, 1}),
+                      Contains("row 1 holds no sequence"));
+    CHECK(cache.size(0, 0) == 5);
+    CHECK_THROWS_WITH(cache.finish(1), Contains("finish: row 1 holds no sequence"));
+    // add_sequence takes the lowest free row; positions restart at 0.
+    CHECK(cache.add_sequence() == 1);
+    cache.update(0, at::randn({3, 2, 2, kQk}), at::randn({3, 2, 2, kV}), {0, 2, 1});
+    CHECK(kept_positions(cache, 0, 1) == std::vector<int64_t>{0, 1});
+    CHECK(cache.seen_tokens(0, 2) == 8);
+    CHECK_THROWS_WITH(cache.add_sequence(), Contains("all 3 rows hold a sequence"));
+    // reset(row) empties one row, which stays active.
+    cache.reset(2);
+    CHECK(cache.active(2));
+    CHECK(cache.size(0, 2) == 0);
+    CHECK(cache.size(0, 0) == 5);
+  });
+}
+
+TEST_CASE("left padding: pads are never stored, scored or attended; a padded row equals its own cache",
+          "[sequences][cpu]") {
+  on_both_paths([] {
+    at::manual_seed(3);
+    const int64_t H = 2, T = 5;
+    // Row 0: a 5-token prompt; row 1: a 2-token prompt, left-padded by 3.
+    MlaCache batch(options(2, H), EvictionOptions(1).n_sink(1).n_recent(1));  // capacity 3
+    MlaCache alone(options(1, H), EvictionOptions(1).n_sink(1).n_recent(1));
+    const auto k = at::randn({2, H, T, kQk}), v = at::randn({2, H, T, kV}), q = at::randn({2, H, T, kQk});
+    // Pads hold NaN: if a pad were stored or attended, NaN would show.
+    k[1].narrow(1, 0, 3).fill_(std::numeric_limits<float>::quiet_NaN());
+    v[1].narrow(1, 0, 3).fill_(std::numeric_limits<float>::quiet_NaN());
+    batch.update(0, k, v, {5, 2});
+    alone.update(0, k[1].narrow(1, 3, 2).unsqueeze(0).contiguous(), v[1].narrow(1, 3, 2).unsqueeze(0).contiguous());
+    CHECK(batch.size(0, 1) == 2);
+    CHECK(to_vec<int64_t>(batch.positions(0)[1]) == std::vector<int64_t>{0, 1, -1, -1, -1});
+    at::Tensor probs, probs_alone;
+    const auto out = kvevict::attend(q, batch, 0, c10::nullopt, &probs);
+    const auto out_alone =
+        kvevict::attend(q[1].narrow(1, 3, 2).unsqueeze(0).contiguous(), alone, 0, c10::nullopt, &probs_alone);
+    // Pad queries: zero output and zero probabilities.
+    CHECK(out[1].narrow(1, 0, 3).abs().max().item<float>() == 0.f);
+    CHECK(probs[1].narrow(1, 0, 3).abs().max().item<float>() == 0.f);
+    CHECK(bit_equal(out[1].narrow(1, 3, 2), out_alone[0]));
+    CHECK(bit_equal(probs[1].narrow(1, 3, 2).narrow(2, 0, 2), probs_alone[0]));
+    CHECK(at::isfinite(out).all().item<bool>());
+    CHECK(bit_equal(batch.scores(0)[1].narrow(0, 0, 2), alone.scores(0)[0]));
+    // Decode both rows; rows of different lengths evict on their own.
+    for (int step = 0; step < 4; ++step) {
+      const auto k1 = at::randn({2, H, 1, kQk}), v1 = at::randn({2, H, 1, kV}), q1 = at::randn({2, H, 1, kQk});
+      batch.update(0, k1, v1);
+      alone.update(0, k1[1].unsqueeze(0).contiguous(), v1[1].unsqueeze(0).contiguous());
+      const auto o = kvevict::attend(q1, batch, 0);
+      const auto oa = kvevict::attend(q1[1].unsqueeze(0).contiguous(), alone, 0);
+      CHECK(bit_equal(o[1], oa[0]));
+      batch.evict(0);
+      alone.evict(0);
+      CHECK(kept_positions(batch, 0, 1) == std::vector<int64_t>(kept_positions(alone, 0, 0)));
+      CHECK(bit_equal(ordered_keys(batch, 0, 1), ordered_keys(alone, 0, 0)));
+    }
+    CHECK(batch.size(0, 0) == 3);
+    CHECK(batch.size(0, 1) == 3);
+  });
+}
+
+TEST_CASE("a ragged append gives each row its own length; 0 appends nothing", "[sequences][cpu]") {
+  on_both_paths([] {
+    MlaCache cache(options(3, 1), EvictionOptions(8));
+    cache.update(0, key_rows(3, 1, 3, 0, 0, kQk), at::zeros({3, 1, 3, kV}), {3, 0, 1});
+    CHECK(cache.size(0) == 3);  // the longest row
+    CHECK(cache.size(0, 0) == 3);
+    CHECK(cache.size(0, 1) == 0);
+    CHECK(cache.size(0, 2) == 1);
+    CHECK(to_vec<int64_t>(cache.positions(0)[2]) == std::vector<int64_t>{0, -1, -1});
+    // Row 2's token is its last column (left padding): key 2 (100 * 0 + column 2).
+    CHECK(cache.keys(0)[2][0][0][0].item<float>() == 2.f);
+    CHECK_THROWS_WITH(cache.update(0, at::zeros({3, 1, 2, kQk}), at::zeros({3, 1, 2, kV}), {3, 0, 0}),
+                      Contains("counts[0] must be in [0, T = 2], got 3"));
+    CHECK_THROWS_WITH(cache.update(0, at::zeros({3, 1, 2, kQk}), at::zeros({3, 1, 2, kV}), {1, 1}),
+                      Contains("counts must have B = 3 entries, got 2"));
+    CHECK(cache.size(0, 0) == 3);
+  });
+}
+
+TEST_CASE("truncate rolls back the newest tokens; evicted ones cannot be rolled back", "[sequences][cpu]") {
+  on_both_paths([] {
+    // capacity 1 + 2 + 2 = 5, evict_every 1.
+    MlaCache cache(options(2, 2, /*layers=*/2), EvictionOptions(2).n_sink(1).n_recent(2));
+    MlaCache reference(options(2, 2, 2), EvictionOptions(2).n_sink(1).n_recent(2));
+    // 7 tokens with scores, one pass to capacity, identical in both caches.
+    for (int64_t l = 0; l < 2; ++l) {
+      for (auto* c : {&cache, &reference}) {
+        c->update(l, key_rows(2, 2, 7, 1, 0, kQk), key_rows(2, 2, 7, 1, 0, kV));
+        c->add_scores(l, at::tensor({0.f, 5.f, 1.f, 4.f, 2.f, 0.f, 0.f}).expand({2, 7}).contiguous());
+        CHECK(c->evict(l) == 2 * 2);  // keeps 0, 1, 3, 5, 6
+      }
+    }
+    // Three drafts (positions 7, 8, 9) join `cache` only; then two are rejected.
+    for (int64_t l = 0; l < 2; ++l) cache.update(l, key_rows(2, 2, 3, 9, 7, kQk), key_rows(2, 2, 3, 9, 7, kV));
+    cache.truncate(0, 2);
+    CHECK(cache.seen_tokens(0, 0) == 8);
+    CHECK(cache.seen_tokens(0, 1) == 10);
+    CHECK(kept_positions(cache, 0, 0) == std::vector<int64_t>{0, 1, 3, 5, 6, 7});
+    CHECK(kept_positions(cache, 1, 0) == std::vector<int64_t>{0, 1, 3, 5, 6, 7});
+    // The next token takes position 8 again; after it, row 0 equals a cache that only ever saw
+    // the accepted token.
+    for (int64_t l = 0; l < 2; ++l) {
+      const auto k = at::cat({key_rows(1, 2, 1, 9, 7, kQk), key_rows(1, 2, 1, 3, 8, kQk)}, 2);
+      const auto v = at::cat({key_rows(1, 2, 1, 9, 7, kV), key_rows(1, 2, 1, 3, 8, kV)}, 2);
+      reference.update(l, at::cat({k, k}, 0), at::cat({v, v}, 0));
+      cache.update(l, at::cat({key_rows(1, 2, 1, 3, 8, kQk), key_rows(1, 2, 1, 3, 10, kQk)}, 0),
+                   at::cat({key_rows(1, 2, 1, 3, 8, kV), key_rows(1, 2, 1, 3, 10, kV)}, 0));
+      cache.evict(l);
+      reference.evict(l);
+      CHECK(kept_positions(cache, l, 0) == kept_positions(reference, l, 0));
+      CHECK(bit_equal(ordered_keys(cache, l, 0), ordered_keys(reference, l, 0)));
+      CHECK(bit_equal(cache.ordered(l).values[0], reference.ordered(l).values[0]));
+    }
+    // Rolling back past an evicted token fails in every layer and changes nothing.
+    const auto before = cache.positions(0);
+    CHECK_THROWS_WITH(cache.truncate(0, 4), Contains("already evicted"));
+    CHECK(bit_equal(cache.positions(0), before));
+    CHECK(cache.seen_tokens(0, 0) == 9);
+    CHECK_THROWS_WITH(cache.truncate(0, 10), Contains("k must be <= seen tokens"));
+    CHECK_THROWS_WITH(cache.truncate(0, -1), Contains("k must be >= 0, got -1"));
+    CHECK_THROWS_AS(cache.truncate(2, 1), c10::IndexError);
+  });
+}
+
+TEST_CASE("the cap is a cap: a long append's growth is given back by the next pass and by reset()",
+          "[sequences][cpu]") {
+  on_both_paths([] {
+    MlaCache cache(options(1, 2), EvictionOptions(4).n_sink(2).n_recent(2));  // capacity 8, 9 slots
+    const int64_t initial = cache.stats().bytes_allocated;
+    CHECK(cache.slots(0) == 9);
+    cache.update(0, at::randn({1, 2, 2000, kQk}), at::randn({1, 2, 2000, kV}));  // a long prefill
+    CHECK(cache.slots(0) >= 2000);
+    CHECK(cache.stats().bytes_allocated > 100 * initial);
+    cache.add_scores(0, at::rand({1, 2000}));
+    CHECK(cache.evict(0) == 1992);
+    CHECK(cache.slots(0) == 9);
+    CHECK(cache.stats().bytes_allocated == initial);
+    cache.update(0, at::randn({1, 2, 500, kQk}), at::randn({1, 2, 500, kV}));
+    CHECK(cache.slots(0) >= 508);
+    cache.reset();
+    CHECK(cache.slots(0) == 9);
+    CHECK(cache.stats().bytes_allocated == initial);
+    CHECK(cache.size(0) == 0);
+  });
+}
+
+TEST_CASE("reserve pre-sizes the buffers: appends that fit never move them", "[sequences][cpu]") {
+  on_both_paths([] {
+    MlaCache cache(options(2, 2), EvictionOptions(4).n_sink(2).n_recent(2));  // capacity 8
+    cache.reserve(64);
+    CHECK(cache.slots(0) == 64);
+    cache.update(0, at::randn({2, 2, 60, kQk}), at::randn({2, 2, 60, kV}));
+    const void* keys = cache.keys(0).data_ptr();
+    cache.add_scores(0, at::rand({2, 60}));
+    cache.evict(0);
+    for (int i = 0; i < 30; ++i) {
+      cache.update(0, at::randn({2, 2, 1, kQk}), at::randn({2, 2, 1, kV}));
+      cache.evict(0);
+    }
+    CHECK(cache.slots(0) == 64);  // not shrunk below the reservation
+    CHECK(cache.keys(0).data_ptr() == keys);
+    cache.reset();
+    CHECK(cache.slots(0) == 64);
+    CHECK_THROWS_WITH(cache.reserve(0), Contains("reserve: slots must be in [1, 2^40], got 0"));
+  });
+}
