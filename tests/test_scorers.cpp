@@ -486,3 +486,115 @@ TEST_CASE("check_finite rejects a score that overflows fp32, not only non-finite
     CHECK(at::equal(cache.scores(0), big));  // unchanged by the throw
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// DecayedAttention, uniform attention, near-ties on both paths
+// ---------------------------------------------------------------------------------------------
+
+TEST_CASE("DecayedAttention: score = gamma * score + contribution, hand-worked", "[scorers][cpu]") {
+  kvevict_test::on_both_paths([] {
+    using kvevict::DecayedAttention;
+    Cache<DecayedAttention> cache(kvevict::MlaCacheOptions(1, 2).qk_dim(kQk).v_dim(kV), EvictionOptions(64),
+                                  DecayedAttention(0.5f));
+    append(cache, 3);
+    // Observation 1 (one query, position 2): head mean [0.5, 0.25, 0.25].
+    cache.observe(0, probs({0.5f, 0.25f, 0.25f, 0.5f, 0.25f, 0.25f}, 1, 2, 1, 3));
+    check_scores(cache.scores(0), {{0.5, 0.25, 0.25}});
+    // Observation 2: head mean [0, 0.25, 0.75] -> 0.5 * [0.5, 0.25, 0.25] + [0, 0.25, 0.75].
+    cache.observe(0, probs({0.f, 0.5f, 0.5f, 0.f, 0.f, 1.f}, 1, 2, 1, 3));
+    check_scores(cache.scores(0), {{0.25, 0.375, 0.875}});
+    // add_scores is one more observation: 0.5 * score + x.
+    cache.add_scores(0, rows_tensor({{1, 0, 0}}));
+    check_scores(cache.scores(0), {{1.125, 0.1875, 0.4375}});
+    CHECK(cache.policy().scorer().gamma() == 0.5f);
+  });
+  CHECK_THROWS_WITH(kvevict::DecayedAttention(1.5f), Contains("gamma must be in [0, 1], got 1.5"));
+  CHECK_THROWS_AS(kvevict::DecayedAttention(std::nanf("")), c10::ValueError);
+}
+
+TEST_CASE("DecayedAttention lets a stale heavy hitter go where CumulativeAttention keeps it", "[scorers][cpu]") {
+  // Position 1 gets all the attention once, then never again; later tokens get a little each step.
+  auto run = [](auto& cache) {
+    append(cache, 3);  // positions 0, 1, 2
+    cache.observe(0, probs({0.f, 1.f, 0.f}, 1, 1, 1, 3));
+    for (int step = 0; step < 6; ++step) {
+      append(cache, 1);
+      const int64_t S = cache.size(0);
+      std::vector<float> p(S, 0.f);
+      const auto pos = kvevict_test::to_vec<int64_t>(cache.positions(0)[0]);
+      for (int64_t s = 0; s < S; ++s) p[s] = pos[s] == 1 ? 0.f : 1.f / static_cast<float>(S - 1);
+      cache.observe(0, probs(p, 1, 1, 1, S));
+      cache.evict(0);
+    }
+    return kvevict_test::kept_positions(cache, 0);
+  };
+  const auto e = EvictionOptions(1).n_sink(1).n_recent(1);  // capacity 3: one heavy hitter
+  auto cumulative = Cache<CumulativeAttention>(kvevict::MlaCacheOptions(1, 1).qk_dim(kQk).v_dim(kV), e);
+  auto decayed = Cache<kvevict::DecayedAttention>(kvevict::MlaCacheOptions(1, 1).qk_dim(kQk).v_dim(kV), e,
+                                                  kvevict::DecayedAttention(0.5f));
+  CHECK(run(cumulative) == std::vector<int64_t>{0, 1, 8});  // the stale hitter stays
+  const auto kept = run(decayed);
+  CHECK(kept.size() == 3);
+  CHECK(std::find(kept.begin(), kept.end(), 1) == kept.end());  // it faded and left
+}
+
+TEST_CASE("Uniform attention: MeanObserved and Latest keep a sliding window, Cumulative keeps the oldest",
+          "[scorers][cpu]") {
+  // Every query gives every token it can see the same attention, 1/8 (uniform over tokens and
+  // steps; not renormalised, so that every observation of every token is equal).
+  auto run = [](auto& cache) {
+    for (int step = 0; step < 20; ++step) {
+      append(cache, 1);
+      const int64_t S = cache.size(0);
+      cache.observe(0, at::full({1, 1, 1, S}, 0.125));
+      cache.evict(0);
+    }
+    return kvevict_test::kept_positions(cache, 0);
+  };
+  const auto e = EvictionOptions(3).n_sink(1).n_recent(2);  // capacity 6
+  const auto o = kvevict::MlaCacheOptions(1, 1).qk_dim(kQk).v_dim(kV);
+  auto cumulative = Cache<CumulativeAttention>(o, e);
+  auto mean = Cache<MeanObservedAttention>(o, e);
+  auto latest = Cache<LatestAttention>(o, e);
+  CHECK(run(cumulative) == std::vector<int64_t>{0, 1, 2, 3, 18, 19});  // older tokens were seen more
+  CHECK(run(mean) == std::vector<int64_t>{0, 15, 16, 17, 18, 19});     // sinks + a sliding window
+  CHECK(run(latest) == std::vector<int64_t>{0, 15, 16, 17, 18, 19});
+}
+
+TEST_CASE("Near-ties with non-dyadic probabilities: the CPU path and the tensor path keep the same tokens",
+          "[scorers][cpu]") {
+  // Softmax probabilities over many heads and queries: fp32 sums in different orders would
+  // differ in the last bits; the exact reduction makes every path agree bit for bit.
+  auto run = [](bool tensor_path, uint64_t seed) {
+    kvevict_test::ForceTensorPath force(tensor_path);
+    at::manual_seed(seed);
+    const int64_t B = 3, H = 16;
+    auto cache = Cache<MeanObservedAttention>(kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(kQk).v_dim(kV),
+                                              EvictionOptions(12).n_sink(2).n_recent(3).evict_every(2));
+    std::vector<at::Tensor> scores;
+    for (int step = 0; step < 60; ++step) {
+      const int64_t T = step % 7 == 0 ? 3 : 1;
+      append(cache, T);
+      const int64_t S = cache.size(0);
+      // Near-ties: logits quantised to a few levels plus tiny noise.
+      const auto logits = at::randint(0, 3, {B, H, T, S}).to(at::kFloat).add(at::randn({B, H, T, S}).mul(1e-6));
+      const auto pos = cache.positions(0).view({B, 1, 1, S});
+      const auto qpos = at::arange(cache.seen_tokens(0) - T, cache.seen_tokens(0)).view({1, 1, T, 1});
+      const auto p = at::softmax(logits.masked_fill(pos.gt(qpos), -std::numeric_limits<float>::infinity()), -1);
+      cache.observe(0, p);
+      cache.evict(0);
+      scores.push_back(cache.scores(0));
+      scores.push_back(cache.positions(0));
+    }
+    return scores;
+  };
+  for (uint64_t seed : {1, 2, 3}) {
+    INFO("seed " << seed);
+    const auto host = run(false, seed), tensor = run(true, seed);
+    REQUIRE(host.size() == tensor.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      INFO("snapshot " << i);
+      CHECK(at::equal(host[i], tensor[i]));
+    }
+  }
+}

@@ -66,8 +66,9 @@ struct CumulativeAttention {
 
 /// The cumulative sum divided by how many observed queries could see the token (causally:
 /// query position >= token position); 0 before any observation. Removes H2O's bias toward old
-/// tokens (as in Keyformer / NACL-style averages): under uniform attention it ranks like a
-/// sliding window. Counts are fp32, exact up to 2^24 observations of one token.
+/// tokens (as in Keyformer / NACL-style averages): under uniform attention (the same
+/// probability for every token from every query) all ranks tie, so it keeps a sliding window.
+/// Counts are fp32, exact up to 2^24 observations of one token.
 struct MeanObservedAttention {
   static constexpr const char* kName = "MeanObservedAttention";
   static constexpr bool kLastQueryOnly = false;
