@@ -11,4 +11,6 @@
 #include <kvevict/mla_cache.hpp>
 #include <kvevict/mla_latent_cache.hpp>
 #include <kvevict/attention.hpp>
+#include <kvevict/lse_scores.hpp>
+#include <kvevict/prefill.hpp>
 #include <kvevict/memory_model.hpp>

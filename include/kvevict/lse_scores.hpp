@@ -1,0 +1,310 @@
+#pragma once
+// Scores without the probability matrix: the attention probabilities that a fused kernel
+// (FlashMLA, FlashAttention, FlashInfer) never returns, recomputed from the log-sum-exp it does
+// return, in query and head chunks, and fed to the cache's scorer through its chunked observe
+// path (EvictionPolicy::observe_begin / observe_add / observe_end): every scorer, the users'
+// own included, gets exactly the observation observe(probs) would give it.
+//
+//   observe_lse()           expanded layout (MlaCache): q . k
+//   observe_lse_absorbed()  latent layout (MlaLatentCache): q_absorbed . ckv + q_pe . kpe
+//   LseRing                 amortised scoring: the last evict_every queries and LSEs of each
+//                           layer, scored by one batched product over the keys per pass
+
+#include <kvevict/attention.hpp>
+#include <kvevict/check.hpp>
+#include <kvevict/eviction_policy.hpp>
+#include <kvevict/mla_cache.hpp>
+#include <kvevict/mla_latent_cache.hpp>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace kvevict {
+
+/// The logarithm base of the LSE a kernel returns.
+///  - kE: natural log, `lse = log(sum_s exp(scale * q . k_s))`, as FlashMLA
+///    (`flash_mla_with_kvcache` returns `(out, lse)`, lse fp32 [b, h_q, s_q]), FlashAttention 2/3
+///    and `torch.logsumexp` of the scaled logits.
+///  - k2: base 2, `lse2 = log2(sum_s 2^(scale * log2(e) * q . k_s)) = lse / ln 2`, what FlashInfer's
+///    MLA and prefill kernels return by default (flashinfer issue #2113; newer versions take
+///    `return_lse_base_on_e=True` / `lse_base="ln"` for natural log).
+enum class LseBase { kE, k2 };
+
+/// How observe_lse() and friends chunk their work and read the LSE.
+///
+/// Peak extra memory of one call: about 4 x B x head_chunk x query_chunk x S bytes (one fp32
+/// buffer of probabilities, computed in place from the logits) plus B x query_chunk x S bytes
+/// (the mask) plus the matmul's own temporaries, where S is the number of keys; the tensor
+/// path adds [B, S] fp64 sums. Defaults: 8 heads x 64 queries = 2 MiB per 1,000 keys and row.
+///
+/// Example:
+/// \code
+///   auto o = kvevict::LseOptions().head_chunk(16).query_chunk(128).base(kvevict::LseBase::k2);
+/// \endcode
+struct LseOptions {
+  /// Throws c10::ValueError naming a chunk below 1.
+  void validate() const {
+    KVEVICT_CHECK_VALUE(query_chunk_ >= 1, "LseOptions: query_chunk must be >= 1, got ", query_chunk_);
+    KVEVICT_CHECK_VALUE(head_chunk_ >= 1, "LseOptions: head_chunk must be >= 1, got ", head_chunk_);
+  }
+
+  /// Query columns per chunk. Default: 64.
+  KVEVICT_ARG(int64_t, query_chunk) = 64;
+  /// Heads per chunk. Default: 8.
+  KVEVICT_ARG(int64_t, head_chunk) = 8;
+  /// Base of the given LSE. Default: LseBase::kE (natural log, FlashMLA / FlashAttention).
+  KVEVICT_ARG(LseBase, base) = LseBase::kE;
+};
+
+namespace detail {
+
+/// The chunked observation from LSE over any target with observe_begin / observe_add /
+/// observe_end (a cache or an EvictionPolicy), layer `layer`:
+///   pos      [B, S] int64 slot positions (-1 dead),
+///   qpos     [B, Q] int64 query positions (-1 pad),
+///   lse      [B, H, Q] (natural log after `base`),
+///   logits(h0, hc, q0, qc) -> [B, hc, qc, S'] scaled logits of keys [0, S'), S' <= S (keys past
+///   S' are treated as unseen: prompt_scores() uses it to skip keys newer than the chunk).
+/// Only the query columns the scorer counts (the last `counted`) are computed.
+template <class Target, class LogitsFn>
+void observe_lse_chunks(Target& target, int64_t layer, const at::Tensor& pos, const at::Tensor& qpos,
+                        const at::Tensor& lse, int64_t H, int64_t counted, bool check, const LseOptions& o,
+                        LogitsFn&& logits) {
+  const int64_t B = pos.size(0), S = pos.size(1), Q = qpos.size(1);
+  auto l = lse.to(at::kFloat);
+  if (o.base() == LseBase::k2) l = l.mul(0.69314718055994530942);  // ln 2
+  const auto live = pos.ge(0);  // [B, S]
+  target.observe_begin(layer, Q);
+  for (int64_t h0 = 0; h0 < H; h0 += o.head_chunk()) {
+    const int64_t hc = std::min(o.head_chunk(), H - h0);
+    for (int64_t q0 = Q - counted; q0 < Q; q0 += o.query_chunk()) {
+      const int64_t qc = std::min(o.query_chunk(), Q - q0);
+      auto p = logits(h0, hc, q0, qc);  // [B, hc, qc, S'] fp32, fresh
+      const int64_t Sp = p.size(3);
+      const auto qp = qpos.narrow(1, q0, qc).view({B, 1, qc, 1});
+      const auto seen = live.narrow(1, 0, Sp).view({B, 1, 1, Sp}).logical_and(pos.narrow(1, 0, Sp).view({B, 1, 1, Sp}).le(qp));
+      p.sub_(l.narrow(1, h0, hc).narrow(2, q0, qc).unsqueeze(-1));
+      if (check) {
+        // exp(logit - lse) <= 1 for a matching LSE; allow fp32 rounding of both.
+        const auto worst = at::where(seen, p, at::full({}, -INFINITY, p.options())).max().template item<float>();
+        KVEVICT_CHECK(!(worst > 1e-3f), "lse does not match the logits: a logit exceeds its lse by ", worst,
+                      " (a probability above 1) in heads [", h0, ", ", h0 + hc, "), query columns [", q0, ", ",
+                      q0 + qc, "); check the scale and the LSE base (LseOptions::base)");
+      }
+      p.exp_().clamp_max_(1.0).masked_fill_(seen.logical_not(), 0.0);
+      if (Sp < S) p = at::constant_pad_nd(p, {0, S - Sp}, 0.0);
+      target.observe_add(layer, p, q0, h0);
+    }
+  }
+  target.observe_end(layer);
+}
+
+/// Checks lse [B, H, Q] (floating, on `device`).
+inline void check_lse(const at::Tensor& lse, int64_t B, int64_t H, int64_t Q, const at::Device& device) {
+  check_tensor(lse, "lse", device);
+  check_shape(lse, "lse", {B, H, Q}, {"B", "H", "Q"}, "[B, H, Q] fp32 log-sum-exp of the scaled logits");
+  check_floating(lse, "lse");
+  check_device(lse, "lse", device);
+}
+
+}  // namespace detail
+
+/// Feeds `layer`'s scorer the attention that queries `q` gave the live keys, recomputed from the
+/// log-sum-exp `lse` a fused kernel returned, `p = exp(scale * q . k - lse)`, with the masks of
+/// attend(): a query sees a key when the key is live and not newer (by position); pad columns
+/// (left padding, idle rows) see nothing. The scorer gets what `observe(probs)` of attend()'s
+/// probabilities would give it (equal to fp32 rounding of the probabilities: within 1e-6
+/// relative, or 2^-32 per counted query, the fixed-point unit, for tiny scores).
+///
+/// \param q      [B, H, Q, qk_dim] queries of the newest Q tokens (right-aligned on the newest
+///               append, as attend()), cache dtype and device; 1 <= Q <= seen_tokens(layer).
+/// \param cache  the expanded-layout cache, holding the keys the kernel attended to (call this
+///               after update() and before evict()).
+/// \param lse    [B, H, Q] floating (fp32 from the kernels), cache device: the log-sum-exp of
+///               the scaled, masked logits, `logsumexp_s(scale * q . k_s)`, base per
+///               `opts.base()` (FlashMLA / FlashAttention: natural log; FlashInfer: base 2).
+///               Pad columns may hold anything.
+/// \param scale  logit scale the kernel used; default 1/sqrt(qk_dim) (as attend()).
+/// \param opts   chunking and LSE base; peak extra memory in LseOptions.
+/// \throws c10::Error on a bad layer, shape, dtype or device; with observation checks on (CPU
+///         default), if a logit exceeds its lse by more than 1e-3 (wrong scale or base), or what
+///         observe() throws. The scorer state is unchanged then.
+/// \note Computes only the query columns the scorer counts (LatestAttention: the last one).
+///       Cost: one q . k product per counted query, as attention's first half.
+template <class Policy>
+void observe_lse(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& lse,
+                 c10::optional<double> scale = c10::nullopt, const LseOptions& opts = LseOptions()) {
+  opts.validate();
+  const int64_t Q = detail::check_query(q, "q", cache, layer, cache.options().qk_dim(), "qk_dim");
+  detail::check_lse(lse, cache.batch_size(), cache.num_heads(), Q, cache.device());
+  const auto k = cache.keys(layer);  // [B, H, S, qk_dim]
+  const auto dt = detail::compute_dtype(cache);
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+  at::NoGradGuard no_grad;
+  const auto& policy = cache.policy();
+  detail::observe_lse_chunks(cache, layer, cache.positions(layer), policy.query_positions(layer, Q), lse,
+                             cache.num_heads(), detail::counted_queries(policy.scorer(), Q),
+                             policy.checks_observations(), opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
+                               // Scaled before the product, as attend(): the same logits.
+                               return at::matmul(q.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s),
+                                                 k.narrow(1, h0, hc).to(dt).transpose(-2, -1))
+                                   .to(at::kFloat);
+                             });
+}
+
+/// observe_lse() for the latent layout, with absorbed queries (DeepSeek-V2 paper, Sec. 2.1.2):
+/// logits `scale * (q_absorbed . ckv + q_pe . kpe)`, as attend_absorbed().
+///
+/// \param q_absorbed  [B, H, Q, kv_lora_rank] no-RoPE queries times W_UK, cache dtype/device.
+/// \param q_pe        [B, H, Q, qk_rope_dim] RoPE queries.
+/// \param lse         [B, H, Q] log-sum-exp of the scaled logits (FlashMLA's second output).
+/// \param scale       default 1/sqrt(qk_nope_dim + qk_rope_dim), as attend_absorbed().
+/// \throws c10::Error as observe_lse().
+template <class Policy>
+void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, BasicMlaLatentCache<Policy>& cache,
+                          int64_t layer, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
+                          const LseOptions& opts = LseOptions()) {
+  opts.validate();
+  const auto& o = cache.options();
+  const int64_t Q = detail::check_query(q_absorbed, "q_absorbed", cache, layer, o.kv_lora_rank(), "kv_lora_rank");
+  detail::check_query(q_pe, "q_pe", cache, layer, o.qk_rope_dim(), "qk_rope_dim");
+  KVEVICT_CHECK(q_pe.size(2) == Q, "q_pe must have the Q of q_absorbed (", Q, "), got ", q_pe.size(2));
+  detail::check_lse(lse, cache.batch_size(), cache.num_heads(), Q, cache.device());
+  const auto dt = detail::compute_dtype(cache);
+  const auto ckv = cache.ckv(layer).unsqueeze(1).to(dt).transpose(-2, -1);  // [B, 1, W, S]
+  const auto kpe = cache.kpe(layer).unsqueeze(1).to(dt).transpose(-2, -1);  // [B, 1, R, S]
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
+  at::NoGradGuard no_grad;
+  const auto& policy = cache.policy();
+  detail::observe_lse_chunks(cache, layer, cache.positions(layer), policy.query_positions(layer, Q), lse,
+                             cache.num_heads(), detail::counted_queries(policy.scorer(), Q),
+                             policy.checks_observations(), opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
+                               return at::matmul(q_absorbed.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s), ckv)
+                                   .add(at::matmul(q_pe.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s), kpe))
+                                   .to(at::kFloat);
+                             });
+}
+
+/// Amortised LSE scoring (one ring per cache): keeps the queries and LSEs of the last decode
+/// steps of each layer, up to `evict_every` query columns, and scores them together, with one
+/// batched product over the keys, when the ring is full or a pass is due: the cache is read
+/// once per pass instead of once per step. The buffered queries are observed as one
+/// observation of Q = buffered columns (as a Q-token chunk would be): CumulativeAttention and
+/// MeanObservedAttention end with the same scores as per-step observe() (up to fp32 rounding of
+/// the sum), LatestAttention uses the newest query (as per-step), DecayedAttention decays once
+/// per pass instead of once per step.
+///
+/// Contract: push() right after each update() of the layer; every active row must have
+/// appended the same T tokens in that update (a dense decode step or chunk), since buffered
+/// columns are matched to the newest positions. A ragged update with queries still buffered
+/// throws (flush() before it); with an empty ring, a ragged push is observed at once. Call
+/// flush() before finish(), add_sequence(), reset() or truncate(); evict through evict(), which
+/// flushes first when a pass is due.
+///
+/// Memory: per layer [B, H, evict_every, width] queries in the cache dtype (both query tensors
+/// in the latent layout) and [B, H, evict_every] fp32 LSEs; allocated on a layer's first push.
+///
+/// \tparam Cache MlaCache / BasicMlaCache<P> (push(layer, q, lse)) or MlaLatentCache /
+///         BasicMlaLatentCache<P> (push(layer, q_absorbed, q_pe, lse)).
+template <class Cache>
+class LseRing {
+ public:
+  /// \param cache  the cache scored; must outlive the ring.
+  /// \param scale  logit scale (default: the cache layout's default, as attend()).
+  /// \throws c10::ValueError on bad options.
+  explicit LseRing(Cache& cache, c10::optional<double> scale = c10::nullopt, LseOptions opts = LseOptions())
+      : cache_(&cache), scale_(scale), opts_((opts.validate(), opts)), layers_(cache.num_layers()) {}
+
+  /// Columns the ring holds before it scores them: the cache's evict_every.
+  int64_t capacity() const noexcept { return cache_->policy().eviction().evict_every(); }
+  /// Query columns buffered for `layer`.
+  int64_t pending(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).n; }
+
+  /// Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update.
+  /// \throws c10::Error on bad shapes (as observe_lse) or a ragged update with queries buffered.
+  void push(int64_t layer, const at::Tensor& q, const at::Tensor& lse) { push_impl(layer, {q}, lse); }
+  /// Latent layout: buffers q_absorbed [B, H, T, kv_lora_rank], q_pe [B, H, T, qk_rope_dim], lse.
+  void push(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& lse) {
+    push_impl(layer, {q_absorbed, q_pe}, lse);
+  }
+
+  /// Scores the buffered queries of `layer` now (one observe_lse over them) and empties the ring.
+  void flush(int64_t layer) {
+    auto& R = layers_.at(static_cast<size_t>(layer));
+    if (R.n == 0) return;
+    std::vector<at::Tensor> q;
+    for (const auto& t : R.q) q.push_back(t.narrow(2, 0, R.n));
+    const auto lse = R.lse.narrow(2, 0, R.n);
+    R.n = 0;  // scored or not, these columns are gone: a throw must not replay them
+    observe(layer, q, lse);
+  }
+
+  /// Flushes `layer` if a pass is due, then cache.evict(layer). \return tokens evicted.
+  int64_t evict(int64_t layer) {
+    if (cache_->policy().due(layer)) flush(layer);
+    return cache_->evict(layer);
+  }
+
+ private:
+  struct Ring {
+    std::vector<at::Tensor> q;  // [B, H, cap, width] each
+    at::Tensor lse;             // [B, H, cap] fp32
+    int64_t n = 0;
+  };
+
+  void observe(int64_t layer, const std::vector<at::Tensor>& q, const at::Tensor& lse) {
+    if constexpr (std::is_same_v<Cache, BasicMlaCache<typename Cache::policy_type>>) {
+      observe_lse(q[0], *cache_, layer, lse, scale_, opts_);
+    } else {
+      observe_lse_absorbed(q[0], q[1], *cache_, layer, lse, scale_, opts_);
+    }
+  }
+
+  void push_impl(int64_t layer, std::vector<at::Tensor> q, const at::Tensor& lse) {
+    auto& R = layers_.at(static_cast<size_t>(layer));
+    const auto& policy = cache_->policy();
+    const int64_t T = q[0].size(2);
+    bool dense = true;
+    for (int64_t b = 0; b < cache_->batch_size(); ++b) {
+      if (policy.active(b) && policy.appended(layer, b) != T) dense = false;
+    }
+    if (!dense) {
+      KVEVICT_CHECK(R.n == 0, "LseRing::push: layer ", layer, " has ", R.n,
+                    " query columns buffered but the latest update was ragged (rows appended different counts);"
+                    " flush() before a ragged update");
+      observe(layer, q, lse);  // validates
+      return;
+    }
+    const int64_t cap = std::max(capacity(), R.n + T);
+    if (R.q.empty() || R.q[0].size(2) < cap) {
+      std::vector<at::Tensor> grown;
+      for (const auto& t : q) {
+        auto g = at::empty({t.size(0), t.size(1), cap, t.size(3)}, t.options());
+        if (R.n > 0) g.narrow(2, 0, R.n).copy_(R.q[grown.size()].narrow(2, 0, R.n));
+        grown.push_back(g);
+      }
+      auto lse_g = at::empty({lse.size(0), lse.size(1), cap}, lse.options().dtype(at::kFloat));
+      if (R.n > 0) lse_g.narrow(2, 0, R.n).copy_(R.lse.narrow(2, 0, R.n));
+      R.q = std::move(grown);
+      R.lse = lse_g;
+    }
+    KVEVICT_CHECK(q.size() == R.q.size() && lse.dim() == 3 && lse.size(2) == T, "LseRing::push: lse must be [B, H, T = ",
+                  T, "]");
+    for (size_t i = 0; i < q.size(); ++i) R.q[i].narrow(2, R.n, T).copy_(q[i]);
+    R.lse.narrow(2, R.n, T).copy_(lse);
+    R.n += T;
+    if (R.n >= capacity()) flush(layer);
+  }
+
+  Cache* cache_;
+  c10::optional<double> scale_;
+  LseOptions opts_;
+  std::vector<Ring> layers_;
+};
+
+}  // namespace kvevict

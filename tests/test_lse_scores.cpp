@@ -1,0 +1,497 @@
+// Scores from a fused kernel's LSE (lse_scores.hpp), observation in pieces, one-shot prompt
+// compression and chunked prefill (prefill.hpp), SnapKV, per-layer capacities, fp16 logits.
+//
+// Oracles: probabilities and LSEs are computed here in double precision (softmax and
+// logsumexp of the scaled, masked logits, with the masks written out in loops), never by the
+// code under test. "observe(probs)" below means a twin cache fed those oracle probabilities.
+#include "support.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+using Catch::Matchers::Contains;
+using kvevict::EvictionOptions;
+
+namespace {
+
+constexpr int64_t kB = 2, kH = 4, kQk = 16, kV = 8, kLora = 12, kRope = 4;
+
+/// A user scorer: the largest single observation a token ever got.
+struct MaxObserved {
+  static constexpr const char* kName = "MaxObserved";
+  static constexpr bool kLastQueryOnly = false;
+  static constexpr int64_t kStateWidth = 1;
+  void apply(float* state, float c, float /*observers*/) const noexcept { state[0] = std::max(state[0], c); }
+  float rank(const float* state) const noexcept { return state[0]; }
+  void apply(const at::Tensor& state, const at::Tensor& c, const at::Tensor& /*observers*/) const {
+    state.select(2, 0).copy_(at::maximum(state.select(2, 0), c));
+  }
+  at::Tensor rank(const at::Tensor& state) const { return state.select(2, 0); }
+};
+
+/// Oracle probabilities [B, H, Q, S] (fp32, from double) and LSE [B, H, Q] (fp32) of double
+/// logits [B, H, Q, S]: key s is seen by column q of row b when pos[b][s] >= 0 and pos[b][s] <=
+/// seen[b] - Q + q, and column q is real (q >= Q - counts[b]). Pads: probabilities 0, lse 0.
+struct Oracle {
+  at::Tensor probs, lse;
+};
+
+Oracle oracle(const at::Tensor& logits, const at::Tensor& positions, const std::vector<int64_t>& seen,
+              const std::vector<int64_t>& counts) {
+  const int64_t B = logits.size(0), H = logits.size(1), Q = logits.size(2), S = logits.size(3);
+  const auto lg = logits.to(at::kDouble).contiguous();
+  const auto pos = positions.to(at::kCPU).contiguous();
+  auto probs = at::zeros({B, H, Q, S}, at::kDouble);
+  auto lse = at::zeros({B, H, Q}, at::kDouble);
+  const double* x = lg.data_ptr<double>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  double* pr = probs.data_ptr<double>();
+  double* ls = lse.data_ptr<double>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t q = 0; q < Q; ++q) {
+        if (q < Q - counts[b]) continue;  // pad column
+        const int64_t qpos = seen[b] - Q + q;
+        const double* row = x + ((b * H + h) * Q + q) * S;
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t s = 0; s < S; ++s) {
+          if (p[b * S + s] >= 0 && p[b * S + s] <= qpos) m = std::max(m, row[s]);
+        }
+        double sum = 0;
+        for (int64_t s = 0; s < S; ++s) {
+          if (p[b * S + s] >= 0 && p[b * S + s] <= qpos) sum += std::exp(row[s] - m);
+        }
+        for (int64_t s = 0; s < S; ++s) {
+          if (p[b * S + s] >= 0 && p[b * S + s] <= qpos) pr[((b * H + h) * Q + q) * S + s] = std::exp(row[s] - m) / sum;
+        }
+        ls[(b * H + h) * Q + q] = m + std::log(sum);
+      }
+    }
+  }
+  return {probs.to(at::kFloat), lse.to(at::kFloat)};
+}
+
+/// |got - expected| <= 1e-6 |expected| + abs_floor, element by element, over live slots.
+void check_close(const at::Tensor& got, const at::Tensor& expected, double abs_floor) {
+  REQUIRE(got.sizes() == expected.sizes());
+  const auto g = kvevict_test::to_vec<double>(got.flatten()), e = kvevict_test::to_vec<double>(expected.flatten());
+  int64_t bad = 0;
+  double worst = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double err = std::fabs(g[i] - e[i]), tol = 1e-6 * std::fabs(e[i]) + abs_floor;
+    if (!(err <= tol)) ++bad;
+    worst = std::max(worst, err / (std::fabs(e[i]) + 1e-30));
+  }
+  INFO("worst relative error " << worst << ", abs floor " << abs_floor);
+  CHECK(bad == 0);
+}
+
+template <class Cache>
+std::vector<int64_t> seen_rows(const Cache& c) {
+  std::vector<int64_t> s;
+  for (int64_t b = 0; b < c.batch_size(); ++b) s.push_back(c.seen_tokens(0, b));
+  return s;
+}
+
+template <class Cache>
+void check_same_positions(const Cache& a, const Cache& b) {
+  for (int64_t r = 0; r < a.batch_size(); ++r) {
+    INFO("row " << r);
+    CHECK(kvevict_test::kept_positions(a, 0, r) == kvevict_test::kept_positions(b, 0, r));
+  }
+}
+
+// The script both layouts run: a ragged prefill chunk (Q = 512, left padding: row 1 appends
+// 300), a pass (slot order then differs from position order), dense decode steps (Q = 1) with
+// passes, and a ragged decode step (row 1 idle). Twin caches: `ref` observes the oracle
+// probabilities, `lse` recomputes them from the oracle LSE.
+struct Step {
+  int64_t T;
+  std::vector<int64_t> counts;
+};
+const std::vector<Step> kScript = {{512, {512, 300}}, {1, {1, 1}}, {1, {1, 1}}, {1, {1, 0}}, {1, {1, 1}}};
+
+template <class Scorer>
+using Expanded = kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>>;
+template <class Scorer>
+using Latent = kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>>;
+
+EvictionOptions script_eviction() { return EvictionOptions(40).n_sink(2).n_recent(8); }
+
+template <class Scorer>
+void run_expanded(kvevict::LseBase base) {
+  const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV);
+  Expanded<Scorer> ref(o, script_eviction()), lse(o, script_eviction());
+  at::manual_seed(7);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kQk));
+  int64_t queries = 0;
+  for (const auto& st : kScript) {
+    INFO("step T = " << st.T);
+    const auto k = at::randn({kB, kH, st.T, kQk}), v = at::randn({kB, kH, st.T, kV});
+    const auto q = at::randn({kB, kH, st.T, kQk}).mul(1.5);
+    ref.update(0, k, v, st.counts);
+    lse.update(0, k, v, st.counts);
+    const auto logits = at::matmul(q.to(at::kDouble).mul(scale), ref.keys(0).to(at::kDouble).transpose(-2, -1));
+    const auto orc = oracle(logits, ref.positions(0), seen_rows(ref), st.counts);
+    ref.observe(0, orc.probs);
+    const auto l = base == kvevict::LseBase::kE ? orc.lse : orc.lse.div(std::log(2.0));
+    kvevict::observe_lse(q, lse, 0, l, scale, kvevict::LseOptions().query_chunk(100).head_chunk(3).base(base));
+    queries += st.T;
+    check_close(lse.scores(0), ref.scores(0), static_cast<double>(queries) / 4294967296.0);
+    ref.evict(0);
+    lse.evict(0);
+    check_same_positions(ref, lse);
+  }
+}
+
+template <class Scorer>
+void run_latent() {
+  const auto o = kvevict::MlaLatentCacheOptions(1, kH).batch_size(kB).kv_lora_rank(kLora).qk_rope_dim(kRope);
+  Latent<Scorer> ref(o, script_eviction()), lse(o, script_eviction());
+  at::manual_seed(8);
+  const double scale = 0.2;
+  int64_t queries = 0;
+  for (const auto& st : kScript) {
+    INFO("step T = " << st.T);
+    const auto ckv = at::randn({kB, st.T, kLora}), kpe = at::randn({kB, st.T, kRope});
+    const auto qa = at::randn({kB, kH, st.T, kLora}), qpe = at::randn({kB, kH, st.T, kRope});
+    ref.update(0, ckv, kpe, st.counts);
+    lse.update(0, ckv, kpe, st.counts);
+    const auto logits = at::matmul(qa.to(at::kDouble), ref.ckv(0).to(at::kDouble).unsqueeze(1).transpose(-2, -1))
+                            .add(at::matmul(qpe.to(at::kDouble), ref.kpe(0).to(at::kDouble).unsqueeze(1).transpose(-2, -1)))
+                            .mul(scale);
+    const auto orc = oracle(logits, ref.positions(0), seen_rows(ref), st.counts);
+    ref.observe(0, orc.probs);
+    kvevict::observe_lse_absorbed(qa, qpe, lse, 0, orc.lse, scale, kvevict::LseOptions().query_chunk(64).head_chunk(2));
+    queries += st.T;
+    check_close(lse.scores(0), ref.scores(0), static_cast<double>(queries) / 4294967296.0);
+    ref.evict(0);
+    lse.evict(0);
+    check_same_positions(ref, lse);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("observe_lse gives every scorer what observe(probs) gives it (expanded, ragged, Q = 512 and 1)",
+                   "[lse][cpu]", kvevict::CumulativeAttention, kvevict::MeanObservedAttention,
+                   kvevict::LatestAttention, kvevict::DecayedAttention, kvevict::SnapKV, MaxObserved) {
+  kvevict_test::on_both_paths([] { run_expanded<TestType>(kvevict::LseBase::kE); });
+}
+
+TEMPLATE_TEST_CASE("observe_lse_absorbed gives every scorer what observe(probs) gives it (latent)", "[lse][cpu]",
+                   kvevict::CumulativeAttention, kvevict::MeanObservedAttention, kvevict::LatestAttention,
+                   kvevict::DecayedAttention, kvevict::SnapKV, MaxObserved) {
+  kvevict_test::on_both_paths([] { run_latent<TestType>(); });
+}
+
+TEST_CASE("observe_lse reads a base-2 LSE (FlashInfer) when told", "[lse][cpu]") {
+  run_expanded<kvevict::CumulativeAttention>(kvevict::LseBase::k2);
+}
+
+TEST_CASE("observe_lse rejects an LSE that does not match the logits and changes nothing", "[lse][errors][cpu]") {
+  const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(1).qk_dim(kQk).v_dim(kV);
+  kvevict::MlaCache cache(o, EvictionOptions(8).n_sink(1).n_recent(1));
+  at::manual_seed(3);
+  cache.update(0, at::randn({1, kH, 6, kQk}), at::randn({1, kH, 6, kV}));
+  const auto q = at::randn({1, kH, 6, kQk});
+  const auto before = cache.scores(0);
+  // An LSE far below the logits (e.g. from another scale): probabilities above 1.
+  const auto wrong = at::zeros({1, kH, 6}).sub(5.0);
+  CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, wrong, 1.0), Contains("lse does not match the logits"));
+  CHECK(at::equal(cache.scores(0), before));
+  CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, at::zeros({1, kH, 5}), 1.0), Contains("lse"));
+  CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, wrong, 1.0, kvevict::LseOptions().query_chunk(0)),
+                    Contains("query_chunk must be >= 1"));
+}
+
+TEST_CASE("an observation in pieces is bit-identical to observe() of the whole", "[lse][policy][cpu]") {
+  kvevict_test::on_both_paths([] {
+    const auto opts = kvevict::EvictionPolicyOptions(1, kH).batch_size(kB);
+    kvevict::EvictionPolicy<kvevict::MeanObservedAttention> whole(opts, EvictionOptions(64)),
+        pieces(opts, EvictionOptions(64));
+    const std::vector<int64_t> counts{9, 5};
+    whole.append(0, counts, 9);
+    pieces.append(0, counts, 9);
+    at::manual_seed(11);
+    // Causal probabilities over the 9 slots (row 1 holds 5 tokens; its pads are ignored).
+    const auto pos = whole.positions(0);
+    auto probs = at::softmax(at::randn({kB, kH, 9, 9}), -1);
+    const auto qpos = whole.query_positions(0, 9);
+    const auto seen = pos.ge(0).view({kB, 1, 1, 9}).logical_and(pos.view({kB, 1, 1, 9}).le(qpos.view({kB, 1, 9, 1})));
+    probs = probs.mul(seen);
+    probs = probs.div(probs.sum(-1, true).clamp_min(1e-30));
+    whole.observe(0, probs);
+    pieces.observe_begin(0, 9);
+    for (int64_t q0 : {6, 0, 3}) {
+      for (int64_t h0 : {2, 0}) pieces.observe_add(0, probs.narrow(1, h0, 2).narrow(2, q0, 3), q0, h0);
+    }
+    CHECK(pieces.observing(0));
+    pieces.observe_end(0);
+    CHECK(at::equal(pieces.scores(0), whole.scores(0)));
+
+    // A missing piece is caught, and changes nothing.
+    const auto before = pieces.scores(0);
+    pieces.observe_begin(0, 9);
+    pieces.observe_add(0, probs.narrow(1, 0, 2), 0, 0);
+    CHECK_THROWS_WITH(pieces.observe_end(0), Contains("expected H x counted columns = 36"));
+    CHECK(at::equal(pieces.scores(0), before));
+    CHECK_FALSE(pieces.observing(0));
+    // An append in between discards the open observation.
+    pieces.observe_begin(0, 9);
+    pieces.append(0, std::vector<int64_t>{1, 1}, 1);
+    CHECK_THROWS_WITH(pieces.observe_add(0, probs.narrow(1, 0, 2).narrow(2, 0, 1), 0, 0),
+                      Contains("no observation is open"));
+    CHECK_THROWS_WITH(pieces.observe_begin(0, 0), Contains("Q must be in [1, 10]"));
+  });
+}
+
+TEST_CASE("SnapKV: the last window queries vote, heads are averaged, then 1-D pooling (hand-worked)",
+          "[lse][scorers][cpu]") {
+  // One row, 2 heads, 4 tokens observed by 4 queries (positions 0..3); window 2: only the
+  // queries at positions 2 and 3 count.
+  //   head 0: q2 = [.5 .25 .25 0]   q3 = [.25 .25 .25 .25]
+  //   head 1: q2 = [.75 0 .25 0]    q3 = [.5 0 0 .5]
+  //   votes = mean over heads of the window sum = [1.0, 0.25, 0.375, 0.375]
+  // Kernel 3, zero padding: avg = [1.25/3, 1.625/3, 1/3, 0.75/3]; max = [1, 1, .375, .375].
+  const std::vector<float> flat = {// head 0: q0, q1 (ignored), q2, q3
+                                   1, 0, 0, 0, .5f, .5f, 0, 0, .5f, .25f, .25f, 0, .25f, .25f, .25f, .25f,
+                                   // head 1
+                                   1, 0, 0, 0, 0, 1, 0, 0, .75f, 0, .25f, 0, .5f, 0, 0, .5f};
+  const auto probs = at::tensor(flat).view({1, 2, 4, 4});
+  kvevict_test::on_both_paths([&] {
+    for (auto pooling : {kvevict::SnapKV::Pooling::kAvg, kvevict::SnapKV::Pooling::kMax}) {
+      const kvevict::SnapKV snap(2, 3, pooling);
+      kvevict::EvictionPolicy<kvevict::SnapKV> p(kvevict::EvictionPolicyOptions(1, 2), EvictionOptions(8), snap);
+      p.append(0, std::vector<int64_t>{4}, 4);
+      p.observe(0, probs);
+      const auto votes = kvevict_test::to_vec<float>(p.scores(0)[0]);
+      CHECK(votes == std::vector<float>{1.f, .25f, .375f, .375f});
+      const auto pooled = kvevict_test::to_vec<float>(snap.pool(p.scores(0))[0]);
+      const std::vector<double> expected = pooling == kvevict::SnapKV::Pooling::kAvg
+                                               ? std::vector<double>{1.25 / 3, 1.625 / 3, 1.0 / 3, 0.75 / 3}
+                                               : std::vector<double>{1.0, 1.0, 0.375, 0.375};
+      for (size_t i = 0; i < 4; ++i) CHECK(pooled[i] == Approx(expected[i]).epsilon(1e-6));
+    }
+  });
+  CHECK_THROWS_WITH(kvevict::SnapKV(32, 4), Contains("kernel must be odd"));
+  CHECK_THROWS_WITH(kvevict::SnapKV(0), Contains("window must be >= 1"));
+}
+
+namespace {
+
+/// Double oracle of prompt scores: mean over heads of the causal attention that the counted
+/// queries (all, or the last `window`) give each token; [B, T] double.
+at::Tensor prompt_oracle(const at::Tensor& logits, int64_t window) {
+  const int64_t B = logits.size(0), H = logits.size(1), T = logits.size(2);
+  const auto pos = at::arange(T, at::kLong).unsqueeze(0).expand({B, T});
+  const std::vector<int64_t> seen(static_cast<size_t>(B), T), counts(static_cast<size_t>(B), T);
+  const auto orc = oracle(logits, pos, seen, counts);
+  // Recompute the probabilities in double for the sum (the oracle's fp32 is only for feeding).
+  const auto p = orc.probs.to(at::kDouble);
+  return p.narrow(2, T - window, window).sum({1, 2}).div(static_cast<double>(H));
+}
+
+}  // namespace
+
+TEST_CASE("prompt_scores equals the double-precision oracle, for H2O and SnapKV, both layouts", "[lse][cpu]") {
+  at::manual_seed(21);
+  const int64_t T = 300;
+  const double scale = 0.25;
+  const auto q = at::randn({kB, kH, T, kQk}), k = at::randn({kB, kH, T, kQk});
+  const auto logits = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)).mul(scale);
+  const auto orc = oracle(logits, at::arange(T, at::kLong).unsqueeze(0).expand({kB, T}),
+                          std::vector<int64_t>(kB, T), std::vector<int64_t>(kB, T));
+  const auto opts = kvevict::LseOptions().query_chunk(37).head_chunk(3);
+  kvevict_test::on_both_paths([&] {
+    check_close(kvevict::prompt_scores(q, k, orc.lse, scale, kvevict::CumulativeAttention(), opts),
+                prompt_oracle(logits, T), T / 4294967296.0);
+    const kvevict::SnapKV snap(16, 5);
+    const auto votes = prompt_oracle(logits, 16);
+    const auto pooled = at::constant_pad_nd(votes.unsqueeze(1), {2, 2}, 0.0).unfold(2, 5, 1).mean(-1).squeeze(1);
+    check_close(kvevict::prompt_scores(q, k, orc.lse, scale, snap, opts), pooled, 16 / 4294967296.0);
+  });
+  // Latent: ckv/kpe shared by heads.
+  const auto qa = at::randn({kB, kH, T, kLora}), qpe = at::randn({kB, kH, T, kRope});
+  const auto ckv = at::randn({kB, T, kLora}), kpe = at::randn({kB, T, kRope});
+  const auto lat = at::matmul(qa.to(at::kDouble), ckv.to(at::kDouble).unsqueeze(1).transpose(-2, -1))
+                       .add(at::matmul(qpe.to(at::kDouble), kpe.to(at::kDouble).unsqueeze(1).transpose(-2, -1)))
+                       .mul(scale);
+  const auto lorc = oracle(lat, at::arange(T, at::kLong).unsqueeze(0).expand({kB, T}), std::vector<int64_t>(kB, T),
+                           std::vector<int64_t>(kB, T));
+  check_close(kvevict::prompt_scores_absorbed(qa, qpe, ckv, kpe, lorc.lse, scale, kvevict::CumulativeAttention(), opts),
+              prompt_oracle(lat, T), T / 4294967296.0);
+}
+
+TEST_CASE("compress_prompt keeps the oracle's tokens and their K/V rows bit-exactly", "[lse][cpu]") {
+  at::manual_seed(22);
+  const int64_t T = 200;
+  const auto e = EvictionOptions(30).n_sink(2).n_recent(6);
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV), e);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kQk));
+  const auto q = at::randn({kB, kH, T, kQk}), k = at::randn({kB, kH, T, kQk}), v = at::randn({kB, kH, T, kV});
+  const auto logits = at::matmul(q.to(at::kDouble), k.to(at::kDouble).transpose(-2, -1)).mul(scale);
+  const auto orc = oracle(logits, at::arange(T, at::kLong).unsqueeze(0).expand({kB, T}), std::vector<int64_t>(kB, T),
+                          std::vector<int64_t>(kB, T));
+  const auto keep = kvevict::compress_prompt(cache, 0, q, k, v, orc.lse);
+  const auto expected_scores = prompt_oracle(logits, T);
+  std::vector<int64_t> all(T);
+  for (int64_t t = 0; t < T; ++t) all[t] = t;
+  for (int64_t b = 0; b < kB; ++b) {
+    INFO("row " << b);
+    const auto want = kvevict_test::oracle_keep(all, kvevict_test::to_vec<double>(expected_scores[b]), 2, 30, 6);
+    CHECK(kvevict_test::to_vec<int64_t>(keep[b]) == want);
+    CHECK(cache.size(0, b) == 38);
+    const auto idx = at::tensor(want, at::kLong);
+    CHECK(at::equal(cache.keys(0)[b], k[b].index_select(1, idx)));
+    CHECK(at::equal(cache.values(0)[b], v[b].index_select(1, idx)));
+  }
+  CHECK_THROWS_WITH(kvevict::compress_prompt(cache, 0, q, k, v, orc.lse), Contains("empty layer"));
+}
+
+TEST_CASE("chunked prefill holds at most capacity + chunk tokens and matches attend over the same chunks",
+          "[lse][cpu]") {
+  at::manual_seed(23);
+  const int64_t T = 100, chunk = 16;
+  const auto e = EvictionOptions(20).n_sink(2).n_recent(4);
+  const auto o = kvevict::MlaCacheOptions(1, kH).qk_dim(kQk).v_dim(kV);
+  kvevict::MlaCache a(o, e), b(o, e);
+  const auto q = at::randn({1, kH, T, kQk}), k = at::randn({1, kH, T, kQk}), v = at::randn({1, kH, T, kV});
+  at::Tensor out;
+  kvevict::prefill_chunked(a, 0, q, k, v, chunk, c10::nullopt, &out);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {  // the loop it documents
+    const int64_t n = std::min(chunk, T - t0);
+    b.update(0, k.narrow(2, t0, n), v.narrow(2, t0, n));
+    CHECK(b.size(0) <= 26 + chunk);
+    CHECK(at::equal(kvevict::attend(q.narrow(2, t0, n), b, 0), out.narrow(2, t0, n)));
+    b.evict(0);
+  }
+  CHECK(a.size(0) == 26);
+  CHECK(kvevict_test::kept_positions(a, 0) == kvevict_test::kept_positions(b, 0));
+}
+
+TEST_CASE("LseRing scores buffered decode queries in one product, as per-step observe_lse", "[lse][cpu]") {
+  kvevict_test::on_both_paths([] {
+    at::manual_seed(31);
+    const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV);
+    const auto e = EvictionOptions(24).n_sink(2).n_recent(4).evict_every(4);
+    kvevict::MlaCache step(o, e), ring_cache(o, e);
+    kvevict::LseRing<kvevict::MlaCache> ring(ring_cache);
+    CHECK(ring.capacity() == 4);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(kQk));
+    for (int64_t t = 0; t < 50; ++t) {
+      const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV}), q = at::randn({kB, kH, 1, kQk});
+      step.update(0, k, v);
+      ring_cache.update(0, k, v);
+      const auto logits = at::matmul(q.to(at::kDouble).mul(scale), step.keys(0).to(at::kDouble).transpose(-2, -1));
+      const auto orc = oracle(logits, step.positions(0), seen_rows(step), {1, 1});
+      kvevict::observe_lse(q, step, 0, orc.lse);
+      ring.push(0, q, orc.lse);
+      CHECK(ring.pending(0) < 4);
+      if (ring.pending(0) == 0) check_close(ring_cache.scores(0), step.scores(0), 50 / 4294967296.0);
+      step.evict(0);
+      ring.evict(0);
+      check_same_positions(step, ring_cache);
+    }
+    // A ragged update with queries buffered is refused.
+    ring.flush(0);
+    CHECK(ring.pending(0) == 0);
+    const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV});
+    ring_cache.update(0, k, v);
+    ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0));
+    ring_cache.update(0, k, v, std::vector<int64_t>{1, 0});
+    CHECK_THROWS_WITH(ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)),
+                      Contains("flush() before a ragged update"));
+  });
+}
+
+TEST_CASE("per-layer capacities: a pyramid keeps each layer's own budget, a bad layer is named", "[lse][options][cpu]") {
+  const std::vector<int64_t> budgets{12, 8, 4, 1};
+  const auto e = EvictionOptions(64).n_sink(2).n_recent(3);
+  kvevict_test::on_both_paths([&] {
+    kvevict::MlaCache cache(kvevict::MlaCacheOptions(4, 2).qk_dim(4).v_dim(2).layer_budgets(budgets), e);
+    at::manual_seed(41);
+    const auto scores = at::rand({1, 40});
+    for (int64_t l = 0; l < 4; ++l) {
+      INFO("layer " << l);
+      CHECK(cache.capacity(l) == 2 + budgets[l] + 3);
+      cache.update(l, at::zeros({1, 2, 40, 4}), at::zeros({1, 2, 40, 2}));
+      cache.add_scores(l, scores);
+      cache.evict(l);
+      CHECK(cache.size(l) == 5 + budgets[l]);
+      std::vector<int64_t> all(40);
+      for (int64_t t = 0; t < 40; ++t) all[t] = t;
+      CHECK(kvevict_test::kept_positions(cache, l) ==
+            kvevict_test::oracle_keep(all, kvevict_test::to_vec<double>(scores[0]), 2, budgets[l], 3));
+    }
+  });
+  // Layer 2 ends below capacity 1 (no sinks, no recent window, budget 0): named.
+  const auto none = EvictionOptions(4).n_sink(0).n_recent(0);
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(3, 2).layer_budgets({4, 2, 0}), none),
+                    Contains("layer 2: capacity") && Contains("layer_budgets[2]=0"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(3, 2).layer_budgets({4, -1, 2}), e),
+                    Contains("layer_budgets[1] must be in [0, 2^40], got -1"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(3, 2).layer_budgets({4, 2}), e),
+                    Contains("one entry per layer (num_layers = 3), got 2"));
+}
+
+namespace {
+
+/// fp16 queries and keys whose unscaled logits reach 3 x 65,504 while the scaled ones stay near
+/// 2,000 (scale 1/96): one key per query gets all the attention.
+void fp16_big_logits(const at::Device& device) {
+  const int64_t D = 192;
+  const double scale = 1.0 / 96.0;
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 1).qk_dim(D).v_dim(4).dtype(at::kHalf).device(device),
+                          EvictionOptions(16));
+  // Key t is 32 * e_t (fp16-exact); the query of token 3 is 32 * (e_0 + 3 e_3) * ... scaled so
+  // that q . k_3 = 196,608 > 65,504 (unscaled), q . k_3 * scale = 2,048.
+  auto k = at::zeros({1, 1, 4, D});
+  for (int64_t t = 0; t < 4; ++t) k[0][0][t][t] = 32.0;
+  auto q = at::zeros({1, 1, 1, D});
+  q[0][0][0][3] = 6144.0;  // 6144 * 32 = 196,608
+  q[0][0][0][0] = 3072.0;  // 98,304 for key 0
+  const auto v = at::arange(16, at::kFloat).view({1, 1, 4, 4});
+  cache.update(0, k.to(at::kHalf).to(device), v.to(at::kHalf).to(device));
+  at::Tensor probs;
+  const auto out = kvevict::attend(q.to(at::kHalf).to(device), cache, 0, scale, &probs);
+  REQUIRE(at::isfinite(out.to(at::kFloat)).all().item<bool>());
+  REQUIRE(at::isfinite(probs).all().item<bool>());
+  // Double oracle: logits 2048 and 1024 (others 0): key 3 takes everything; out = v[3].
+  CHECK(probs.to(at::kCPU)[0][0][0][3].item<float>() == 1.0f);
+  CHECK(at::equal(out.to(at::kCPU).to(at::kFloat), v[0][0][3].view({1, 1, 1, 4})));
+  // And from the LSE a fused kernel would return (2048 for the scaled logits).
+  kvevict::MlaCache twin(kvevict::MlaCacheOptions(1, 1).qk_dim(D).v_dim(4).dtype(at::kHalf).device(device),
+                         EvictionOptions(16));
+  twin.update(0, k.to(at::kHalf).to(device), v.to(at::kHalf).to(device));
+  kvevict::observe_lse(q.to(at::kHalf).to(device), twin, 0, at::full({1, 1, 1}, 2048.0, at::kFloat).to(device), scale);
+  CHECK(at::equal(twin.scores(0).to(at::kCPU), cache.scores(0).to(at::kCPU)));
+}
+
+}  // namespace
+
+TEST_CASE("fp16 logits above 65,504 unscaled stay finite: q is scaled before the product (CPU)",
+          "[lse][attention][cpu]") {
+  // On CPU fp16 is computed in fp32 (no CPU fp16 matmul in LibTorch 1.13), so this half checks the
+  // values; the order that matters for overflow is checked in fp16 here, on the inputs attend()
+  // builds: the scaled query times a key is representable, the unscaled product is not.
+  const auto q = at::full({1, 192}, 6144.0 / 192.0, at::kHalf), k = at::full({192, 1}, 32.0, at::kHalf);
+  const double scale = 1.0 / 64.0;
+  const auto unscaled = at::matmul(q.to(at::kFloat), k.to(at::kFloat)).to(at::kHalf);  // 196,608 -> inf in fp16
+  const auto scaled = at::matmul(q.to(at::kFloat).mul(scale).to(at::kHalf).to(at::kFloat), k.to(at::kFloat)).to(at::kHalf);
+  CHECK(std::isinf(unscaled.item<float>()));
+  CHECK(scaled.item<float>() == 3072.0f);
+  kvevict_test::on_both_paths([] { fp16_big_logits(at::kCPU); });
+}
+
+TEST_CASE("fp16 logits above 65,504 unscaled stay finite on CUDA (fp16 matmul)", "[lse][attention][cuda]") {
+  KVEVICT_REQUIRE_CUDA_OR_RETURN();
+  fp16_big_logits(at::Device(at::kCUDA));
+}
