@@ -37,10 +37,12 @@ enum class LseBase { kE, k2 };
 
 /// How observe_lse() and friends chunk their work and read the LSE.
 ///
-/// Peak extra memory of one call: about 4 x B x head_chunk x query_chunk x S bytes (one fp32
-/// buffer of probabilities, computed in place from the logits) plus B x query_chunk x S bytes
-/// (the mask) plus the matmul's own temporaries, where S is the number of keys; the tensor
-/// path adds [B, S] fp64 sums. Defaults: 8 heads x 64 queries = 2 MiB per 1,000 keys and row.
+/// Peak extra memory of one call, S keys: up to three fp32 buffers of B x head_chunk x
+/// query_chunk x S (the logits, turned into probabilities in place; on CPU the LSE check's
+/// masked copy; the zero padding of prompt_scores()) plus two bool masks of B x query_chunk x S,
+/// i.e. about 12 x B x head_chunk x query_chunk x S bytes; the tensor path adds [B, S] fp64
+/// sums. Defaults (8 heads x 64 queries): about 6 MiB per 1,000 keys and row; measured 49.6 MiB
+/// for a 8,192-token prompt (kvevict_lse_bench --mode prompt --heads 8 --tokens 8192).
 ///
 /// Example:
 /// \code
