@@ -14,7 +14,7 @@
 //                 (its observe included): the attention decode step the bookkeeping serves
 //   u+o+e graph   (CUDA only) one replay of a CUDA graph of update + observe + evict, captured
 //                 on a second cache with observation checks off: the step without launch overhead
-//   naive         the same bookkeeping done by gathering (seed_reference.py's maybe_evict, in
+//   naive         the same bookkeeping done by gathering (as bench/gather_baseline.py, in
 //                 LibTorch): cat the new token onto every buffer and a 0 onto the scores, add
 //                 the head-mean probabilities, top-k the middle, gather the kept rows into new
 //                 tensors
@@ -259,7 +259,7 @@ struct Latent {
 // ---------------------------------------------------------------------------------------------
 // The naive baseline
 
-/// The seeds' eviction (seed_reference.py, maybe_evict) in LibTorch: buffers in position order,
+/// The gather-per-step eviction (bench/gather_baseline.py) in LibTorch: buffers in position order,
 /// a new tensor per buffer per step.
 class NaiveCache {
  public:

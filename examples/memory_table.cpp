@@ -1,5 +1,5 @@
-// memory_table: the seed's memory table, from kvevict's memory model, for both cache layouts.
-// Bytes per token (61 layers, fp16) of the expanded layout at the seed's 64 heads and at
+// memory_table: bytes per token and cache sizes, from kvevict's memory model, for both layouts.
+// Bytes per token (61 layers, fp16) of the expanded layout at 64 heads and at
 // DeepSeek-V3's 128 heads (192 + 128 dims per head), and of the latent layout (ckv 512 + kpe
 // 64, shared by the heads); then a full vs capped cache for one sequence at 8K .. 1M tokens in
 // each, so the table shows what eviction buys on top of the latent layout.
@@ -27,7 +27,7 @@ constexpr int kExitUsage = 2;
 constexpr const char* kUsage = R"(Usage: memory_table [--budget N] [--n-sink S] [--n-recent R]
 
 Prints the KV-cache bytes per token of DeepSeek-V3 (61 layers, fp16) in the expanded layout
-(per-head keys 192 + values 128) at the seed's 64 heads and at the model's 128 heads, and in
+(per-head keys 192 + values 128) at 64 heads and at the model's 128 heads, and in
 the latent layout (ckv 512 + kpe 64, shared by the heads), then a full vs capped cache for
 one sequence at 8K .. 1M tokens in each layout, capped at capacity = n_sink + budget + n_recent
 tokens.
@@ -69,9 +69,9 @@ std::string tokens_label(int64_t n) {
 
 int main(int argc, char** argv) {
   auto eviction = kvevict::EvictionOptions(/*budget=*/4592).n_sink(4).n_recent(16);
-  // DeepSeek-V3 dims, 2 bytes per element (fp16); the seed's table assumed 64 heads.
-  kvevict::MlaMemoryConfig seed, v3;
-  seed.num_heads = 64;
+  // DeepSeek-V3 dims, 2 bytes per element (fp16), at 64 heads and at the model's 128.
+  kvevict::MlaMemoryConfig heads64, v3;
+  heads64.num_heads = 64;
   try {
     // Counts >= 0 here; eviction.validate() below holds each to the library's bound, 2^40.
     const auto count = [](const std::string& flag, const std::string& value) {
@@ -116,8 +116,8 @@ int main(int argc, char** argv) {
   };
   const std::vector<Column> columns{
       {"expanded, 64 heads",
-       fmt::format("expanded, {} heads x ({} + {}) dims (the seed's table)", seed.num_heads, seed.qk_dim, seed.v_dim),
-       seed, kvevict::Layout::kExpanded},
+       fmt::format("expanded, {} heads x ({} + {}) dims", heads64.num_heads, heads64.qk_dim, heads64.v_dim),
+       heads64, kvevict::Layout::kExpanded},
       {"expanded, 128 heads",
        fmt::format("expanded, {} heads x ({} + {}) dims (DeepSeek-V3)", v3.num_heads, v3.qk_dim, v3.v_dim), v3,
        kvevict::Layout::kExpanded},

@@ -1,4 +1,4 @@
-// The seed's smoke test: a 20-token cache (1 row, 4 heads, DeepSeek-V3 dims), random scores,
+// The smoke test: a 20-token cache (1 row, 4 heads, DeepSeek-V3 dims), random scores,
 // budget 8, n_sink 2, n_recent 2: one eviction pass must keep 2 + 8 + 2 = 12 tokens.
 #include <kvevict/kvevict.hpp>
 

@@ -1,6 +1,6 @@
-// validate_eviction: the seed's 1000-step validation of the eviction contract (docs/DESIGN.md),
+// validate_eviction: the 1000-step validation of the eviction contract (docs/DESIGN.md),
 // driven either by a real DeepSeek-V3 MLA attention forward (--scores attention, the default)
-// or by the seed's mock (--scores random: random cached rows, softmax(randn) as the attention),
+// or by a mock (--scores random: random cached rows, softmax(randn) as the attention),
 // in either cache layout: --layout expanded (kvevict::MlaCache, per-head K/V decompressed by
 // kv_b_proj, the default) or --layout latent (kvevict::MlaLatentCache, ckv + kpe cached, the
 // attention absorbed: W_UK folded into the query, W_UV applied to the latent output).
@@ -73,7 +73,7 @@ Options (default in brackets):
   --dtype T          cache dtype: fp32, fp16 or bf16 [fp32]
   --device D         an at::Device: cpu, cpu:0, cuda or cuda:N [cpu]
   --scores S         attention: a random-init DeepSeek-V3 MLA attention forward per layer and
-                     step feeds its probabilities; random: the seed's mock, random cached rows
+                     step feeds its probabilities; random: a mock, random cached rows
                      and softmax(randn [B, H, 1, S]) [attention]
   --layout L         expanded: per-head keys [B, H, S, 192] and values [B, H, S, 128]
                      (MlaCache, kvevict::attend); latent: ckv [B, S, 512] + kpe [B, S, 64]
@@ -444,7 +444,7 @@ int run(const Args& a) {
                dims.hidden, dims.q_lora_rank, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head,
                Layout::kAttention);
   } else {
-    fmt::print("scores: random (the seed's mock: {}, softmax(randn [B, H, 1, S]) observed)\n", Layout::kRandomRows);
+    fmt::print("scores: random (a mock: {}, softmax(randn [B, H, 1, S]) observed)\n", Layout::kRandomRows);
   }
 
   Check warmup{"linear warm-up growth"};

@@ -1,8 +1,10 @@
-// The field cases of shared/cases/eviction_cases.md, one TEST_CASE each, with the file's
-// hand-worked answers. Each case body takes the device; CPU tests run it on the default host
-// path and on the tensor-op path (ForceTensorPath), the [cuda] test runs it on the GPU.
-// Case 1c (capacity 0 rejected, naming the three values) is in test_options.cpp
-// ("EvictionOptions rejects bad values naming them").
+// Field cases: faults that other KV-eviction implementations shipped (degenerate sizes, ties,
+// scores summed over the batch, folded heads, K/V widths, positions, RoPE dims, the newest
+// token, the window size, devices, prefill compression, non-finite scores), each as a small
+// input with its hand-worked answer. The functions keep the cases' numbers (case_4b, ...). Each
+// case body takes the device; CPU tests run it on the default host path and on the tensor-op
+// path (ForceTensorPath), the [cuda] tests on the GPU. Capacity 0 rejected, naming the three
+// values, is in test_options.cpp ("EvictionOptions rejects bad values naming them").
 #include "support.hpp"
 
 #include <kvevict/kvevict.hpp>
@@ -599,29 +601,29 @@ void case_12_dead_slots(at::Device device) {
 
 // ---- CPU: every case on the default host path and on the tensor-op path -------------------
 
-TEST_CASE("Case 1a: below capacity nothing is evicted and K/V stay bit-identical", "[cases][cpu]") {
+TEST_CASE("below capacity nothing is evicted and K/V stay bit-identical", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_1a(at::kCPU); });
 }
 
-TEST_CASE("Case 1b: n_recent 0 keeps no tail (no '-0:' slice)", "[cases][cpu]") {
+TEST_CASE("n_recent 0 keeps no tail (no '-0:' slice)", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_1b(at::kCPU); });
 }
 
 // Case 1c: see test_options.cpp, "EvictionOptions rejects bad values naming them".
 
-TEST_CASE("Case 2a: all scores equal degrade to sinks + the newest tokens", "[cases][cpu]") {
+TEST_CASE("all scores equal degrade to sinks + the newest tokens", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_2a(at::kCPU); });
 }
 
-TEST_CASE("Case 2b: ties resolve to the newer position, identically over 100 runs", "[cases][cpu]") {
+TEST_CASE("ties resolve to the newer position, identically over 100 runs", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_2b(at::kCPU); });
 }
 
-TEST_CASE("Case 3: batch rows choose their own tokens", "[cases][cpu]") {
+TEST_CASE("batch rows choose their own tokens", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_3(at::kCPU); });
 }
 
-TEST_CASE("Case 4a: attention with fewer heads than the cache is rejected, nothing changes",
+TEST_CASE("attention with fewer heads than the cache is rejected, nothing changes",
           "[cases][errors][cpu]") {
   kvevict_test::on_both_paths([] {
     at::manual_seed(1041);
@@ -644,15 +646,15 @@ TEST_CASE("Case 4a: attention with fewer heads than the cache is rejected, nothi
   });
 }
 
-TEST_CASE("Case 4b: all H heads count, and all heads keep the same tokens", "[cases][cpu]") {
+TEST_CASE("all H heads count, and all heads keep the same tokens", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_4b(at::kCPU); });
 }
 
-TEST_CASE("Case 5: keys 192 wide and values 128 wide move together, fp32/fp16/bf16", "[cases][cpu]") {
+TEST_CASE("keys 192 wide and values 128 wide move together, fp32/fp16/bf16", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_5(at::kCPU); });
 }
 
-TEST_CASE("Case 5: K and V that disagree on B, H, S or width are rejected, nothing changes",
+TEST_CASE("K and V that disagree on B, H, S or width are rejected, nothing changes",
           "[cases][errors][cpu]") {
   kvevict_test::on_both_paths([] {
     auto c = make_cache(EvictionOptions(1).n_sink(1).n_recent(1), 1, 2, at::kCPU, at::kFloat, true, 192, 128);
@@ -680,57 +682,57 @@ TEST_CASE("Case 5: K and V that disagree on B, H, S or width are rejected, nothi
   });
 }
 
-TEST_CASE("Case 6: kept positions in ascending order, each slot reporting its original position",
+TEST_CASE("kept positions in ascending order, each slot reporting its original position",
           "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_6(at::kCPU); });
 }
 
-TEST_CASE("Case 7: MLA RoPE dims travel untouched, fp32 and bf16", "[cases][cpu]") {
+TEST_CASE("MLA RoPE dims travel untouched, fp32 and bf16", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_7(at::kCPU); });
 }
 
-TEST_CASE("Case 8a: a new zero-score token competes on score when n_recent is 0", "[cases][cpu]") {
+TEST_CASE("a new zero-score token competes on score when n_recent is 0", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_8a(at::kCPU); });
 }
 
-TEST_CASE("Case 8b: the newest token is protected by the window, not by its score", "[cases][cpu]") {
+TEST_CASE("the newest token is protected by the window, not by its score", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_8b(at::kCPU); });
 }
 
-TEST_CASE("Case 8c: the newest position is kept on every step", "[cases][cpu]") {
+TEST_CASE("the newest position is kept on every step", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_8c(at::kCPU); });
 }
 
-TEST_CASE("Case 9: the window counts exactly n_recent tokens, newest included", "[cases][cpu]") {
+TEST_CASE("the window counts exactly n_recent tokens, newest included", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_9(at::kCPU); });
 }
 
-TEST_CASE("Case 11a: prefill compression keeps scattered positions and decode attends to them",
+TEST_CASE("prefill compression keeps scattered positions and decode attends to them",
           "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_11a(at::kCPU); });
 }
 
-TEST_CASE("Case 11b: attention over fewer tokens than the layer holds is a length error",
+TEST_CASE("attention over fewer tokens than the layer holds is a length error",
           "[cases][errors][cpu]") {
   kvevict_test::on_both_paths([] { case_11b(at::kCPU); });
 }
 
-TEST_CASE("Case 12: non-finite observations are rejected by default, nothing changes",
+TEST_CASE("non-finite observations are rejected by default, nothing changes",
           "[cases][errors][cpu]") {
   kvevict_test::on_both_paths([] { case_12_checked(at::kCPU); });
 }
 
-TEST_CASE("Case 12: with finiteness checks off, non-finite scores rank lowest", "[cases][cpu]") {
+TEST_CASE("with finiteness checks off, non-finite scores rank lowest", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_12_unchecked(at::kCPU); });
 }
 
-TEST_CASE("Case 12: slots that hold no token never enter selection or attention", "[cases][cpu]") {
+TEST_CASE("slots that hold no token never enter selection or attention", "[cases][cpu]") {
   kvevict_test::on_both_paths([] { case_12_dead_slots(at::kCPU); });
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------
 
-TEST_CASE("Case 2b on CUDA: the same kept tokens as on CPU, over 100 runs", "[cases][cuda]") {
+TEST_CASE("Ties on CUDA: the same kept tokens as on CPU, over 100 runs", "[cases][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   at::manual_seed(1031);
   const auto cpu = run_2b(at::kCPU);
@@ -742,7 +744,7 @@ TEST_CASE("Case 2b on CUDA: the same kept tokens as on CPU, over 100 runs", "[ca
   }
 }
 
-TEST_CASE("Case 10: K on CUDA with V, attention or scores on CPU is rejected naming both devices",
+TEST_CASE("K on CUDA with V, attention or scores on CPU is rejected naming both devices",
           "[cases][cuda][errors]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   const at::Device cuda(at::kCUDA, 0);
@@ -771,7 +773,7 @@ TEST_CASE("Case 10: K on CUDA with V, attention or scores on CPU is rejected nam
   CHECK(host.seen_tokens(0) == 0);
 }
 
-TEST_CASE("Case 10: all on one device, every output and index tensor is on that device", "[cases][cuda]") {
+TEST_CASE("all on one device, every output and index tensor is on that device", "[cases][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   const at::Device cuda(at::kCUDA, 0);
   at::manual_seed(1101);

@@ -9,7 +9,7 @@ using kvevict::MlaMemoryConfig;
 
 namespace {
 
-/// The seed documents' table: DeepSeek-V3 dims with 64 heads, fp16/bf16.
+/// The 64-head table: DeepSeek-V3 dims with 64 heads, fp16/bf16.
 MlaMemoryConfig seed_config() {
   MlaMemoryConfig c;
   c.num_heads = 64;

@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -237,5 +238,30 @@ TEST_CASE("reserve pre-sizes the buffers: appends that fit never move them", "[s
     cache.reset();
     CHECK(cache.slots(0) == 64);
     CHECK_THROWS_WITH(cache.reserve(0), Contains("reserve: slots must be in [1, 2^40], got 0"));
+  });
+}
+
+TEST_CASE("truncate moves rows when a rolled-back token sits below the tail", "[sequences][cpu]") {
+  on_both_paths([] {
+    MlaCache cache(options(2, 2), EvictionOptions(2).n_sink(1).n_recent(2));  // capacity 5
+    cache.update(0, key_rows(2, 2, 7, 1, 0, kQk), key_rows(2, 2, 7, 1, 0, kV));
+    cache.add_scores(0, at::tensor({0.f, 5.f, 1.f, 0.5f, 4.f, 0.f, 0.f}).expand({2, 7}).contiguous());
+    REQUIRE(cache.evict(0) == 2 * 2);  // keeps 0, 1, 4, 5, 6: slots 2, 3 take the tail rows 5, 6
+    const auto pos = to_vec<int64_t>(cache.positions(0)[0]);
+    const auto slot_of_6 = std::find(pos.begin(), pos.end(), 6) - pos.begin();
+    REQUIRE(slot_of_6 < 4);  // position 6 no longer sits in the last slot
+    cache.truncate(0, 1);
+    CHECK(kept_positions(cache, 0, 0) == std::vector<int64_t>{0, 1, 4, 5});
+    CHECK(kept_positions(cache, 0, 1) == std::vector<int64_t>{0, 1, 4, 5, 6});
+    // Every live slot still holds its own position's rows: key = 100 + position.
+    const auto keys = cache.keys(0).cpu();
+    for (int64_t b = 0; b < 2; ++b) {
+      const auto p = to_vec<int64_t>(cache.positions(0)[b]);
+      for (int64_t s = 0; s < cache.size(0, b); ++s) {
+        INFO("row " << b << ", slot " << s);
+        CHECK(keys[b][1][s][0].item<float>() == 100.f + static_cast<float>(p[s]));
+      }
+    }
+    CHECK(cache.seen_tokens(0, 0) == 6);
   });
 }

@@ -1,4 +1,4 @@
-// The decode steady state (docs/DESIGN.md, "Performance principles"; issue 4): update + observe +
+// The decode steady state (docs/DESIGN.md, "Performance principles"): update + observe +
 // evict allocate nothing on CPU, a CUDA graph of the step replays like eager, and a long run
 // holds the cache's memory flat.
 #include "support.hpp"

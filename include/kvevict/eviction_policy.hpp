@@ -201,6 +201,7 @@ class EvictionPolicy {
       for (size_t l = 0; l < layers_.size(); ++l) {
         auto& L = layers_[l];
         L.len.assign(B, 0);
+        L.appends.assign(B, 0);
         L.seen.assign(B, 0);
         L.last_new.assign(B, 0);
         allocate(L, base_slots(static_cast<int64_t>(l)));
@@ -287,6 +288,7 @@ class EvictionPolicy {
     for (size_t l = 0; l < fresh.size(); ++l) {
       auto& L = fresh[l];
       L.len.assign(batch_size(), 0);
+      L.appends.assign(batch_size(), 0);
       L.seen.assign(batch_size(), 0);
       L.last_new.assign(batch_size(), 0);
       allocate(L, base_slots(static_cast<int64_t>(l)));
@@ -606,11 +608,15 @@ class EvictionPolicy {
   /// lazy_reduction: true while `layer` holds observations that flush() has yet to apply.
   bool pending(int64_t layer) const { return at(layer).pending_terms > 0; }
 
-  /// Whether a pass on `layer` would run now: a row holds more than capacity() tokens and at
-  /// least evict_every appends happened since the last pass (or construction).
+  /// Whether a pass on `layer` would run now: some row holds more than capacity(layer) tokens
+  /// and appended tokens in at least evict_every appends since its last pass (or since it
+  /// started). Per row, so a sequence evicts when it would alone, whatever the other rows do.
   bool due(int64_t layer) const {
     const auto& L = at(layer);
-    return L.appends_since_pass >= eviction_.evict_every() && max_of(L.len) > capacity(layer);
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      if (row_due(L, b, capacity(layer))) return true;
+    }
+    return false;
   }
 
   /// Runs a pass on `layer` if due(): each row over capacity drops its lowest-ranked heavy-hitter
@@ -680,6 +686,7 @@ class EvictionPolicy {
     std::vector<int64_t> new_len;  // [B]
     std::vector<int64_t> moves;    // [B] real moves per row (host-built passes)
     int64_t columns = 0;           // move columns per row
+    int64_t slot_bound = 0;        // every move's slots are below this (the longest row before)
     std::vector<int64_t> src, dst; // host path: [B, columns]
     at::Tensor src_t, dst_t;       // tensor path: [B, columns] on the device
   };
@@ -691,7 +698,7 @@ class EvictionPolicy {
     flush_layer(L, layer);
     Pass pass = empty_pass(L);
     for (int64_t b = 0; b < batch_size(); ++b) {
-      pass.n[b] = std::max<int64_t>(L.len[b] - capacity(layer), 0);
+      pass.n[b] = row_due(L, b, capacity(layer)) ? L.len[b] - capacity(layer) : 0;
       pass.new_len[b] = L.len[b] - pass.n[b];
     }
     if (host_) {
@@ -708,19 +715,37 @@ class EvictionPolicy {
     auto& L = at(layer);
     commit_state(L, pass);
     int64_t evicted = 0;
-    for (const auto n : pass.n) evicted += n;
-    L.appends_since_pass = 0;
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      evicted += pass.n[b];
+      if (pass.n[b] > 0) L.appends[b] = 0;
+    }
     if (evicted > 0) L.events += 1;
     L.evicted += evicted;
   }
 
   /// The moves of a planned pass as tensors on the policy's device.
-  SlotMoves to_moves(const Pass& pass) const {
+  SlotMoves to_moves(Pass& pass) const {
     if (pass.columns == 0) return {};
-    if (!host_) return {pass.src_t, pass.dst_t};
+    SlotMoves m;
+    m.slot_bound = pass.slot_bound;
+    if (!host_) {
+      device_moves(pass);
+      m.src = pass.src_t;
+      m.dst = pass.dst_t;
+      return m;
+    }
     const auto opts = at::TensorOptions().dtype(at::kLong);
-    return {at::tensor(pass.src, opts).view({batch_size(), pass.columns}),
-            at::tensor(pass.dst, opts).view({batch_size(), pass.columns})};
+    m.src = at::tensor(pass.src, opts).view({batch_size(), pass.columns});
+    m.dst = at::tensor(pass.dst, opts).view({batch_size(), pass.columns});
+    return m;
+  }
+
+  /// Tensor path: the device tensors of a pass built on the host (truncate()).
+  void device_moves(Pass& pass) const {
+    if (pass.src_t.defined() || pass.columns == 0) return;
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    pass.src_t = at::tensor(pass.src, opts).view({batch_size(), pass.columns}).to(device_);
+    pass.dst_t = at::tensor(pass.dst, opts).view({batch_size(), pass.columns}).to(device_);
   }
 
   /// Host path only: the moves of a planned pass as [B, columns] host arrays.
@@ -772,7 +797,8 @@ class EvictionPolicy {
     at::Tensor state;        // [B, slots, W] fp32 scorer state
     at::Tensor seen_device;  // [B] int64 seen tokens (tensor path: positions come from it)
     std::vector<int64_t> len, seen, last_new;  // [B] host
-    int64_t last_T = 0, appends_since_pass = 0, events = 0, evicted = 0;
+    std::vector<int64_t> appends;  // [B] appends with tokens since the row's last pass
+    int64_t last_T = 0, events = 0, evicted = 0;
     int64_t open_q = 0, open_cells = 0;  // an observation in pieces: its Q (0: none), cells added
     at::Tensor open_sum, open_bad;       // tensor path: [B, S] fp64 sums, [] bool "a check failed"
     // lazy_reduction: [B, slots, 2] fp64 this process's fixed-point sums and observer counts
@@ -872,6 +898,12 @@ class EvictionPolicy {
     return layers_[layer];
   }
   const Layer& at(int64_t layer) const { return const_cast<EvictionPolicy*>(this)->at(layer); }
+  /// Whether row b of a layer is over `capacity` and has appended in evict_every appends since
+  /// its last pass.
+  bool row_due(const Layer& L, int64_t b, int64_t capacity) const {
+    return L.len[b] > capacity && L.appends[b] >= eviction_.evict_every();
+  }
+
   /// The first real column of Q query columns in row b (right-aligned: column q is position
   /// seen - Q + q). A row that appended fewer tokens than the newest chunk's T has pads before
   /// its tokens; a row that appended the whole chunk treats every column at a position >= 0 as
@@ -915,7 +947,7 @@ class EvictionPolicy {
         L.seen_device.select(0, row).zero_();
         if (L.pending.defined()) L.pending.select(0, row).zero_();
       }
-      L.len[row] = L.seen[row] = L.last_new[row] = 0;
+      L.len[row] = L.seen[row] = L.last_new[row] = L.appends[row] = 0;
       L.open_q = 0;
     }
   }
@@ -939,9 +971,9 @@ class EvictionPolicy {
       L.len[b] += counts[b];
       L.seen[b] += counts[b];
       L.last_new[b] = counts[b];
+      L.appends[b] += counts[b] > 0 ? 1 : 0;
     }
     L.last_T = T;
-    L.appends_since_pass += 1;
     L.open_q = 0;
   }
 
@@ -1373,6 +1405,7 @@ class EvictionPolicy {
 
   Pass empty_pass(const Layer& L) const {
     Pass p;
+    p.slot_bound = max_of(L.len);
     p.n.assign(batch_size(), 0);
     p.moves.assign(batch_size(), 0);
     p.new_len = L.len;
@@ -1513,11 +1546,7 @@ class EvictionPolicy {
       return;
     }
     if (pass.columns > 0) {
-      if (!pass.src_t.defined()) {  // a host-built pass (truncate) on the tensor path
-        const auto opts = at::TensorOptions().dtype(at::kLong);
-        pass.src_t = at::tensor(pass.src, opts).view({B, pass.columns}).to(device_);
-        pass.dst_t = at::tensor(pass.dst, opts).view({B, pass.columns}).to(device_);
-      }
+      device_moves(pass);  // a host-built pass (truncate) on the tensor path
       const SlotMoves m{pass.src_t, pass.dst_t};
       const auto rows = detail::move_rows(m);  // everything that allocates comes before any write
       auto gp = detail::gather_moves(m, L.position, 1, rows);

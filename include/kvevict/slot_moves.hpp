@@ -21,6 +21,9 @@ namespace kvevict {
 struct SlotMoves {
   at::Tensor src;  // [B, n] int64 source slots, on the policy's device
   at::Tensor dst;  // [B, n] int64 destination slots, distinct per row but for repeats
+  /// Every slot named is below this (the policy sets it from its host state, so checking a
+  /// buffer against it needs no device read); 0: unknown, apply_moves() then reads the largest.
+  int64_t slot_bound = 0;
   /// Columns per row (n); 0 when nothing moves.
   int64_t size() const { return src.defined() ? src.size(1) : 0; }
   bool empty() const { return size() == 0; }
@@ -103,12 +106,15 @@ inline void scatter_moves(const SlotMoves& moves, const at::Tensor& buffer, int6
 /// \param token_dim  the dimension that indexes slots, in [1, buffer.dim()).
 /// \throws c10::Error if the buffer's batch, device or token_dim do not fit; nothing is moved.
 /// \note A contiguous CPU buffer moves with memcpy, without allocating; anything else uses
-///       tensor ops (gather, then index_put_), with no host sync.
+///       tensor ops (gather, then index_put_), with no host sync for moves from the policy
+///       (slot_bound set).
 inline void apply_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_t token_dim) {
   const int64_t batch = moves.size() > 0 ? moves.src.size(0) : buffer.defined() ? buffer.size(0) : 0;
   detail::check_moves_buffer(moves, buffer, token_dim, batch, "buffer");
   if (moves.empty()) return;
-  const auto hi = at::max(moves.src.max(), moves.dst.max()).item<int64_t>();
+  // The bound the policy gives costs nothing; without it, read the largest slot (on a GPU, a sync).
+  const int64_t hi = moves.slot_bound > 0 ? moves.slot_bound - 1
+                                          : at::max(moves.src.max(), moves.dst.max()).item<int64_t>();
   KVEVICT_CHECK(hi < buffer.size(token_dim), "buffer: slot ", hi, " is moved but the buffer holds only ",
                 buffer.size(token_dim), " slots along token_dim ", token_dim);
   at::NoGradGuard no_grad;
