@@ -34,7 +34,7 @@
 namespace {
 
 constexpr int64_t kLayers = 3, kHeads = 4, kBatch = 4;
-const auto kEviction = kvevict::EvictionOptions(/*budget=*/6).n_sink(2).n_recent(4).evict_every(1);
+const auto kEviction = kvevict::EvictionOptions(/*budget=*/6).n_sink(2).n_recent(4).evict_every(2);
 /// Device of the caches (--device): CPU by default; a CUDA run adds one pass over the schedule.
 at::Device g_device = at::kCPU;
 
