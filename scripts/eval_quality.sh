@@ -7,6 +7,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+# Idle OpenMP workers sleep instead of spinning: on 2 shared cores a spinning worker steals
+# the core OpenBLAS computes on (measured: ~half the trainer's CPU time went to spinning).
+export OMP_WAIT_POLICY=PASSIVE
 scripts/fetch_corpus.sh build-quality/data
 (cd examples/quality && sha256sum -c weights.pt.sha256)
 command -v gnuplot >/dev/null || echo "no gnuplot (apt-get install gnuplot-nox): CSV only" >&2

@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <sstream>
 
 using namespace kvq;
@@ -32,11 +34,11 @@ std::vector<std::string> split(const std::string& s) {
 
 struct Args {
   std::string weights = "examples/quality/weights.pt", data = "build-quality/data", out = "build-quality/eval";
-  std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 75, 100};
+  std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 100};
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
-  std::vector<std::string> policies{"h2o", "mean_observed", "tova", "decay", "sinks_window", "random"};
+  std::vector<std::string> policies{"h2o", "mean_observed", "tova", "decay", "h2o_pyramid", "sinks_window", "random"};
   std::vector<std::string> layouts{"expanded", "latent"};
-  int64_t docs = 8, text_windows = 16, text_len = 1024, threads = 2, heat_budget = 25;
+  int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
   bool plots = true;
   std::string ci_json;  // --write-ci-json: write the CI test's reference values and exit
   int64_t ci_context = 512, ci_docs = 8;
@@ -69,6 +71,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--text-windows") a.text_windows = std::stoll(v());
     else if (k == "--text-len") a.text_len = std::stoll(v());
     else if (k == "--threads") a.threads = std::stoll(v());
+    else if (k == "--jobs") a.jobs = std::max<int64_t>(1, std::stoll(v()));
     else if (k == "--heat-budget") a.heat_budget = std::stoll(v());
     else if (k == "--no-plots") a.plots = false;
     else if (k == "--write-ci-json") a.ci_json = v();
@@ -142,6 +145,7 @@ int main(int argc, char** argv) try {
   // results[layout][policy][budget][context] = accuracy per depth (retrieval)
   std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, std::vector<double>>>>> acc;
   std::map<std::string, std::map<std::string, std::map<int64_t, double>>> bpb, err_text;
+  std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, double>>>> tok_acc;
 
   for (const auto& lname : a.layouts) {
     const Layout layout = lname == "latent" ? Layout::Latent : Layout::Expanded;
@@ -175,6 +179,9 @@ int main(int argc, char** argv) try {
             csv.row(lname, pname, budget, context, fmt_depth(a.depths[d]), "passkey_acc", v, a.docs);
           }
           csv.row(lname, pname, budget, context, "all", "passkey_acc", ok.mean().item<double>(), ok.size(0));
+          const double tacc = passkey_token_acc(r.logits, task.tok).mean().item<double>();
+          csv.row(lname, pname, budget, context, "all", "passkey_token_acc", tacc, ok.size(0) * kPassLen);
+          tok_acc[lname][pname][budget][context] = tacc;
           csv.row(lname, pname, budget, context, "all", "attn_rel_err_passkey", err, ok.size(0));
           acc[lname][pname][budget][context] = per_depth;
         } else {
@@ -188,17 +195,34 @@ int main(int argc, char** argv) try {
       };
       record("full", 100, full);
       progress(lname + " " + task.name + " full cache");
-      for (const auto& pname : a.policies) {
-        const Policy p = policy_from(pname);
-        for (auto budget : a.budgets) {
+      // (policy, budget) runs are independent: --jobs worker threads, one intra-op thread each.
+      std::vector<std::pair<std::string, int64_t>> jobs;
+      for (const auto& pname : a.policies)
+        for (auto budget : a.budgets) jobs.emplace_back(pname, budget);
+      std::mutex mu;
+      size_t next = 0;
+      auto worker = [&] {
+        for (;;) {
+          size_t j;
+          {
+            std::lock_guard<std::mutex> lk(mu);
+            if (next == jobs.size()) return;
+            j = next++;
+          }
+          const auto& [pname, budget] = jobs[j];
+          const Policy p = policy_from(pname);
           const int64_t cap = std::max<int64_t>(1, (budget * context + 50) / 100);
           auto e = eviction_for(p, cap, T);
           auto r = run_policy(m, layout, p, e, fed, cap, 77 + budget, &ref_attn);
+          std::lock_guard<std::mutex> lk(mu);
           record(pname, budget, r);
           progress(lname + " " + task.name + " " + pname + " " + std::to_string(budget) + "% (capacity " +
                    std::to_string(cap) + ")");
         }
-      }
+      };
+      std::vector<std::thread> pool;
+      for (int64_t i = 0; i < a.jobs; ++i) pool.emplace_back(worker);
+      for (auto& t : pool) t.join();
     }
   }
 
@@ -219,6 +243,12 @@ int main(int argc, char** argv) try {
   const std::string L0 = a.layouts.front();
   std::vector<std::string> names{"full"};
   for (auto& p : a.policies) names.push_back(p);
+  auto mean_tok = [&](const std::string& p, int64_t b) {
+    double s = 0;
+    int n = 0;
+    for (auto& [c, v] : tok_acc[L0][p][b]) s += v, ++n;
+    return n ? s / n : 0.0;
+  };
   auto mean_acc = [&](const std::string& p, int64_t b, int64_t ctx) {  // ctx < 0: all contexts
     double s = 0;
     int n = 0;
@@ -227,26 +257,29 @@ int main(int argc, char** argv) try {
         for (double x : v) s += x, ++n;
     return n ? s / n : 0.0;
   };
-  std::printf("\n%s layout: passkey accuracy (all contexts and depths) | text bits/byte | attention rel. error (text)\n",
-              L0.c_str());
+  std::printf("\n%s layout: passkey accuracy, exact (all contexts and depths) | per answer token | text bits/byte | "
+              "attention rel. error (text)\n", L0.c_str());
   std::printf("%-14s", "policy");
-  for (auto b : a.budgets) std::printf(" | %5lld%%              ", (long long)b);
+  for (auto b : a.budgets) std::printf(" | %5lld%%                    ", (long long)b);
   std::printf("\n");
   for (auto& p : a.policies) {
     std::printf("%-14s", p.c_str());
-    for (auto b : a.budgets) std::printf(" | %5.3f %5.3f %6.4f", mean_acc(p, b, -1), bpb[L0][p][b], err_text[L0][p][b]);
+    for (auto b : a.budgets)
+      std::printf(" | %5.3f %5.3f %5.3f %6.4f", mean_acc(p, b, -1), mean_tok(p, b), bpb[L0][p][b], err_text[L0][p][b]);
     std::printf("\n");
   }
-  std::printf("%-14s | %5.3f %5.3f (100%%, no eviction)\n", "full", mean_acc("full", 100, -1), bpb[L0]["full"][100]);
+  std::printf("%-14s | %5.3f %5.3f %5.3f (100%%, no eviction)\n", "full", mean_acc("full", 100, -1), mean_tok("full", 100),
+              bpb[L0]["full"][100]);
 
   {
     std::ofstream d(a.out + "/by_budget.dat");
-    d << "# policy blocks: budget_pct passkey_acc_all passkey_acc_ctx" << a.contexts.back() << " text_bpb text_ppl attn_err_text\n";
+    d << "# policy blocks: budget_pct passkey_acc_all passkey_acc_ctx" << a.contexts.back()
+      << " text_bpb text_ppl attn_err_text passkey_token_acc\n";
     for (auto& p : a.policies) {
       d << "# " << p << "\n";
       for (auto b : a.budgets)
         d << b << ' ' << mean_acc(p, b, -1) << ' ' << mean_acc(p, b, a.contexts.back()) << ' ' << bpb[L0][p][b] << ' '
-          << std::pow(2.0, bpb[L0][p][b]) << ' ' << err_text[L0][p][b] << "\n";
+          << std::pow(2.0, bpb[L0][p][b]) << ' ' << err_text[L0][p][b] << ' ' << mean_tok(p, b) << "\n";
       d << "\n\n";
     }
     std::ofstream h(a.out + "/heatmap.dat");  // per policy block: depth_index context_index acc
@@ -268,19 +301,22 @@ int main(int argc, char** argv) try {
     std::string xt, yt;
     for (size_t i = 0; i < a.depths.size(); ++i) xt += (i ? ", " : "") + std::string("\"") + fmt_depth(a.depths[i]) + "\" " + std::to_string(i);
     for (size_t i = 0; i < a.contexts.size(); ++i) yt += (i ? ", " : "") + std::string("\"") + std::to_string(a.contexts[i]) + "\" " + std::to_string(i);
-    gp << "set terminal pngcairo size 900,560 font ',11'\nset datafile commentschars '#'\n"
+    gp << "set terminal pngcairo size 900,560 font ',11' noenhanced\nset datafile commentschars '#'\n"
        << "names = '" << titles << "'\nset key outside right\nset grid\nset xlabel 'budget (% of context)'\n"
        << "set logscale x\nset xtics (5, 10, 25, 50, 75, 100)\n"
        << "set output '" << a.out << "/retrieval_vs_budget.png'\nset ylabel 'passkey accuracy (all contexts, depths)'\n"
        << "set yrange [0:1.05]\nset title 'Retrieval vs KV budget (" << L0 << " layout; full cache = " << mean_acc("full", 100, -1) << ")'\n"
        << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:2 with linespoints lw 2 title word(names, i+1)\n"
+       << "set output '" << a.out << "/retrieval_tokens_vs_budget.png'\nset ylabel 'passkey answer tokens right (of 4)'\n"
+       << "set title 'Retrieval per answer token vs KV budget (" << L0 << " layout; full cache = " << mean_tok("full", 100) << ")'\n"
+       << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:7 with linespoints lw 2 title word(names, i+1)\n"
        << "set output '" << a.out << "/perplexity_vs_budget.png'\nset ylabel 'held-out perplexity per byte'\nset autoscale y\n"
-       << "set title 'Held-out text perplexity vs KV budget (1,024-byte windows; full cache = " << std::pow(2.0, bpb[L0]["full"][100]) << ")'\n"
+       << "set title 'Held-out text perplexity vs KV budget (" << a.text_len << "-byte windows; full cache = " << std::pow(2.0, bpb[L0]["full"][100]) << ")'\n"
        << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:5 with linespoints lw 2 title word(names, i+1)\n"
        << "set output '" << a.out << "/attn_error_vs_budget.png'\nset ylabel 'attention output relative L2 error'\n"
        << "set title 'Attention-output error vs full cache (text)'\n"
        << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:6 with linespoints lw 2 title word(names, i+1)\n"
-       << "unset logscale x\nunset grid\nset terminal pngcairo size " << 300 * names.size() << ",360 font ',10'\n"
+       << "unset logscale x\nunset grid\nset terminal pngcairo size " << 300 * names.size() << ",360 font ',10' noenhanced\n"
        << "set output '" << a.out << "/retrieval_heatmap.png'\nset multiplot layout 1," << names.size()
        << " title 'Passkey accuracy by needle depth (x) and context length (y); policies at " << a.heat_budget << "% budget'\n"
        << "set xtics (" << xt << ")\nset ytics (" << yt << ")\nset xlabel 'depth'\nset ylabel 'context'\nset cbrange [0:1]\n"
@@ -292,7 +328,7 @@ int main(int argc, char** argv) try {
     gp << "unset multiplot\n";
     gp.close();
     const int rc = std::system(("gnuplot " + a.out + "/plots.gp").c_str());
-    std::printf("plots (%s): %s/{retrieval_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
+    std::printf("plots (%s): %s/{retrieval_vs_budget,retrieval_tokens_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
                 rc == 0 ? "gnuplot ok" : "gnuplot FAILED", a.out.c_str());
   }
   std::printf("csv: %s/quality.csv\n", a.out.c_str());

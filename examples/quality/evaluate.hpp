@@ -16,7 +16,7 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 
 // Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
 // with_cache() below.
-enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random };
+enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid };
 inline const char* policy_name(Policy p) {
   switch (p) {
     case Policy::Full: return "full";
@@ -26,12 +26,13 @@ inline const char* policy_name(Policy p) {
     case Policy::Decay: return "decay";
     case Policy::Window: return "sinks_window";
     case Policy::Random: return "random";
+    case Policy::Pyramid: return "h2o_pyramid";
   }
   return "?";
 }
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
-                 Policy::Random})
+                 Policy::Random, Policy::Pyramid})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -50,15 +51,26 @@ inline kvevict::EvictionOptions eviction_for(Policy p, int64_t capacity, int64_t
 }
 
 // Builds the cache type that `p` names for `layout` and calls f(cache).
+// h2o_pyramid: H2O with per-layer budgets (PyramidKV-style): layer l of n keeps
+// budget * (1.5 - l / (n - 1)) heavy hitters (1.5x at the bottom, 0.5x at the top; same total).
+inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
+  std::vector<int64_t> b;
+  for (int64_t l = 0; l < n_layers; ++l)
+    b.push_back(static_cast<int64_t>(std::llround(budget * (1.5 - static_cast<double>(l) / std::max<int64_t>(1, n_layers - 1)))));
+  return b;
+}
+
 template <class F>
 void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f) {
+  std::vector<int64_t> layer_budgets;
+  if (p == Policy::Pyramid) layer_budgets = pyramid_budgets(e.budget(), m->c.n_layers);
   auto run = [&](auto tag) {
     using Scorer = decltype(tag);
     if (layout == Layout::Expanded) {
-      kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(m->expanded_options(batch), e);
+      kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(m->expanded_options(batch).layer_budgets(layer_budgets), e);
       f(cache);
     } else {
-      kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(m->latent_options(batch), e);
+      kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(m->latent_options(batch).layer_budgets(layer_budgets), e);
       f(cache);
     }
   };
@@ -92,6 +104,7 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
   std::vector<std::vector<torch::Tensor>> attn_parts(m->c.n_layers);
   auto gen = at::detail::createCPUGenerator(seed);
   with_cache(m, layout, p, e, B, [&](auto& cache) {
+    DecodeState state;
     int64_t t = 0;
     while (t < T) {
       const int64_t n = t == 0 ? std::min(std::max<int64_t>(1, prefill), T) : 1;
@@ -109,7 +122,7 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
           res.ref_sq += r.pow(2).sum().item<double>();
         }
       };
-      chunks.push_back(m->step(tok.narrow(1, t, n), cache, tap, p != Policy::Random, evict));
+      chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict));
       t += n;
     }
   });
@@ -145,6 +158,13 @@ inline torch::Tensor passkey_correct(const torch::Tensor& logits, const torch::T
   const int64_t T = tok.size(1);
   auto pred = logits.narrow(1, T - 1 - kPassLen, kPassLen).argmax(-1);
   return pred.eq(tok.narrow(1, T - kPassLen, kPassLen)).all(1).to(torch::kFloat);
+}
+
+// Per row: the fraction of the kPassLen answer tokens that are the argmax (teacher-forced).
+inline torch::Tensor passkey_token_acc(const torch::Tensor& logits, const torch::Tensor& tok) {
+  const int64_t T = tok.size(1);
+  auto pred = logits.narrow(1, T - 1 - kPassLen, kPassLen).argmax(-1);
+  return pred.eq(tok.narrow(1, T - kPassLen, kPassLen)).to(torch::kFloat).mean(1);
 }
 
 // Held-out text windows: BOS + T-1 bytes, n windows evenly spaced.

@@ -36,6 +36,13 @@ struct Config {
   int64_t vocab = kVocab, dim = 128, n_layers = 4, n_heads = 4;
   int64_t q_lora = 64, kv_lora = 64, qk_nope = 32, qk_rope = 16, v_dim = 32, ffn = 352;
   double rope_theta = 10000.0, eps = 1e-6;
+  // Smeared keys, in the token-shift form (cf. Olsson et al. 2022, "In-context learning and
+  // induction heads", Sec. 6): the raw kv latent of token t gets W_s times token t-1's
+  // attention input added before its norm, so one attention layer can match "the token after
+  // an earlier copy of mine" (induction) without first learning a previous-token head. The
+  // one addition to DeepSeek-V3's MLA here: without it no copying or recall formed in the
+  // CPU-minutes this model trains for.
+  bool smear = true;
   int64_t qk_dim() const { return qk_nope + qk_rope; }
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(qk_dim())); }
 };
@@ -43,6 +50,12 @@ struct Config {
 // Optional per-layer tap on the attention output [B, H, T, v_dim] (before the output
 // projection), for measuring the attention-output error of an evicting cache.
 using AttnTap = std::function<void(int64_t layer, const torch::Tensor& out)>;
+
+// Per-sequence decode state outside the KV cache: each layer's last attention input
+// [B, 1, dim] (for the smeared keys of the next token). One per cache; empty at position 0.
+struct DecodeState {
+  std::vector<torch::Tensor> last;
+};
 
 struct RMSNormImpl : torch::nn::Module {
   RMSNormImpl(int64_t d, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({d})); }
@@ -76,20 +89,29 @@ struct MLAImpl : torch::nn::Module {
     kv_norm = register_module("kv_norm", RMSNorm(c.kv_lora, c.eps));
     wkv_b = register_module("wkv_b", lin(c.kv_lora, c.n_heads * (c.qk_nope + c.v_dim)));
     wo = register_module("wo", lin(c.n_heads * c.v_dim, c.dim));
+    if (c.smear) wkv_s = register_module("wkv_s", lin(c.dim, c.kv_lora));
   }
 
   struct Proj {
     torch::Tensor q_nope, q_pe;  // [B, H, T, nope], [B, H, T, rope] (RoPE applied)
     torch::Tensor ckv, kpe;      // [B, T, r] (normed), [B, T, rope] (RoPE applied)
   };
-  Proj project(const torch::Tensor& x, const torch::Tensor& pos) {
+  // last: this layer's DecodeState entry (nullptr: the sequence starts at x[:, 0]).
+  Proj project(const torch::Tensor& x, const torch::Tensor& pos, torch::Tensor* last = nullptr) {
     const int64_t B = x.size(0), T = x.size(1), H = c.n_heads;
     auto q = wq_b(q_norm(wq_a(x))).view({B, T, H, c.qk_dim()}).transpose(1, 2);
     Proj p;
     p.q_nope = q.narrow(-1, 0, c.qk_nope);
     p.q_pe = rope(q.narrow(-1, c.qk_nope, c.qk_rope), pos, c.rope_theta);
     auto kv = wkv_a(x);
-    p.ckv = kv_norm(kv.narrow(-1, 0, c.kv_lora));
+    auto raw = kv.narrow(-1, 0, c.kv_lora);
+    if (c.smear) {
+      auto first = last && last->defined() ? *last : torch::zeros({B, 1, c.dim}, x.options());
+      auto prev = torch::cat({first, x.narrow(1, 0, T - 1)}, 1);
+      if (last) *last = x.narrow(1, T - 1, 1).detach();
+      raw = raw + wkv_s(prev);
+    }
+    p.ckv = kv_norm(raw);
     p.kpe = rope(kv.narrow(-1, c.kv_lora, c.qk_rope), pos, c.rope_theta);
     return p;
   }
@@ -116,8 +138,8 @@ struct MLAImpl : torch::nn::Module {
   // Expanded layout: keys/values decompressed per head, attention by the library.
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe) {
-    auto p = project(x, pos);
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last) {
+    auto p = project(x, pos, last);
     auto [k, v] = expand(p.ckv, p.kpe);
     cache.update(layer, k.contiguous(), v.contiguous());
     auto o = kvevict::attend(torch::cat({p.q_nope, p.q_pe}, -1).contiguous(), cache, layer, c.scale(), nullptr, observe);
@@ -128,8 +150,8 @@ struct MLAImpl : torch::nn::Module {
   // Latent layout: q_absorbed = q_nope W_UK, output = (probs ckv) W_UV^T.
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaLatentCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe) {
-    auto p = project(x, pos);
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last) {
+    auto p = project(x, pos, last);
     auto w = wkv_b->weight.view({c.n_heads, c.qk_nope + c.v_dim, c.kv_lora});
     auto w_uk = w.narrow(1, 0, c.qk_nope);       // [H, nope, r]
     auto w_uv = w.narrow(1, c.qk_nope, c.v_dim);  // [H, v, r]
@@ -142,7 +164,7 @@ struct MLAImpl : torch::nn::Module {
   }
 
   Config c;
-  torch::nn::Linear wq_a{nullptr}, wq_b{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr};
+  torch::nn::Linear wq_a{nullptr}, wq_b{nullptr}, wkv_a{nullptr}, wkv_b{nullptr}, wo{nullptr}, wkv_s{nullptr};
   RMSNorm q_norm{nullptr}, kv_norm{nullptr};
 };
 TORCH_MODULE(MLA);
@@ -204,15 +226,18 @@ struct ModelImpl : torch::nn::Module {
   // layer attends through the cache, calls `tap` (if any; it may add scores), then
   // cache.evict(layer) (unless `evict` is false). `observe` false: attention is not fed to the
   // scorer (scores come only from add_scores). -> logits [B, T, vocab].
+  // `state` belongs to this cache's sequence (a fresh DecodeState with a fresh cache).
   template <class Cache>
-  torch::Tensor step(const torch::Tensor& tokens, Cache& cache, const AttnTap& tap = nullptr, bool observe = true,
-                     bool evict = true) {
+  torch::Tensor step(const torch::Tensor& tokens, Cache& cache, DecodeState& state, const AttnTap& tap = nullptr,
+                     bool observe = true, bool evict = true) {
     const int64_t start = cache.seen_tokens(0), T = tokens.size(1);
+    if (static_cast<int64_t>(state.last.size()) != c.n_layers) state.last.assign(c.n_layers, torch::Tensor());
+    if (start == 0) state.last.assign(c.n_layers, torch::Tensor());
     auto pos = torch::arange(start, start + T, torch::kLong);
     auto x = embed(tokens);
     for (int64_t l = 0; l < c.n_layers; ++l) {
       auto& b = blocks[l];
-      x = x + b->attn->cached(b->attn_norm(x), pos, cache, l, tap, observe);
+      x = x + b->attn->cached(b->attn_norm(x), pos, cache, l, tap, observe, &state.last[l]);
       if (evict) cache.evict(l);
       x = x + b->mlp(b->ffn_norm(x));
     }

@@ -25,12 +25,13 @@ double median(std::vector<double> v) {
 template <class Cache>
 double time_model(Model& m, Cache& cache, int64_t context, int64_t steps) {
   torch::NoGradGuard g;
-  m->step(torch::randint(256, {1, context}, torch::kLong), cache);
+  DecodeState state;
+  m->step(torch::randint(256, {1, context}, torch::kLong), cache, state);
   std::vector<double> t;
   for (int64_t i = 0; i < steps + 3; ++i) {
     auto tok = torch::randint(256, {1, 1}, torch::kLong);
     const double t0 = now();
-    m->step(tok, cache);
+    m->step(tok, cache, state);
     if (i >= 3) t.push_back(now() - t0);
   }
   return median(t);

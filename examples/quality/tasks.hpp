@@ -17,13 +17,16 @@ namespace kvq {
 // splitmix64: the same numbers with every compiler and standard library.
 struct Rng {
   uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x1234567ull) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  // The seed is mixed first: a plain `seed * constant` start would make Rng(x + 1) the
+  // sequence of Rng(x) shifted by one draw (consecutive training steps would repeat rows).
+  explicit Rng(uint64_t seed) : s(mix(seed ^ 0x5DEECE66Dull)) {}
+  static uint64_t mix(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
   }
+  uint64_t next() { return mix(s += 0x9E3779B97F4A7C15ull); }
   int64_t uniform(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }  // [0, n)
   double unit() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
 };

@@ -1,10 +1,10 @@
 // Trains the quality model (model.hpp) on Brown text mixed with retrieval rows (tasks.hpp),
 // with a curriculum: short fixed-length copying and recall first (forms induction), then
-// longer contexts up to --max-len. Deterministic for a given --seed and --steps (the wall-clock
-// --minutes limit only stops early). Writes checkpoints (LibTorch serialization) and, at the
+// longer contexts up to --max-len. The rows of step s depend only on (--seed, s); the schedule
+// follows --steps, or the wall clock when --minutes runs out first (see progress in main). Writes checkpoints (LibTorch serialization) and, at the
 // end, the shipped fp16 weights.
 //
-//   train_quality --data build-quality/data --out build-quality/run [--steps 2200] [--minutes 100]
+//   train_quality --data build-quality/data --out build-quality/run --steps 2400 --minutes 26 --warm 200 --warm-copy 0.6
 #include "model.hpp"
 #include "tasks.hpp"
 
@@ -19,9 +19,9 @@ namespace {
 
 struct Args {
   std::string data = "build-quality/data", out = "build-quality/run", resume;
-  int64_t steps = 2200, tokens_per_step = 2048, max_len = 1024, warm = 200, eval_every = 100, threads = 2;
-  int64_t seed = 1234;
-  double lr = 2e-3, minutes = 1e9;
+  int64_t steps = 2400, tokens_per_step = 2048, max_len = 1024, warm = 200, eval_every = 100, threads = 2;
+  int64_t seed = 1234, stop_step = -1;
+  double lr = 2e-3, minutes = 1e9, warm_copy = 0.45;
 };
 
 Args parse(int argc, char** argv) {
@@ -44,15 +44,18 @@ Args parse(int argc, char** argv) {
     else if (k == "--seed") a.seed = std::stoll(v());
     else if (k == "--lr") a.lr = std::stod(v());
     else if (k == "--minutes") a.minutes = std::stod(v());
+    else if (k == "--warm-copy") a.warm_copy = std::stod(v());
+    else if (k == "--stop-step") a.stop_step = std::stoll(v());
     else throw std::runtime_error("unknown argument " + k);
   }
   return a;
 }
 
-// The step's context length: fixed 128 during the warm-up, then a ramp to max_len.
-int64_t step_len(Rng& r, const Args& a, int64_t step) {
+// The step's context length: fixed 128 during the warm-up, then a ramp to max_len;
+// `progress` in [0, 1] is how far the run is (see main).
+int64_t step_len(Rng& r, const Args& a, int64_t step, double progress) {
   if (step < a.warm) return 128;
-  const double f = static_cast<double>(step - a.warm) / std::max<int64_t>(1, a.steps - a.warm);
+  const double f = progress;
   std::vector<int64_t> lens{128, 256, 512};
   if (f > 0.15) lens.push_back(1024);
   if (f > 0.4) lens = {256, 512, 1024, 1024};
@@ -66,9 +69,12 @@ Row make_row(Rng& r, const std::string& text, int64_t T, int64_t step, const Arg
   const std::string& fill = r.uniform(2) ? text : empty;
   const double u = r.unit();
   if (step < a.warm) {
-    if (u < 0.45) return copy_row(r, fill, T, 24 + r.uniform(32));
-    if (u < 0.75) return mqar_row(r, fill, T, 4 + r.uniform(5), 8);
-    if (u < 0.85) return passkey_row(r, fill, T, -1);
+    // --warm-copy: the share of copy rows (forms induction); the rest: recall, passkey, text
+    // in the ratio 30 : 10 : 15.
+    const double wc = a.warm_copy;
+    if (u < wc) return copy_row(r, fill, T, 24 + r.uniform(32));
+    if (u < wc + (1 - wc) * (0.30 / 0.55)) return mqar_row(r, fill, T, 4 + r.uniform(5), 8);
+    if (u < wc + (1 - wc) * (0.40 / 0.55)) return passkey_row(r, fill, T, -1);
     return text_row(r, text, T);
   }
   if (u < 0.25) return text_row(r, text, T);
@@ -141,13 +147,18 @@ int main(int argc, char** argv) try {
   double cat_loss[kNumCats] = {}, cat_hit[kNumCats] = {}, cat_n[kNumCats] = {};
   int64_t tokens = 0, step = start;
   for (; step < a.steps; ++step) {
-    if (elapsed() > a.minutes * 60) {
+    if (step == a.stop_step) break;
+    if (elapsed() > a.minutes * 60 + 30) {
       std::printf("wall-clock limit reached at step %lld\n", (long long)step);
       break;
     }
     // The data of step s depends only on (seed, s): resuming reproduces the same run.
     Rng r(static_cast<uint64_t>(a.seed) * 1000003ull + static_cast<uint64_t>(step));
-    const int64_t T = step_len(r, a, step), B = std::max<int64_t>(1, a.tokens_per_step / T);
+    // Progress drives the length curriculum and the learning-rate decay: the fraction of
+    // --steps done, or of --minutes when the wall clock runs out first (then the schedule
+    // still completes; the log records it).
+    const double progress = std::min(1.0, std::max(static_cast<double>(step) / a.steps, elapsed() / (a.minutes * 60)));
+    const int64_t T = step_len(r, a, step, progress), B = std::max<int64_t>(1, a.tokens_per_step / T);
     std::vector<int64_t> buf;
     std::vector<int8_t> cats;
     for (int64_t b = 0; b < B; ++b) {
@@ -157,8 +168,8 @@ int main(int argc, char** argv) try {
     }
     auto tok = torch::tensor(buf, torch::kLong).view({B, T});
     auto cat = torch::tensor(std::vector<int64_t>(cats.begin(), cats.end()), torch::kLong).view({B, T}).narrow(1, 1, T - 1);
-    // Warm-up 100 steps, constant, then linear decay to 10% over the last 20% of the steps.
-    const double f = static_cast<double>(step) / a.steps;
+    // Warm-up 100 steps, constant, then linear decay to 10% over the last 20% of progress.
+    const double f = progress;
     double lr = a.lr * std::min(1.0, (step + 1) / 100.0);
     if (f > 0.8) lr *= 1.0 - 0.9 * (f - 0.8) / 0.2;
     for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
@@ -188,8 +199,8 @@ int main(int argc, char** argv) try {
       }
     }
     if ((step + 1) % 20 == 0) {
-      std::printf("step %5lld T %4lld lr %.2e tok/s %5.0f | text %.3f bpb | acc mqar %.2f passkey %.2f copy %.2f | %.1f min\n",
-                  (long long)(step + 1), (long long)T, lr, tokens / elapsed(),
+      std::printf("step %5lld progress %.3f T %4lld lr %.2e tok/s %5.0f | text %.3f bpb | acc mqar %.2f passkey %.2f copy %.2f | %.1f min\n",
+                  (long long)(step + 1), progress, (long long)T, lr, tokens / elapsed(),
                   cat_n[kText] ? cat_loss[kText] / cat_n[kText] / std::log(2.0) : 0.0,
                   cat_n[kMqar] ? cat_hit[kMqar] / cat_n[kMqar] : 0.0,
                   cat_n[kPasskey] ? cat_hit[kPasskey] / cat_n[kPasskey] : 0.0,
