@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <initializer_list>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -86,6 +88,22 @@ inline void check_tensor(const at::Tensor& t, const char* what, const at::Device
   KVEVICT_CHECK(t.layout() == at::kStrided, what, " must be a dense (strided) tensor, got layout ", t.layout());
   KVEVICT_CHECK(!t.is_meta(), what, " must have data on the device ", device, ", got a meta tensor");
   KVEVICT_CHECK(t.device() == device, what, " must be on the device ", device, ", got ", t.device());
+}
+
+/// Runs `allocate()`; an allocation failure of any kind (c10::Error from an allocator,
+/// std::bad_alloc, std::length_error) becomes `fail(why)`, which throws a c10::Error naming the
+/// sizes asked for.
+template <class Allocate, class Fail>
+void allocating(Allocate&& allocate, Fail&& fail) {
+  try {
+    allocate();
+  } catch (const c10::Error& e) {
+    fail(std::string(e.what_without_backtrace()));
+  } catch (const std::bad_alloc& e) {
+    fail(std::string(e.what()));
+  } catch (const std::length_error& e) {
+    fail(std::string(e.what()));
+  }
 }
 
 /// Checks that `t` lives on `device` (the cache's), naming both devices.

@@ -193,7 +193,7 @@ class EvictionPolicy {
                         "of summed contributions equals the observations one by one), got ", Scorer::kName,
                         "; use lazy_reduction(false)");
     const int64_t B = options_.batch_size();
-    try {
+    detail::allocating([&] {
       layer_eviction_ = per_layer(options_, eviction_);
       selections_ = make_selections(layer_eviction_);
       active_.assign(static_cast<size_t>(B), 1);
@@ -206,13 +206,7 @@ class EvictionPolicy {
         L.last_new.assign(B, 0);
         allocate(L, base_slots(static_cast<int64_t>(l)));
       }
-    } catch (const c10::Error& e) {
-      fail_allocation(e.what_without_backtrace());
-    } catch (const std::bad_alloc& e) {
-      fail_allocation(e.what());
-    } catch (const std::length_error& e) {
-      fail_allocation(e.what());
-    }
+    }, [&](const std::string& why) { fail_allocation(why); });
   }
 
   EvictionPolicy(const EvictionPolicy&) = delete;
@@ -1113,14 +1107,7 @@ class EvictionPolicy {
           const float observers =
               static_cast<float>(std::max<int64_t>(std::min<int64_t>(seen - std::max(pb[s], first_q_pos), Q - q0), 0));
           const float c = detail::from_fixed(fx[s], heads);
-          if (round == 0) {
-            float next[W];
-            std::copy(sb + s * W, sb + (s + 1) * W, next);
-            scorer_.apply(next, c, observers);
-            check_rank(scorer_.rank(next), b, s, c);
-          } else {
-            scorer_.apply(sb + s * W, c, observers);
-          }
+          apply_token(sb + s * W, c, observers, /*check_only=*/round == 0, b, s);
         }
       }
     }
@@ -1205,14 +1192,7 @@ class EvictionPolicy {
           for (int64_t s = 0; s < L.len[b]; ++s) {
             const float c = detail::from_fixed(HS.reduced[b * L.slots + s], heads);
             const auto observers = static_cast<float>(pd[2 * (b * L.slots + s) + 1]);
-            if (round == 0) {
-              float next[W];
-              std::copy(sb + s * W, sb + (s + 1) * W, next);
-              scorer_.apply(next, c, observers);
-              check_rank(scorer_.rank(next), b, s, c);
-            } else {
-              scorer_.apply(sb + s * W, c, observers);
-            }
+            apply_token(sb + s * W, c, observers, /*check_only=*/round == 0, b, s);
           }
         }
       }
@@ -1273,6 +1253,19 @@ class EvictionPolicy {
     }
   }
 
+  /// One token's observation: with `check_only`, applies it to a copy of the state and checks
+  /// the resulting rank (throws, changing nothing); else applies it in place.
+  void apply_token(float* state, float c, float observers, bool check_only, int64_t b, int64_t s) const {
+    if (!check_only) {
+      scorer_.apply(state, c, observers);
+      return;
+    }
+    float next[W];
+    std::copy(state, state + W, next);
+    scorer_.apply(next, c, observers);
+    check_rank(scorer_.rank(next), b, s, c);
+  }
+
   void check_rank(float rank, int64_t b, int64_t s, float c) const {
     KVEVICT_CHECK(std::isfinite(rank), "the observation gives a non-finite rank (NaN, inf, or an fp32 overflow) at row ",
                   b, ", slot ", s, " (contribution ", c, ", rank ", rank, "); the state is unchanged", kChecksHint);
@@ -1293,14 +1286,7 @@ class EvictionPolicy {
         float* sb = st + b * L.slots * W;
         for (int64_t s = 0; s < L.len[b]; ++s) {
           const float c = p[b * S + s];
-          if (round == 0) {
-            float next[W];
-            std::copy(sb + s * W, sb + (s + 1) * W, next);
-            scorer_.apply(next, c, 1.f);
-            check_rank(scorer_.rank(next), b, s, c);
-          } else {
-            scorer_.apply(sb + s * W, c, 1.f);
-          }
+          apply_token(sb + s * W, c, 1.f, /*check_only=*/round == 0, b, s);
         }
       }
     }

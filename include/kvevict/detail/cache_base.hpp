@@ -214,15 +214,9 @@ class CacheBase {
  protected:
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype) {
-    try {
+    allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
-    } catch (const c10::Error& e) {
-      fail_allocation(e.what_without_backtrace());
-    } catch (const std::bad_alloc& e) {
-      fail_allocation(e.what());
-    } catch (const std::length_error& e) {
-      fail_allocation(e.what());
-    }
+    }, [&](const std::string& why) { fail_allocation(why); });
   }
 
   /// Checks new rows against the specs (defined, dense, shape, same T, dtype, device); returns T.
