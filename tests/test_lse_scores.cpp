@@ -495,3 +495,24 @@ TEST_CASE("fp16 logits above 65,504 unscaled stay finite on CUDA (fp16 matmul)",
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
   fp16_big_logits(at::Device(at::kCUDA));
 }
+
+TEST_CASE("compress_prompt and prefill_chunked reject bad inputs before changing the cache", "[lse][errors][cpu]") {
+  kvevict_test::on_both_paths([] {
+    kvevict::MlaCache c(kvevict::MlaCacheOptions(1, 2).qk_dim(4).v_dim(3),
+                        kvevict::EvictionOptions(3).n_sink(1).n_recent(2));
+    const auto q = at::randn({1, 2, 10, 4}), k = at::randn({1, 2, 10, 4}), v = at::randn({1, 2, 10, 3});
+    CHECK_THROWS_WITH(kvevict::compress_prompt(c, 0, q, k, v, at::full({1, 2, 10}, NAN)),
+                      Catch::Matchers::Contains("not finite") && Catch::Matchers::Contains("unchanged"));
+    CHECK(c.seen_tokens(0) == 0);
+    CHECK_THROWS_WITH(kvevict::compress_prompt(c, 0, q, k, at::randn({1, 2, 15, 3}), at::zeros({1, 2, 10})),
+                      Catch::Matchers::Contains("v must be"));
+    CHECK(c.seen_tokens(0) == 0);
+    CHECK_THROWS_WITH(kvevict::prefill_chunked(c, 0, at::randn({1, 2, 9, 4}), k, v, 4),
+                      Catch::Matchers::Contains("q must be") && Catch::Matchers::Contains("got [1, 2, 9, 4]"));
+    CHECK_THROWS_WITH(kvevict::prefill_chunked(c, 0, q, k, at::randn({1, 2, 9, 3}), 4),
+                      Catch::Matchers::Contains("v must be"));
+    CHECK(c.seen_tokens(0) == 0);
+    kvevict::prefill_chunked(c, 0, q, k, v, 4);  // the good inputs still work
+    CHECK(c.seen_tokens(0) == 10);
+  });
+}

@@ -1522,3 +1522,43 @@ TEST_CASE("Observations are checked by default on CPU (range, causality), off by
     CHECK(to_vec<float>(unchecked.scores(0)[0]) == std::vector<float>{1.f, 1.f, 1.f});
   });
 }
+
+TEST_CASE("reserve is all or nothing: an allocation failure in any layer changes no layer", "[mla_cache][cpu]") {
+  kvevict_test::on_both_paths([] {
+    bool completed = false;
+    for (int64_t fail_at = 1; fail_at < 200 && !completed; ++fail_at) {
+      INFO("failing allocation " << fail_at);
+      MlaCache cache(small_options(3, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+      cache.update(1, at::randn({2, 2, 3, kQk}), at::randn({2, 2, 3, kV}));
+      const auto before = snapshot(cache);
+      bool failed = false;
+      {
+        FailingCpuAllocator failing(fail_at);
+        try {
+          cache.reserve(64);
+        } catch (const c10::Error&) {
+          failed = true;
+        }
+      }
+      if (failed) {
+        CHECK(same_state(before, snapshot(cache)));
+      } else {
+        completed = true;
+        for (int64_t l = 0; l < 3; ++l) CHECK(cache.slots(l) == 64);
+      }
+    }
+    CHECK(completed);
+  });
+}
+
+TEST_CASE("An update that throws does not grow the buffers first", "[mla_cache][errors][cpu]") {
+  kvevict_test::on_both_paths([] {
+    MlaCache cache(small_options(1, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+    cache.finish(1);
+    const auto before = snapshot(cache);
+    CHECK_THROWS_WITH(cache.update(0, at::zeros({2, 2, 20, kQk}), at::zeros({2, 2, 20, kV}), {0, 20}),
+                      Contains("row 1 holds no sequence"));
+    CHECK(same_state(before, snapshot(cache)));
+    CHECK(cache.slots(0) == 5);
+  });
+}

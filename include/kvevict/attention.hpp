@@ -16,7 +16,7 @@ namespace kvevict {
 namespace detail {
 
 /// Checks a query tensor [B, H, T, width] against `cache` (dtype, device) and returns T,
-/// which must be in [1, size(layer)].
+/// which must be in [1, seen_tokens(layer)] on a layer that holds a token.
 template <class Cache>
 int64_t check_query(const at::Tensor& q, const char* name, const Cache& cache, int64_t layer, int64_t width,
                     const char* width_name) {
@@ -102,7 +102,10 @@ at::Tensor attend_rows(Cache& cache, int64_t layer, int64_t T, int64_t width, at
 /// inside a multi-token append the mask is causal by position (key position <= query position).
 ///
 /// \param q          [B, H, T, qk_dim] queries of the newest T tokens (positions
-///                   seen_tokens - T .. seen_tokens - 1), cache dtype and device, 1 <= T <= size.
+///                   seen_tokens - T .. seen_tokens - 1, right-aligned per row as
+///                   EvictionPolicy::query_positions() says: a row that appended fewer tokens
+///                   than the chunk has pads before its own, which get zero output), cache
+///                   dtype and device, 1 <= T <= seen_tokens(layer).
 /// \param scale      logit scale; default 1/sqrt(qk_dim). DeepSeek-V3 with YaRN multiplies it
 ///                   by mscale^2: pass that here.
 /// \param probs_out  if given, receives the fp32 probabilities [B, H, T, S] (slot order).

@@ -429,8 +429,9 @@ class EvictionPolicy {
     return map;
   }
 
-  /// Checks an append (see append()) without changing anything. \throws c10::Error as append().
-  void check_append(int64_t layer, at::IntArrayRef counts, int64_t T) const {
+  /// Checks an append (see append()) without changing anything; `check_room` false leaves out
+  /// the room check (a cache grows its buffers first). \throws c10::Error as append().
+  void check_append(int64_t layer, at::IntArrayRef counts, int64_t T, bool check_room = true) const {
     const auto& L = at(layer);
     KVEVICT_CHECK_VALUE(T >= 1 && T <= EvictionOptions::kMaxTokens, "append: T must be in [1, 2^40], got ", T);
     KVEVICT_CHECK_VALUE(static_cast<int64_t>(counts.size()) == batch_size(), "append: counts must have B = ",
@@ -443,7 +444,7 @@ class EvictionPolicy {
                           counts[b]);
       KVEVICT_CHECK_VALUE(L.seen[b] + counts[b] <= EvictionOptions::kMaxTokens, "append: row ", b,
                           " would pass 2^40 seen tokens");
-      KVEVICT_CHECK(L.len[b] + counts[b] <= L.slots, "append: row ", b, " of layer ", layer, " would hold ",
+      KVEVICT_CHECK(!check_room || L.len[b] + counts[b] <= L.slots, "append: row ", b, " of layer ", layer, " would hold ",
                     L.len[b] + counts[b], " tokens but the layer has ", L.slots,
                     " slots per row; reserve() more slots first");
     }
@@ -633,24 +634,8 @@ class EvictionPolicy {
   ///         changes then.
   void resize_slots(int64_t layer, int64_t slots) {
     auto& L = at(layer);
-    KVEVICT_CHECK_VALUE(slots >= max_of(L.len) && slots >= 1 && slots <= EvictionOptions::kMaxTokens,
-                        "resize_slots: slots must be in [max(1, size(layer) = ", max_of(L.len), "), 2^40], got ",
-                        slots);
-    Layer N;
-    allocate(N, slots);
-    const int64_t S = max_of(L.len);
-    if (S > 0) {
-      N.position.narrow(1, 0, S).copy_(L.position.narrow(1, 0, S));
-      N.state.narrow(1, 0, S).copy_(L.state.narrow(1, 0, S));
-      if (L.pending.defined()) N.pending.narrow(1, 0, S).copy_(L.pending.narrow(1, 0, S));
-    }
-    // Nothing below throws: swap the new tensors in.
-    L.slots = N.slots;
-    L.position = std::move(N.position);
-    L.state = std::move(N.state);
-    L.pending = std::move(N.pending);
-    std::swap(L.host, N.host);
-    L.open_q = 0;
+    Layer N = resized(L, slots);
+    swap_in(L, N);
   }
 
   /// The slots per row `layer` returns to after a pass or reset(): max(capacity(layer) +
@@ -664,8 +649,12 @@ class EvictionPolicy {
   void reserve(int64_t slots) {
     KVEVICT_CHECK_VALUE(slots >= 1 && slots <= EvictionOptions::kMaxTokens, "reserve: slots must be in [1, 2^40], got ",
                         slots);
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      if (at(l).slots < slots) resize_slots(l, slots);
+    std::vector<Layer> grown(layers_.size());  // every allocation first: all layers or none
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (layers_[l].slots < slots) grown[l] = resized(layers_[l], slots);
+    }
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      if (layers_[l].slots < slots) swap_in(layers_[l], grown[l]);
     }
     reserved_ = std::max(reserved_, slots);
   }
@@ -688,9 +677,17 @@ class EvictionPolicy {
   /// Plans a pass on `layer` (the caller checked due()); changes nothing but, with
   /// lazy_reduction, first applies the pending observations (flush(): may throw as it does).
   Pass plan(int64_t layer) {
+    Pass pass;
+    plan(layer, pass);
+    return pass;
+  }
+
+  /// plan() into `pass`, reusing its vectors' room (no allocation once it has seen a pass of
+  /// this size: the caches keep one Pass for their whole life).
+  void plan(int64_t layer, Pass& pass) {
     auto& L = at(layer);
     flush_layer(L, layer);
-    Pass pass = empty_pass(L);
+    reset_pass(L, pass);
     for (int64_t b = 0; b < batch_size(); ++b) {
       pass.n[b] = row_due(L, b, capacity(layer)) ? L.len[b] - capacity(layer) : 0;
       pass.new_len[b] = L.len[b] - pass.n[b];
@@ -700,7 +697,6 @@ class EvictionPolicy {
     } else {
       plan_tensor(L, pass, layer);
     }
-    return pass;
   }
 
   /// Applies a planned pass to the state of `layer`. \throws only on an allocation failure of
@@ -804,6 +800,33 @@ class EvictionPolicy {
     // Device copies of host facts, one per use so that each stays unchanged in the steady state.
     detail::DeviceMirror append_mirror, index_mirror, qmask_mirror, rows_mirror, pass_mirror, counts_mirror;
   };
+
+  /// A copy of L's tensors with `slots` slots per row, its tokens kept (allocates; changes
+  /// nothing). \throws c10::Error if slots < the longest row or on an allocation failure.
+  Layer resized(const Layer& L, int64_t slots) const {
+    KVEVICT_CHECK_VALUE(slots >= max_of(L.len) && slots >= 1 && slots <= EvictionOptions::kMaxTokens,
+                        "resize_slots: slots must be in [max(1, size(layer) = ", max_of(L.len), "), 2^40], got ",
+                        slots);
+    Layer N;
+    allocate(N, slots);
+    const int64_t S = max_of(L.len);
+    if (S > 0) {
+      N.position.narrow(1, 0, S).copy_(L.position.narrow(1, 0, S));
+      N.state.narrow(1, 0, S).copy_(L.state.narrow(1, 0, S));
+      if (L.pending.defined()) N.pending.narrow(1, 0, S).copy_(L.pending.narrow(1, 0, S));
+    }
+    return N;
+  }
+
+  /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
+  static void swap_in(Layer& L, Layer& N) noexcept {
+    L.slots = N.slots;
+    L.position = std::move(N.position);
+    L.state = std::move(N.state);
+    L.pending = std::move(N.pending);
+    std::swap(L.host, N.host);
+    L.open_q = 0;
+  }
 
   /// Checks layer_budgets without allocating. \throws c10::ValueError naming a layer whose
   /// budget is out of range or gives a capacity < 1, or a layer_budgets of the wrong length.
@@ -1391,11 +1414,21 @@ class EvictionPolicy {
 
   Pass empty_pass(const Layer& L) const {
     Pass p;
+    reset_pass(L, p);
+    return p;
+  }
+
+  /// An empty pass of `L` in `p` (its vectors keep their room).
+  void reset_pass(const Layer& L, Pass& p) const {
     p.slot_bound = max_of(L.len);
     p.n.assign(batch_size(), 0);
     p.moves.assign(batch_size(), 0);
-    p.new_len = L.len;
-    return p;
+    p.new_len.assign(L.len.begin(), L.len.end());
+    p.columns = 0;
+    p.src.clear();
+    p.dst.clear();
+    p.src_t = at::Tensor();
+    p.dst_t = at::Tensor();
   }
 
   /// Host plan: per row over capacity, select (Selection::evict_slots_row, trusted), then pair

@@ -55,7 +55,8 @@ struct EvictionOptions {
   KVEVICT_ARG(int64_t, n_sink) = 4;
   /// Newest tokens that are never evicted (the recent window). Default: 16.
   KVEVICT_ARG(int64_t, n_recent) = 16;
-  /// A pass runs at most once per this many `update` calls. Default: 1 (every step).
+  /// A row is evicted at most once per this many appends that gave it tokens (per row: rows
+  /// of a ragged batch count their own appends). Default: 1 (every step).
   KVEVICT_ARG(int64_t, evict_every) = 1;
 };
 

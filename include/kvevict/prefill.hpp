@@ -37,6 +37,13 @@
 namespace kvevict {
 namespace detail {
 
+/// Prompt scores must be finite before a compression changes the cache (a NaN or inf LSE, or
+/// non-finite queries or keys, would otherwise fail half-way, after the append).
+inline void check_prompt_scores(const at::Tensor& scores, const char* what) {
+  KVEVICT_CHECK(at::isfinite(scores).all().template item<bool>(), what,
+                ": the prompt scores are not finite (a NaN or inf in lse, q or k); the cache is unchanged");
+}
+
 /// Whether Scorer has `at::Tensor pool(const at::Tensor&) const` (SnapKV).
 template <class S, class = void>
 struct HasPool : std::false_type {};
@@ -163,7 +170,8 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 /// \param lse   [B, H, T] LSE of the prefill kernel (see prompt_scores()).
 /// \param scale default 1/sqrt(qk_dim), as attend().
 /// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)).
-/// \throws c10::Error if the layer already holds tokens, or as prompt_scores() / update().
+/// \throws c10::Error if the layer already holds tokens, v does not match k, the scores are not
+///         finite, or as prompt_scores() / update(); the cache is unchanged then.
 template <class Policy>
 at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
@@ -171,7 +179,10 @@ at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at
   KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt: layer ", layer, " already holds ",
                 cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+  detail::check_shape(v, "v", {k.size(0), k.size(1), k.size(2), cache.options().v_dim()}, {"B", "H", "T", "v_dim"},
+                      "[B, H, T, v_dim] with k's B, H, T");
   const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
+  detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
   at::NoGradGuard no_grad;
   cache.update(layer, detail::gather_tokens(k, keep, 2), detail::gather_tokens(v, keep, 2));
@@ -192,6 +203,7 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
   const auto& o = cache.options();
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
   const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
+  detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
   at::NoGradGuard no_grad;
   cache.update(layer, detail::gather_tokens(ckv, keep, 1), detail::gather_tokens(kpe, keep, 1));
@@ -207,14 +219,22 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
 /// \param q, k  [B, H, T, qk_dim]; v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param chunk tokens per chunk, >= 1.
 /// \param out   if given, receives the attention output [B, H, T, v_dim] (cache dtype).
-/// \throws c10::Error on a bad chunk or what update() / attend() throw.
+/// \throws c10::Error on a bad chunk, or q, k, v that do not match the cache or each other
+///         (checked before the first chunk), or what update() / attend() throw.
 template <class Policy>
 void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t chunk, c10::optional<double> scale = c10::nullopt,
                      at::Tensor* out = nullptr) {
   KVEVICT_CHECK_VALUE(chunk >= 1, "prefill_chunked: chunk must be >= 1, got ", chunk);
-  KVEVICT_CHECK(k.dim() == 4, "prefill_chunked: k must be [B, H, T, qk_dim], got ", k.sizes());
+  // Every shape first: a mismatch found half-way would leave the prompt half appended.
+  const int64_t B = cache.batch_size(), H = cache.num_heads();
+  detail::check_tensor(k, "k", cache.device());
+  detail::check_shape(k, "k", {B, H, -1, cache.options().qk_dim()}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim]");
   const int64_t T = k.size(2);
+  detail::check_tensor(q, "q", cache.device());
+  detail::check_shape(q, "q", {B, H, T, cache.options().qk_dim()}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] as k");
+  detail::check_tensor(v, "v", cache.device());
+  detail::check_shape(v, "v", {B, H, T, cache.options().v_dim()}, {"B", "H", "T", "v_dim"}, "[B, H, T, v_dim] as k");
   if (out) *out = at::empty({k.size(0), k.size(1), T, v.size(-1)}, v.options());
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
@@ -233,8 +253,20 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
                               const at::Tensor& q_pe, const at::Tensor& ckv, const at::Tensor& kpe, int64_t chunk,
                               c10::optional<double> scale = c10::nullopt, at::Tensor* out = nullptr) {
   KVEVICT_CHECK_VALUE(chunk >= 1, "prefill_chunked_absorbed: chunk must be >= 1, got ", chunk);
-  KVEVICT_CHECK(ckv.dim() == 3, "prefill_chunked_absorbed: ckv must be [B, T, kv_lora_rank], got ", ckv.sizes());
+  // Every shape first: a mismatch found half-way would leave the prompt half appended.
+  const auto& o = cache.options();
+  const int64_t B = cache.batch_size(), H = cache.num_heads();
+  detail::check_tensor(ckv, "ckv", cache.device());
+  detail::check_shape(ckv, "ckv", {B, -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"}, "[B, T, kv_lora_rank]");
   const int64_t T = ckv.size(1);
+  detail::check_tensor(kpe, "kpe", cache.device());
+  detail::check_shape(kpe, "kpe", {B, T, o.qk_rope_dim()}, {"B", "T", "qk_rope_dim"}, "[B, T, qk_rope_dim] as ckv");
+  detail::check_tensor(q_absorbed, "q_absorbed", cache.device());
+  detail::check_shape(q_absorbed, "q_absorbed", {B, H, T, o.kv_lora_rank()}, {"B", "H", "T", "kv_lora_rank"},
+                      "[B, H, T, kv_lora_rank] as ckv");
+  detail::check_tensor(q_pe, "q_pe", cache.device());
+  detail::check_shape(q_pe, "q_pe", {B, H, T, o.qk_rope_dim()}, {"B", "H", "T", "qk_rope_dim"},
+                      "[B, H, T, qk_rope_dim] as ckv");
   if (out) *out = at::empty({q_absorbed.size(0), q_absorbed.size(1), T, ckv.size(2)}, ckv.options());
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);

@@ -99,7 +99,7 @@ class Selection {
   /// \return [B, min(S, capacity)] int64 positions to keep, ascending per row, on scores' device.
   /// \throws c10::Error if scores is not 2-D floating.
   at::Tensor keep_indices(const at::Tensor& scores) const {
-    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "[B, S]");
+    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "a 2-D tensor");
     detail::check_floating(scores, "scores");
     const int64_t B = scores.size(0), S = scores.size(1);
     auto idx = at::arange(S, scores.options().dtype(at::kLong)).expand({B, S}).contiguous();
@@ -120,7 +120,7 @@ class Selection {
   /// \return [B, S - capacity] int64 slots to evict, ascending per row ([B, 0] if S <= capacity).
   /// \throws c10::Error on a shape, dtype or device mismatch, naming the tensor.
   at::Tensor evict_slots(const at::Tensor& scores, const at::Tensor& positions) const {
-    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "[B, S]");
+    detail::check_shape(scores, "scores", {-1, -1}, {"B", "S"}, "a 2-D tensor");
     detail::check_floating(scores, "scores");
     const int64_t B = scores.size(0), S = scores.size(1);
     detail::check_shape(positions, "positions", {B, S}, {"B", "S"}, "[B, S] like scores");

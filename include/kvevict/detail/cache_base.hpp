@@ -112,7 +112,8 @@ class CacheBase {
   ///       shapes in the steady state.
   int64_t evict(int64_t layer) {
     if (!policy_.due(layer)) return 0;
-    auto pass = policy_.plan(layer);
+    auto& pass = pass_;
+    policy_.plan(layer, pass);
     auto& bufs = buffers_[layer];
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
@@ -185,6 +186,7 @@ class CacheBase {
     }
     policy_.reset();
     buffers_ = std::move(fresh);
+    for (auto& v : live_views_) v = LiveViews{};
   }
 
   /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
@@ -205,10 +207,17 @@ class CacheBase {
   void reserve(int64_t slots_per_row) {
     KVEVICT_CHECK_VALUE(slots_per_row >= 1 && slots_per_row <= EvictionOptions::kMaxTokens,
                         "reserve: slots must be in [1, 2^40], got ", slots_per_row);
+    std::vector<std::vector<at::Tensor>> grown(buffers_.size());  // every allocation first
     for (int64_t l = 0; l < num_layers(); ++l) {
-      if (slots(l) < slots_per_row) resize(l, slots_per_row);
+      if (slots(l) < slots_per_row) grown[l] = resized_buffers(l, slots_per_row);
     }
-    policy_.reserve(slots_per_row);
+    policy_.reserve(slots_per_row);  // all layers or none
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      if (!grown[l].empty()) {
+        buffers_[l] = std::move(grown[l]);
+        live_views_[l] = LiveViews{};
+      }
+    }
   }
 
  protected:
@@ -216,6 +225,7 @@ class CacheBase {
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype) {
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
+      live_views_.resize(buffers_.size());
     }, [&](const std::string& why) { fail_allocation(why); });
   }
 
@@ -288,7 +298,7 @@ class CacheBase {
     }
     if (needed > slots(layer)) {
       KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
-      policy_.check_append(layer, std::vector<int64_t>(B, 0), T);  // the other checks, before growing
+      policy_.check_append(layer, counts_, T, /*check_room=*/false);  // everything else, before growing
       resize(layer, std::max(needed, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens)));
     }
     policy_.check_append(layer, counts_, T);
@@ -320,12 +330,26 @@ class CacheBase {
 
   /// Views over slots [0, size(layer)) of every buffer of `layer` (real views: they share the
   /// buffer's version counter, so autograd sees a later in-place move).
+  /// The views are made once per (layer, width, buffers) and handed out again while those stay:
+  /// in the decode steady state every step asks for the same width, and a narrow() costs a few
+  /// microseconds of dispatch on CPU.
   std::vector<at::Tensor> live(int64_t layer) const {
     const int64_t S = size(layer);
-    std::vector<at::Tensor> out;
-    out.reserve(specs_.size());
-    for (size_t i = 0; i < specs_.size(); ++i) out.push_back(buffers_[layer][i].narrow(token_dim(i), 0, S));
-    return out;
+    auto& cached = live_views_[layer];
+    const auto& bufs = buffers_[layer];
+    bool valid = cached.width == S && cached.base == bufs[0].unsafeGetTensorImpl();
+    for (size_t i = 0; valid && i < specs_.size(); ++i) {  // a caller may have resized a view in place
+      const auto& v = cached.views[i];
+      valid = v.strides() == bufs[i].strides() && v.storage_offset() == bufs[i].storage_offset() &&
+              v.dim() == bufs[i].dim() && v.size(token_dim(i)) == S;
+    }
+    if (!valid) {
+      std::vector<at::Tensor> views;
+      views.reserve(specs_.size());
+      for (size_t i = 0; i < specs_.size(); ++i) views.push_back(bufs[i].narrow(token_dim(i), 0, S));
+      cached = {S, bufs[0].unsafeGetTensorImpl(), std::move(views)};
+    }
+    return cached.views;
   }
 
   /// Position-sorted copies of every buffer of `layer`, then the sorted positions [B, S]
@@ -373,8 +397,9 @@ class CacheBase {
     return out;
   }
 
-  /// Gives `layer` `slots` slots per row, keeping the live rows; all or nothing.
-  void resize(int64_t layer, int64_t slots) {
+  /// New buffers of `layer` with `slots` slots per row holding its live rows (allocates; changes
+  /// nothing).
+  std::vector<at::Tensor> resized_buffers(int64_t layer, int64_t slots) const {
     auto fresh = allocate(slots);
     const int64_t S = size(layer);
     if (S > 0) {
@@ -383,8 +408,15 @@ class CacheBase {
         fresh[i].narrow(token_dim(i), 0, S).copy_(buffers_[layer][i].narrow(token_dim(i), 0, S));
       }
     }
+    return fresh;
+  }
+
+  /// Gives `layer` `slots` slots per row, keeping the live rows; all or nothing.
+  void resize(int64_t layer, int64_t slots) {
+    auto fresh = resized_buffers(layer, slots);
     policy_.resize_slots(layer, slots);  // may throw: then the fresh buffers are dropped
     buffers_[layer] = std::move(fresh);
+    live_views_[layer] = LiveViews{};
   }
 
   /// Host path: copies row b's last counts[b] columns of buffer `i` into slots
@@ -429,6 +461,14 @@ class CacheBase {
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
+  /// Per layer: the views live() handed out last, valid while width and buffers stay.
+  struct LiveViews {
+    int64_t width = -1;
+    const c10::TensorImpl* base = nullptr;  // buffers_[layer][0] when the views were made
+    std::vector<at::Tensor> views;
+  };
+  mutable std::vector<LiveViews> live_views_;
+  typename Policy::Pass pass_;                    // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
 };
 
