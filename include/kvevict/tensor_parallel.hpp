@@ -17,7 +17,7 @@
 // Only for linear scorers (kLinear: CumulativeAttention, MeanObservedAttention). The policy
 // rejects it for LatestAttention (TOVA: each observation replaces the score, so the sum of the
 // observations since the last pass is not its score; deferring only the last observation would
-// be exact but is another mechanism, not implemented) and DecayedAttention (gamma * score + c:
+// be exact, but it is a different mechanism from pending sums) and DecayedAttention (gamma * score + c:
 // each observation's weight gamma^age depends on when it came, so the pending sums would no
 // longer be sums of integers, and their all-reduce no longer exact). Those reduce eagerly, one
 // all-reduce per layer and observe().
