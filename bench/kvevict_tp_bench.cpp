@@ -137,25 +137,15 @@ const std::vector<Config> configs(int64_t every) {
 }
 
 int rank_main(int rank, int world, const std::string& dir, int64_t steps, int64_t every, bool latent) {
-  ::alarm(1800);
-  at::set_num_threads(1);
-  FILE* out = std::fopen((dir + "/rank" + std::to_string(rank) + ".txt").c_str(), "w");
-  if (!out) return 2;
-  try {
-    auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-    const auto tp = kvevict::TensorParallel::connect(store, rank, world, 64, at::kCPU, std::chrono::seconds(120));
-    for (const auto& c : configs(every)) {
-      const auto f = latent ? measure<kvevict::MlaLatentCache>(tp, c, steps, true)
-                            : measure<kvevict::MlaCache>(tp, c, steps, false);
-      std::fprintf(out, "%.3f %.4f %.3f %.3f %.3f\n", f.allreduce_us, f.calls, f.evict_us, f.attend_us, f.isolated_us);
-    }
-    std::fclose(out);
-    std::_Exit(0);
-  } catch (const c10::Error& e) {
-    std::fprintf(out, "error %s\n", e.what_without_backtrace());
-    std::fclose(out);
-    std::_Exit(3);
-  }
+  tp_harness::rank_process(rank, world, dir, 64, std::chrono::seconds(120), 1800,
+                           [&](const kvevict::TensorParallel& tp, FILE* out) {
+                             for (const auto& c : configs(every)) {
+                               const auto f = latent ? measure<kvevict::MlaLatentCache>(tp, c, steps, true)
+                                                     : measure<kvevict::MlaCache>(tp, c, steps, false);
+                               std::fprintf(out, "%.3f %.4f %.3f %.3f %.3f\n", f.allreduce_us, f.calls, f.evict_us,
+                                            f.attend_us, f.isolated_us);
+                             }
+                           });
 }
 
 }  // namespace

@@ -42,26 +42,15 @@ Digests digests(const tp_harness::RunResult& r) {
 }
 
 int rank_main(int rank, int world, const std::string& dir, const tp_harness::RunOptions& o, double timeout_s) {
-  ::alarm(3600);  // the rank's own watchdog
-  at::set_num_threads(1);
-  FILE* out = std::fopen((dir + "/rank" + std::to_string(rank) + ".txt").c_str(), "w");
-  if (!out) return 2;
-  try {
-    auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
-    const auto tp = kvevict::TensorParallel::connect(store, rank, world, o.dims.heads, at::kCPU,
-                                                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-    tp_harness::RunResult r;
-    tp_harness::run(o, &tp, r);
-    const auto d = digests(r);
-    std::fprintf(out, "ok %" PRId64 " %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRId64 "\n", tp.heads().begin,
-                 tp.heads().end, d.positions, d.latent_rows, d.evicted);
-    std::fclose(out);
-    std::_Exit(0);  // the peers may have left already: skip the group's teardown
-  } catch (const c10::Error& e) {
-    std::fprintf(out, "error %s\n", e.what_without_backtrace());
-    std::fclose(out);
-    std::_Exit(3);
-  }
+  tp_harness::rank_process(rank, world, dir, o.dims.heads,
+                           std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)), 3600,
+                           [&](const kvevict::TensorParallel& tp, FILE* out) {
+                             tp_harness::RunResult r;
+                             tp_harness::run(o, &tp, r);
+                             const auto d = digests(r);
+                             std::fprintf(out, "ok %" PRId64 " %" PRId64 " %" PRIu64 " %" PRIu64 " %" PRId64 "\n",
+                                          tp.heads().begin, tp.heads().end, d.positions, d.latent_rows, d.evicted);
+                           });
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 #include <kvevict/mla_latent_cache.hpp>
 #include <kvevict/tensor_parallel.hpp>
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -50,6 +52,31 @@ inline std::string make_temp_dir(const char* prefix) {
 
 /// How a rank process ended: its exit code, or -signal, or kWatchdog if the watchdog killed it.
 constexpr int kWatchdog = -1000;
+
+/// The body of one launched rank: a watchdog of `watchdog_s` seconds, one intra-op thread, the
+/// group joined over a FileStore in `dir`, then `body(tp, out)` writes the rank's result line to
+/// `dir`/rank<r>.txt. Exits the process (skipping the group's teardown: the peers may have left)
+/// with 0, 2 if the result file cannot be opened, or 3 after writing "error <message>" when a
+/// c10::Error escapes (a peer died or hung, a configuration mismatch).
+template <class Body>
+[[noreturn]] void rank_process(int rank, int world, const std::string& dir, int64_t total_heads,
+                               std::chrono::milliseconds timeout, unsigned watchdog_s, Body&& body) {
+  ::alarm(watchdog_s);
+  at::set_num_threads(1);
+  FILE* out = std::fopen((dir + "/rank" + std::to_string(rank) + ".txt").c_str(), "w");
+  if (!out) std::_Exit(2);
+  try {
+    auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", world);
+    const auto tp = kvevict::TensorParallel::connect(store, rank, world, total_heads, at::kCPU, timeout);
+    body(tp, out);
+    std::fclose(out);
+    std::_Exit(0);
+  } catch (const c10::Error& e) {
+    std::fprintf(out, "error %s\n", e.what_without_backtrace());
+    std::fclose(out);
+    std::_Exit(3);
+  }
+}
 
 /// Runs `world` copies of `exe` with `args` + {"--rank", r}, waits for all of them at most
 /// `deadline`, then kills (SIGKILL) any still running. Returns each rank's end (see kWatchdog).
