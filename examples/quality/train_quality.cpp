@@ -1,16 +1,18 @@
 // Trains the quality model (model.hpp) on Brown text mixed with retrieval rows (tasks.hpp),
-// with a curriculum: short fixed-length copying and recall first (forms induction), then
-// longer contexts up to --max-len. The rows of step s depend only on (--seed, s); the schedule
-// follows --steps, or the wall clock when --minutes runs out first (see progress in main). Writes checkpoints (LibTorch serialization) and, at the
-// end, the shipped fp16 weights.
+// with a curriculum (step_len below): short copying rows first (forms induction), then a
+// geometric ramp of the context length up to --max-len. Rows and schedule are functions of
+// (--seed, step) alone; --minutes only stops a run early (the log says so). Writes checkpoints
+// (LibTorch serialization) every --eval-every steps and, at the end, the shipped fp16 weights.
 //
-//   train_quality --data build-quality/data --out build-quality/run --steps 2400 --minutes 26 --warm 200 --warm-copy 0.6
+//   train_quality --data build-quality/data --out build-quality/run --steps 3600 --threads 2
 #include "model.hpp"
 #include "tasks.hpp"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <tuple>
 #include <string>
 
 using namespace kvq;
@@ -19,9 +21,10 @@ namespace {
 
 struct Args {
   std::string data = "build-quality/data", out = "build-quality/run", resume;
-  int64_t steps = 2400, tokens_per_step = 2048, max_len = 1024, warm = 200, eval_every = 100, threads = 2;
+  int64_t steps = 4000, tokens_per_step = 2048, max_len = 1024, warm = 300, warm_len = 24, eval_every = 100, threads = 2;
   int64_t seed = 1234, stop_step = -1;
-  double lr = 2e-3, minutes = 1e9, warm_copy = 0.45;
+  bool dry_run = false;  // --dry-run: build every step's rows (checks them), print the schedule, exit
+  double lr = 5e-3, minutes = 1e9;
 };
 
 Args parse(int argc, char** argv) {
@@ -39,28 +42,42 @@ Args parse(int argc, char** argv) {
     else if (k == "--tokens-per-step") a.tokens_per_step = std::stoll(v());
     else if (k == "--max-len") a.max_len = std::stoll(v());
     else if (k == "--warm") a.warm = std::stoll(v());
+    else if (k == "--warm-len") a.warm_len = std::stoll(v());
     else if (k == "--eval-every") a.eval_every = std::stoll(v());
     else if (k == "--threads") a.threads = std::stoll(v());
     else if (k == "--seed") a.seed = std::stoll(v());
     else if (k == "--lr") a.lr = std::stod(v());
     else if (k == "--minutes") a.minutes = std::stod(v());
-    else if (k == "--warm-copy") a.warm_copy = std::stod(v());
     else if (k == "--stop-step") a.stop_step = std::stoll(v());
+    else if (k == "--dry-run") a.dry_run = true;
     else throw std::runtime_error("unknown argument " + k);
   }
   return a;
 }
 
-// The step's context length: fixed 128 during the warm-up, then a ramp to max_len;
-// `progress` in [0, 1] is how far the run is (see main).
-int64_t step_len(Rng& r, const Args& a, int64_t step, double progress) {
-  if (step < a.warm) return 128;
-  const double f = progress;
-  std::vector<int64_t> lens{128, 256, 512};
-  if (f > 0.15) lens.push_back(1024);
-  if (f > 0.4) lens = {256, 512, 1024, 1024};
-  int64_t T = lens[r.uniform(static_cast<int64_t>(lens.size()))];
-  return std::min(T, a.max_len);
+// The curriculum, a function of the step alone (so a rerun with the same flags gives the same
+// rows and the same schedule):
+//  - induction phase, steps [0, --warm): rows of --warm-len tokens, 70% copying. Short rows
+//    matter: at 24 tokens copying forms in ~200 steps; at 48 and 128 tokens it had not formed
+//    after 500 (the induction circuit starts from a near-uniform softmax, whose signal falls
+//    with the row length);
+//  - ramp, to 50% of --steps: the longest row length grows geometrically from --warm-len to
+//    --max-len; each step draws the longest length (half the time) or a shorter power of two;
+//  - then: rows of max/4, max/2 and max (twice as often).
+int64_t step_len(Rng& r, const Args& a, int64_t step) {
+  if (step < a.warm) return a.warm_len;
+  const double f = std::min(1.0, static_cast<double>(step - a.warm) / std::max<int64_t>(1, a.steps / 2 - a.warm));
+  if (f >= 1.0) {
+    const int64_t m = a.max_len;
+    const int64_t lens[4] = {std::max(a.warm_len, m / 4), std::max(a.warm_len, m / 2), m, m};
+    return lens[r.uniform(4)];
+  }
+  const int64_t top = static_cast<int64_t>(
+      std::llround(a.warm_len * std::pow(static_cast<double>(a.max_len) / a.warm_len, f)));
+  if (r.uniform(2) == 0) return top;
+  std::vector<int64_t> lower;
+  for (int64_t t = 32; t < top; t *= 2) lower.push_back(t);
+  return lower.empty() ? top : lower[r.uniform(static_cast<int64_t>(lower.size()))];
 }
 
 Row make_row(Rng& r, const std::string& text, int64_t T, int64_t step, const Args& a) {
@@ -68,19 +85,16 @@ Row make_row(Rng& r, const std::string& text, int64_t T, int64_t step, const Arg
   const std::string empty;
   const std::string& fill = r.uniform(2) ? text : empty;
   const double u = r.unit();
+  const int64_t pairs = std::min<int64_t>(2 + r.uniform(7), (T - 8) / 8), queries = std::min<int64_t>(4 + r.uniform(8), (T - 8) / 8);
   if (step < a.warm) {
-    // --warm-copy: the share of copy rows (forms induction); the rest: recall, passkey, text
-    // in the ratio 30 : 10 : 15.
-    const double wc = a.warm_copy;
-    if (u < wc) return copy_row(r, fill, T, 24 + r.uniform(32));
-    if (u < wc + (1 - wc) * (0.30 / 0.55)) return mqar_row(r, fill, T, 4 + r.uniform(5), 8);
-    if (u < wc + (1 - wc) * (0.40 / 0.55)) return passkey_row(r, fill, T, -1);
-    return text_row(r, text, T);
+    if (u < 0.70) return copy_row(r, fill, T, T / 8 + r.uniform(T / 4));
+    if (u < 0.85) return mqar_row(r, fill, T, pairs, queries);
+    return passkey_row(r, fill, T, -1);
   }
   if (u < 0.25) return text_row(r, text, T);
-  if (u < 0.55) return mqar_row(r, fill, T, 2 + r.uniform(7), 4 + r.uniform(8));
-  if (u < 0.85) return passkey_row(r, fill, T, -1);
-  return copy_row(r, fill, T, 8 + r.uniform(std::min<int64_t>(56, T / 4)));
+  if (u < 0.50) return mqar_row(r, fill, T, pairs, queries);
+  if (u < 0.80) return passkey_row(r, fill, T, -1);
+  return copy_row(r, fill, T, std::min<int64_t>(8 + r.uniform(std::min<int64_t>(56, T / 4)), (T - 4) / 2));
 }
 
 // Passkey accuracy (all four values right) on held-out filler, full forward; n docs per length.
@@ -114,6 +128,25 @@ double text_bpb(Model& m, const std::string& text, int64_t T, int64_t n) {
   return loss.item<double>() / std::log(2.0);
 }
 
+// The rows of step `step`: {T, B * T tokens, their categories}. They depend only on
+// (--seed, step): resuming reproduces the same run.
+std::tuple<int64_t, std::vector<int64_t>, std::vector<int8_t>> make_batch(const std::string& text, const Args& a,
+                                                                          int64_t step) {
+  Rng r(static_cast<uint64_t>(a.seed) * 1000003ull + static_cast<uint64_t>(step));
+  const int64_t T = step_len(r, a, step), B = std::max<int64_t>(1, a.tokens_per_step / T);
+  std::vector<int64_t> buf;
+  std::vector<int8_t> cats;
+  for (int64_t b = 0; b < B; ++b) {
+    Row row = make_row(r, text, T, step, a);
+    if (static_cast<int64_t>(row.tok.size()) != T)
+      throw std::logic_error("step " + std::to_string(step) + ": a row of " + std::to_string(row.tok.size()) +
+                             " tokens, expected " + std::to_string(T));
+    buf.insert(buf.end(), row.tok.begin(), row.tok.end());
+    cats.insert(cats.end(), row.cat.begin(), row.cat.end());
+  }
+  return {T, std::move(buf), std::move(cats)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -122,6 +155,21 @@ int main(int argc, char** argv) try {
   torch::manual_seed(a.seed);
   const std::string text = read_file(a.data + "/brown_train.txt");
   const std::string held = read_file(a.data + "/brown_heldout.txt");
+  if (a.dry_run) {
+    std::map<int64_t, int64_t> tokens_at;  // row length, rounded up to a power of two -> tokens
+    for (int64_t step = 0; step < a.steps; ++step) {
+      const auto [T, buf, cats] = make_batch(text, a, step);
+      int64_t bucket = 32;
+      while (bucket < T) bucket *= 2;
+      tokens_at[bucket] += static_cast<int64_t>(buf.size());
+    }
+    int64_t total = 0;
+    for (auto [T, n] : tokens_at) total += n;
+    std::printf("%lld steps, %lld tokens; by row length (up to):", (long long)a.steps, (long long)total);
+    for (auto [T, n] : tokens_at) std::printf(" %lld:%lld", (long long)T, (long long)n);
+    std::printf("\n");
+    return 0;
+  }
   std::system(("mkdir -p " + a.out).c_str());
 
   Model model{Config()};
@@ -149,29 +197,18 @@ int main(int argc, char** argv) try {
   for (; step < a.steps; ++step) {
     if (step == a.stop_step) break;
     if (elapsed() > a.minutes * 60 + 30) {
-      std::printf("wall-clock limit reached at step %lld\n", (long long)step);
+      std::printf("--minutes reached at step %lld of %lld: the schedule did not finish\n", (long long)step,
+                  (long long)a.steps);
       break;
     }
-    // The data of step s depends only on (seed, s): resuming reproduces the same run.
-    Rng r(static_cast<uint64_t>(a.seed) * 1000003ull + static_cast<uint64_t>(step));
-    // Progress drives the length curriculum and the learning-rate decay: the fraction of
-    // --steps done, or of --minutes when the wall clock runs out first (then the schedule
-    // still completes; the log records it).
-    const double progress = std::min(1.0, std::max(static_cast<double>(step) / a.steps, elapsed() / (a.minutes * 60)));
-    const int64_t T = step_len(r, a, step, progress), B = std::max<int64_t>(1, a.tokens_per_step / T);
-    std::vector<int64_t> buf;
-    std::vector<int8_t> cats;
-    for (int64_t b = 0; b < B; ++b) {
-      Row row = make_row(r, text, T, step, a);
-      buf.insert(buf.end(), row.tok.begin(), row.tok.end());
-      cats.insert(cats.end(), row.cat.begin(), row.cat.end());
-    }
+    const double progress = static_cast<double>(step) / a.steps;
+    auto [T, buf, cats] = make_batch(text, a, step);
+    const int64_t B = static_cast<int64_t>(buf.size()) / T;
     auto tok = torch::tensor(buf, torch::kLong).view({B, T});
     auto cat = torch::tensor(std::vector<int64_t>(cats.begin(), cats.end()), torch::kLong).view({B, T}).narrow(1, 1, T - 1);
-    // Warm-up 100 steps, constant, then linear decay to 10% over the last 20% of progress.
-    const double f = progress;
-    double lr = a.lr * std::min(1.0, (step + 1) / 100.0);
-    if (f > 0.8) lr *= 1.0 - 0.9 * (f - 0.8) / 0.2;
+    // Warm-up 50 steps, constant, then linear decay to 10% over the last 30% of the steps.
+    double lr = a.lr * std::min(1.0, (step + 1) / 50.0);
+    if (progress > 0.7) lr *= 1.0 - 0.9 * (progress - 0.7) / 0.3;
     for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 
     auto logits = model->forward(tok.narrow(1, 0, T - 1));
@@ -199,12 +236,13 @@ int main(int argc, char** argv) try {
       }
     }
     if ((step + 1) % 20 == 0) {
-      std::printf("step %5lld progress %.3f T %4lld lr %.2e tok/s %5.0f | text %.3f bpb | acc mqar %.2f passkey %.2f copy %.2f | %.1f min\n",
+      std::printf("step %5lld progress %.3f T %4lld lr %.2e tok/s %5.0f | text %.3f bpb | acc mqar %.2f passkey %.2f copy %.2f (loss %.2f) | %.1f min\n",
                   (long long)(step + 1), progress, (long long)T, lr, tokens / elapsed(),
                   cat_n[kText] ? cat_loss[kText] / cat_n[kText] / std::log(2.0) : 0.0,
                   cat_n[kMqar] ? cat_hit[kMqar] / cat_n[kMqar] : 0.0,
                   cat_n[kPasskey] ? cat_hit[kPasskey] / cat_n[kPasskey] : 0.0,
-                  cat_n[kCopyAns] ? cat_hit[kCopyAns] / cat_n[kCopyAns] : 0.0, elapsed() / 60);
+                  cat_n[kCopyAns] ? cat_hit[kCopyAns] / cat_n[kCopyAns] : 0.0,
+                  cat_n[kCopyAns] ? cat_loss[kCopyAns] / cat_n[kCopyAns] : 0.0, elapsed() / 60);
       std::fflush(stdout);
       for (int c = 0; c < kNumCats; ++c) cat_loss[c] = cat_hit[c] = cat_n[c] = 0;
     }
