@@ -1,8 +1,9 @@
 #pragma once
-// The command line of the example and benchmark tools (validate_eviction, memory_table,
-// kvevict_bench): value parsers that take the whole string or throw UsageError, and one parse
-// loop for `--flag value` and `--flag=value`, plus dtype and device names. ATen and the standard
-// library only (the benchmark builds without fmt); the tools turn a UsageError into exit code 2.
+// The command line of the example, benchmark and quality tools (validate_eviction, memory_table,
+// kvevict_bench, train_quality, ...): value parsers that take the whole string or throw
+// UsageError, and one parse loop for `--flag value` and `--flag=value`, plus dtype and device
+// names. ATen and the standard library only (the benchmark builds without fmt); the tools turn
+// a UsageError into exit code 2.
 #include <ATen/ATen.h>
 
 #include <cctype>
@@ -10,6 +11,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -44,16 +46,36 @@ inline int64_t parse_int(const std::string& flag, const std::string& text, int64
   return value;
 }
 
-/// `text` as a finite number of seconds > 0; the whole string must parse.
-inline double parse_seconds(const std::string& flag, const std::string& text) {
+/// `text` as a finite double if the whole string parses (no leading spaces, no range error), else NaN.
+inline double finite_or_nan(const std::string& text) {
   const char* begin = text.c_str();
   char* end = nullptr;
   errno = 0;
   const bool blank = text.empty() || std::isspace(static_cast<unsigned char>(text[0]));  // strtod skips spaces
   const double value = blank ? NAN : std::strtod(begin, &end);
-  if (end != begin + text.size() || errno == ERANGE || !std::isfinite(value) || !(value > 0)) {
-    throw UsageError(flag + " expects a finite number of seconds > 0, got '" + text + "'");
-  }
+  if (end != begin + text.size() || errno == ERANGE || !std::isfinite(value)) return NAN;
+  return value;
+}
+
+/// `text` as a finite number of seconds > 0; the whole string must parse.
+inline double parse_seconds(const std::string& flag, const std::string& text) {
+  const double value = finite_or_nan(text);
+  if (!(value > 0)) throw UsageError(flag + " expects a finite number of seconds > 0, got '" + text + "'");
+  return value;
+}
+
+/// `text` as a finite number in [min, max]; the whole string must parse.
+inline double parse_double(const std::string& flag, const std::string& text, double min,
+                           double max = std::numeric_limits<double>::max()) {
+  const double value = finite_or_nan(text);
+  if (std::isnan(value)) throw UsageError(flag + " expects a finite number, got '" + text + "'");
+  const auto bound = [](double b) {
+    char out[32];
+    std::snprintf(out, sizeof out, "%g", b);
+    return std::string(out);
+  };
+  if (value < min) throw UsageError(flag + " must be >= " + bound(min) + ", got " + text);
+  if (value > max) throw UsageError(flag + " must be <= " + bound(max) + ", got " + text);
   return value;
 }
 

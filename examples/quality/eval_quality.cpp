@@ -10,6 +10,7 @@
 // Writes <out>/quality.csv (long format), gnuplot data and PNG plots.
 //
 //   eval_quality --weights examples/quality/weights.pt --data build-quality/data --out build-quality/eval
+#include "cli.hpp"
 #include "evaluate.hpp"
 
 #include <chrono>
@@ -18,19 +19,39 @@
 #include <map>
 #include <mutex>
 #include <thread>
-#include <sstream>
 
 using namespace kvq;
 
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string x;
-  while (std::getline(ss, x, ',')) out.push_back(x);
-  return out;
-}
+constexpr const char* kUsage = R"(Usage: eval_quality [options]
+
+Runs every policy at every budget in each cache layout over passkey documents and held-out
+text; writes OUT/quality.csv, gnuplot data and plots, and prints a summary table.
+
+Options (default in brackets):
+  --weights PATH         the model's weights [examples/quality/weights.pt]
+  --data DIR             brown_heldout.txt [build-quality/data]
+  --out DIR              results [build-quality/eval]
+  --contexts L,...       passkey document lengths, 12 .. 2^20 [256,512,1024]
+  --budgets P,...        cache capacities, percent of the context, 1 .. 100 [5,10,25,50,100]
+  --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
+  --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
+                         sinks_window, random)
+                         [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random]
+  --layouts L,...        expanded, latent [expanded,latent]
+  --docs N               passkey documents per context and depth, >= 1 [4]
+  --text-windows N       held-out text windows, >= 1 [8]
+  --text-len N           tokens per text window, 2 .. 2^20 [1024]
+  --threads N            intra-op threads per job, 1 .. 1024 [1]
+  --jobs N               (policy, budget) runs at a time, 1 .. 1024 [2]
+  --heat-budget P        the retrieval heatmap's budget (one of --budgets), percent [25]
+  --no-plots             no gnuplot run (data files only)
+  --write-ci-json PATH   write the CI test's reference values (tests/quality) to PATH and exit
+  --ci-context L         its document length, 12 .. 2^20 [512]
+  --ci-docs N            its documents per depth, >= 1 [8]
+  --help                 print this and exit
+)";
 
 struct Args {
   std::string weights = "examples/quality/weights.pt", data = "build-quality/data", out = "build-quality/eval";
@@ -44,45 +65,50 @@ struct Args {
   int64_t ci_context = 512, ci_docs = 8;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto v = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
-      return argv[++i];
-    };
-    auto ints = [&](const std::string& s) {
-      std::vector<int64_t> r;
-      for (auto& x : split(s)) r.push_back(std::stoll(x));
-      return r;
-    };
-    if (k == "--weights") a.weights = v();
-    else if (k == "--data") a.data = v();
-    else if (k == "--out") a.out = v();
-    else if (k == "--contexts") a.contexts = ints(v());
-    else if (k == "--budgets") a.budgets = ints(v());
-    else if (k == "--depths") {
-      a.depths.clear();
-      for (auto& x : split(v())) a.depths.push_back(std::stod(x));
-    } else if (k == "--policies") a.policies = split(v());
-    else if (k == "--layouts") a.layouts = split(v());
-    else if (k == "--docs") a.docs = std::stoll(v());
-    else if (k == "--text-windows") a.text_windows = std::stoll(v());
-    else if (k == "--text-len") a.text_len = std::stoll(v());
-    else if (k == "--threads") a.threads = std::stoll(v());
-    else if (k == "--jobs") a.jobs = std::max<int64_t>(1, std::stoll(v()));
-    else if (k == "--heat-budget") a.heat_budget = std::stoll(v());
-    else if (k == "--no-plots") a.plots = false;
-    else if (k == "--write-ci-json") a.ci_json = v();
-    else if (k == "--ci-context") a.ci_context = std::stoll(v());
-    else if (k == "--ci-docs") a.ci_docs = std::stoll(v());
-    else throw std::runtime_error("unknown argument " + k + " (see the comment at the top of eval_quality.cpp)");
-  }
-  for (auto b : a.budgets)
-    if (b < 1 || b > 100) throw std::runtime_error("--budgets: percentages in [1, 100], got " + std::to_string(b));
-  for (auto& p : a.policies) policy_from(p);
-  return a;
+using kvevict_cli::parse_int;
+using kvevict_cli::parse_int_list;
+
+// Parses argv (`--flag value` or `--flag=value`); throws kvevict_cli::UsageError on a bad
+// command line, returns false for --help. A passkey document is 2 * kPassLen + 4 tokens
+// before any filler (BOS, PASS v1..v4, QRY PASS v1..v4).
+bool parse(int argc, char** argv, Args& a) {
+  constexpr int64_t kMinDoc = 2 * kPassLen + 4, kMaxLen = int64_t{1} << 20;
+  const auto policy = [](const std::string& f, const std::string& item) {
+    return kvevict_cli::parse_as(f, item, [](const std::string& name) {
+      policy_from(name);  // throws on an unknown name
+      return name;
+    });
+  };
+  const auto depth = [](const std::string& f, const std::string& item) {
+    return kvevict_cli::parse_double(f, item, 0, 1);
+  };
+  return kvevict_cli::parse_flags(
+      argc, argv,
+      {
+          {"--weights", [&](auto&, auto& v) { a.weights = v; }},
+          {"--data", [&](auto&, auto& v) { a.data = v; }},
+          {"--out", [&](auto&, auto& v) { a.out = v; }},
+          {"--contexts", [&](auto& f, auto& v) { a.contexts = parse_int_list(f, v, kMinDoc, kMaxLen); }},
+          {"--budgets", [&](auto& f, auto& v) { a.budgets = parse_int_list(f, v, 1, 100); }},
+          {"--depths", [&](auto& f, auto& v) { a.depths = kvevict_cli::parse_list(f, v, depth); }},
+          {"--policies", [&](auto& f, auto& v) { a.policies = kvevict_cli::parse_list(f, v, policy); }},
+          {"--layouts",
+           [&](auto& f, auto& v) { a.layouts = kvevict_cli::parse_choice_list(f, v, {"expanded", "latent"}); }},
+          {"--docs", [&](auto& f, auto& v) { a.docs = parse_int(f, v, 1); }},
+          {"--text-windows", [&](auto& f, auto& v) { a.text_windows = parse_int(f, v, 1); }},
+          {"--text-len", [&](auto& f, auto& v) { a.text_len = parse_int(f, v, 2, kMaxLen); }},
+          {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1, 1024); }},
+          {"--jobs", [&](auto& f, auto& v) { a.jobs = parse_int(f, v, 1, 1024); }},
+          {"--heat-budget", [&](auto& f, auto& v) { a.heat_budget = parse_int(f, v, 1, 100); }},
+          {"--write-ci-json",
+           [&](auto& f, auto& v) {
+             kvevict_cli::check_writable(f, v);
+             a.ci_json = v;
+           }},
+          {"--ci-context", [&](auto& f, auto& v) { a.ci_context = parse_int(f, v, kMinDoc, kMaxLen); }},
+          {"--ci-docs", [&](auto& f, auto& v) { a.ci_docs = parse_int(f, v, 1); }},
+      },
+      {{"--no-plots", [&] { a.plots = false; }}});
 }
 
 struct Csv {
@@ -108,7 +134,11 @@ std::string fmt_depth(double d) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Args a = parse(argc, argv);
+  Args a;
+  if (!parse(argc, argv, a)) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
   torch::set_num_threads(static_cast<int>(a.threads));
   std::system(("mkdir -p " + a.out).c_str());
   Model m{Config()};
@@ -149,7 +179,6 @@ int main(int argc, char** argv) try {
 
   for (const auto& lname : a.layouts) {
     const Layout layout = lname == "latent" ? Layout::Latent : Layout::Expanded;
-    if (lname != "latent" && lname != "expanded") throw std::runtime_error("unknown layout " + lname);
     // Tasks: retrieval documents per context length, then the text windows.
     struct Task {
       std::string name;
@@ -333,6 +362,9 @@ int main(int argc, char** argv) try {
   }
   std::printf("csv: %s/quality.csv\n", a.out.c_str());
   return 0;
+} catch (const kvevict_cli::UsageError& e) {
+  std::fprintf(stderr, "eval_quality: %s (see --help)\n", e.what());
+  return 2;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;

@@ -5,6 +5,7 @@
 //    ckv 512 + kpe 64), cache work only: update + attend (+ evict), fp32 on CPU.
 // Median time per token over --steps decode steps, and the cache's K/V bytes.
 //   speed_quality [--weights examples/quality/weights.pt] [--capacity 256] [--ds-capacity 512] [--steps 40]
+#include "cli.hpp"
 #include "evaluate.hpp"
 
 #include <algorithm>
@@ -14,6 +15,23 @@
 using namespace kvq;
 
 namespace {
+
+constexpr const char* kUsage = R"(Usage: speed_quality [options]
+
+Times one decode step with an evicting cache at capacity C against the full cache at 4C and
+8C: the quality model (--capacity) and one DeepSeek-V3-sized attention layer (--ds-capacity).
+Prints a markdown table.
+
+Options (default in brackets):
+  --weights PATH       the quality model's weights [examples/quality/weights.pt]
+  --capacity C         the quality model's evicting capacity, 1 .. 2^20 [256]
+  --ds-capacity C      the DeepSeek-V3 layer's: 4 sinks, 16 recent and C - 20 heavy
+                       hitters, 20 .. 2^20 [512]
+  --steps N            timed decode steps (the median is reported), 1 .. 100000 [40]
+  --threads N          intra-op threads, 1 .. 1024 [2]
+  --help               print this and exit
+)";
+
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -77,14 +95,20 @@ double time_ds_latent(Cache& cache, const Ds& d, int64_t context, int64_t steps)
 int main(int argc, char** argv) try {
   std::string weights = "examples/quality/weights.pt";
   int64_t C = 256, DC = 512, steps = 40, threads = 2;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string k = argv[i], v = argv[i + 1];
-    if (k == "--weights") weights = v;
-    else if (k == "--capacity") C = std::stoll(v);
-    else if (k == "--ds-capacity") DC = std::stoll(v);
-    else if (k == "--steps") steps = std::stoll(v);
-    else if (k == "--threads") threads = std::stoll(v);
-    else throw std::runtime_error("unknown argument " + k);
+  using kvevict_cli::parse_int;
+  constexpr int64_t kMaxCapacity = int64_t{1} << 20;
+  const bool run = kvevict_cli::parse_flags(
+      argc, argv,
+      {
+          {"--weights", [&](auto&, auto& v) { weights = v; }},
+          {"--capacity", [&](auto& f, auto& v) { C = parse_int(f, v, 1, kMaxCapacity); }},
+          {"--ds-capacity", [&](auto& f, auto& v) { DC = parse_int(f, v, 20, kMaxCapacity); }},
+          {"--steps", [&](auto& f, auto& v) { steps = parse_int(f, v, 1, 100000); }},
+          {"--threads", [&](auto& f, auto& v) { threads = parse_int(f, v, 1, 1024); }},
+      });
+  if (!run) {
+    std::printf("%s", kUsage);
+    return 0;
   }
   torch::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(0);
@@ -132,6 +156,9 @@ int main(int argc, char** argv) try {
     }
   }
   return 0;
+} catch (const kvevict_cli::UsageError& e) {
+  std::fprintf(stderr, "speed_quality: %s (see --help)\n", e.what());
+  return 2;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;

@@ -5,6 +5,7 @@
 // (LibTorch serialization) every --eval-every steps and, at the end, the shipped fp16 weights.
 //
 //   train_quality --data build-quality/data --out build-quality/run --steps 3600 --threads 2
+#include "cli.hpp"
 #include "model.hpp"
 #include "tasks.hpp"
 
@@ -19,6 +20,29 @@ using namespace kvq;
 
 namespace {
 
+constexpr const char* kUsage = R"(Usage: train_quality [options]
+
+Trains the quality model; writes checkpoints to OUT/ckpt and the fp16 weights to OUT/weights.pt.
+
+Options (default in brackets):
+  --data DIR              brown_train.txt and brown_heldout.txt [build-quality/data]
+  --out DIR               checkpoints and weights [build-quality/run]
+  --resume DIR            continue from the checkpoint in DIR (model.pt, optim.pt, step.txt)
+  --steps N               optimizer steps, >= 1 [4000]
+  --tokens-per-step N     tokens per step, at least one row, 1 .. 2^24 [2048]
+  --max-len N             longest row, --warm-len .. 2^20 [1024]
+  --warm N                steps of the induction phase, >= 0 [300]
+  --warm-len N            row length in the induction phase, 16 .. 2^20 [24]
+  --eval-every N          evaluate and save every N steps, >= 1 [100]
+  --threads N             intra-op threads, 1 .. 1024 [2]
+  --seed N                rows and initialization, >= 0 [1234]
+  --lr X                  peak AdamW learning rate, 0 .. 1 [5e-3]
+  --minutes X             stop early after X minutes (plus 30 s), >= 0 [no limit]
+  --stop-step N           stop at step N, the schedule still that of --steps, >= 0 [none]
+  --dry-run               build every step's rows (checks them), print the schedule, exit
+  --help                  print this and exit
+)";
+
 struct Args {
   std::string data = "build-quality/data", out = "build-quality/run", resume;
   int64_t steps = 4000, tokens_per_step = 2048, max_len = 1024, warm = 300, warm_len = 24, eval_every = 100, threads = 2;
@@ -27,32 +51,40 @@ struct Args {
   double lr = 5e-3, minutes = 1e9;
 };
 
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string k = argv[i];
-    auto v = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::runtime_error("missing value for " + k);
-      return argv[++i];
-    };
-    if (k == "--data") a.data = v();
-    else if (k == "--out") a.out = v();
-    else if (k == "--resume") a.resume = v();
-    else if (k == "--steps") a.steps = std::stoll(v());
-    else if (k == "--tokens-per-step") a.tokens_per_step = std::stoll(v());
-    else if (k == "--max-len") a.max_len = std::stoll(v());
-    else if (k == "--warm") a.warm = std::stoll(v());
-    else if (k == "--warm-len") a.warm_len = std::stoll(v());
-    else if (k == "--eval-every") a.eval_every = std::stoll(v());
-    else if (k == "--threads") a.threads = std::stoll(v());
-    else if (k == "--seed") a.seed = std::stoll(v());
-    else if (k == "--lr") a.lr = std::stod(v());
-    else if (k == "--minutes") a.minutes = std::stod(v());
-    else if (k == "--stop-step") a.stop_step = std::stoll(v());
-    else if (k == "--dry-run") a.dry_run = true;
-    else throw std::runtime_error("unknown argument " + k);
+using kvevict_cli::parse_double;
+using kvevict_cli::parse_int;
+
+// Parses argv (`--flag value` or `--flag=value`); throws kvevict_cli::UsageError on a bad
+// command line, returns false for --help. Rows are 16 tokens at least: make_row gives an
+// MQAR row at most (T - 8) / 8 (key, value) pairs, none below 16 (below 12 a passkey row does
+// not fit at all).
+bool parse(int argc, char** argv, Args& a) {
+  constexpr int64_t kMaxRow = int64_t{1} << 20;
+  const bool run = kvevict_cli::parse_flags(
+      argc, argv,
+      {
+          {"--data", [&](auto&, auto& v) { a.data = v; }},
+          {"--out", [&](auto&, auto& v) { a.out = v; }},
+          {"--resume", [&](auto&, auto& v) { a.resume = v; }},
+          {"--steps", [&](auto& f, auto& v) { a.steps = parse_int(f, v, 1); }},
+          {"--tokens-per-step", [&](auto& f, auto& v) { a.tokens_per_step = parse_int(f, v, 1, int64_t{1} << 24); }},
+          {"--max-len", [&](auto& f, auto& v) { a.max_len = parse_int(f, v, 16, kMaxRow); }},
+          {"--warm", [&](auto& f, auto& v) { a.warm = parse_int(f, v, 0); }},
+          {"--warm-len", [&](auto& f, auto& v) { a.warm_len = parse_int(f, v, 16, kMaxRow); }},
+          {"--eval-every", [&](auto& f, auto& v) { a.eval_every = parse_int(f, v, 1); }},
+          {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1, 1024); }},
+          {"--seed", [&](auto& f, auto& v) { a.seed = parse_int(f, v, 0); }},
+          {"--lr", [&](auto& f, auto& v) { a.lr = parse_double(f, v, 0, 1); }},
+          {"--minutes", [&](auto& f, auto& v) { a.minutes = parse_double(f, v, 0); }},
+          {"--stop-step", [&](auto& f, auto& v) { a.stop_step = parse_int(f, v, 0); }},
+      },
+      {{"--dry-run", [&] { a.dry_run = true; }}});
+  if (!run) return false;
+  if (a.max_len < a.warm_len) {
+    throw kvevict_cli::UsageError("--max-len " + std::to_string(a.max_len) + " is below --warm-len " +
+                                  std::to_string(a.warm_len));
   }
-  return a;
+  return true;
 }
 
 // The curriculum, a function of the step alone (so a rerun with the same flags gives the same
@@ -150,7 +182,11 @@ std::tuple<int64_t, std::vector<int64_t>, std::vector<int8_t>> make_batch(const 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Args a = parse(argc, argv);
+  Args a;
+  if (!parse(argc, argv, a)) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
   torch::set_num_threads(static_cast<int>(a.threads));
   torch::manual_seed(a.seed);
   const std::string text = read_file(a.data + "/brown_train.txt");
@@ -261,6 +297,9 @@ int main(int argc, char** argv) try {
   save_weights(model, a.out + "/weights.pt");
   std::printf("done: %lld steps, %lld tokens, %.1f min\n", (long long)step, (long long)tokens, elapsed() / 60);
   return 0;
+} catch (const kvevict_cli::UsageError& e) {
+  std::fprintf(stderr, "train_quality: %s (see --help)\n", e.what());
+  return 2;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "error: %s\n", e.what());
   return 1;
