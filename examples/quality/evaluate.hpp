@@ -16,7 +16,7 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 
 // Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
 // with_cache() below.
-enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid };
+enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV };
 inline const char* policy_name(Policy p) {
   switch (p) {
     case Policy::Full: return "full";
@@ -27,12 +27,13 @@ inline const char* policy_name(Policy p) {
     case Policy::Window: return "sinks_window";
     case Policy::Random: return "random";
     case Policy::Pyramid: return "h2o_pyramid";
+    case Policy::SnapKV: return "snapkv";
   }
   return "?";
 }
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
-                 Policy::Random, Policy::Pyramid})
+                 Policy::Random, Policy::Pyramid, Policy::SnapKV})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -50,6 +51,12 @@ inline kvevict::EvictionOptions eviction_for(Policy p, int64_t capacity, int64_t
   return kvevict::EvictionOptions(std::max<int64_t>(0, rest - recent)).n_sink(sinks).n_recent(std::min(recent, rest));
 }
 
+// SnapKV's observation window here: the newest min(32, n_recent) prompt queries vote (the
+// scorer needs n_recent >= window); pooling over 5 tokens (the authors' default).
+inline kvevict::SnapKV snapkv_for(const kvevict::EvictionOptions& e) {
+  return kvevict::SnapKV(std::max<int64_t>(1, std::min<int64_t>(32, e.n_recent())), 5);
+}
+
 // Builds the cache type that `p` names for `layout` and calls f(cache).
 // h2o_pyramid: H2O with per-layer budgets (PyramidKV-style): layer l of n keeps
 // budget * (1.5 - l / (n - 1)) heavy hitters (1.5x at the bottom, 0.5x at the top; same total).
@@ -64,13 +71,15 @@ template <class F>
 void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f) {
   std::vector<int64_t> layer_budgets;
   if (p == Policy::Pyramid) layer_budgets = pyramid_budgets(e.budget(), m->c.n_layers);
-  auto run = [&](auto tag) {
-    using Scorer = decltype(tag);
+  auto run = [&](auto scorer) {
+    using Scorer = decltype(scorer);
     if (layout == Layout::Expanded) {
-      kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(m->expanded_options(batch).layer_budgets(layer_budgets), e);
+      kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(
+          m->expanded_options(batch).layer_budgets(layer_budgets), e, scorer);
       f(cache);
     } else {
-      kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(m->latent_options(batch).layer_budgets(layer_budgets), e);
+      kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(
+          m->latent_options(batch).layer_budgets(layer_budgets), e, scorer);
       f(cache);
     }
   };
@@ -78,6 +87,7 @@ void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOption
     case Policy::MeanObserved: run(kvevict::MeanObservedAttention{}); break;
     case Policy::Tova: run(kvevict::LatestAttention{}); break;
     case Policy::Decay: run(kvevict::DecayedAttention{}); break;  // the library's default gamma (0.9)
+    case Policy::SnapKV: run(snapkv_for(e)); break;
     default: run(kvevict::CumulativeAttention{}); break;  // Full, H2O, Window, Random
   }
 }
@@ -90,6 +100,8 @@ struct RunResult {
 // Feeds tokens [B, T] through a fresh cache: one prefill chunk of min(prefill, T) tokens, then
 // one token per step (decode). Random: attention is not observed; every new token gets a
 // uniform random score once, when it arrives (so eviction picks uniformly among candidates).
+// SnapKV: the prefill chunk is the prompt, attended in full and compressed once per layer
+// (Model::prefill_compressed), so `prefill` may exceed the capacity; decode as the others.
 // ref_attn (optional): per layer [B, H, T, v_dim] attention outputs of the full cache; the
 // squared error of this run's outputs against them is summed over positions >= prefill.
 inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e,
@@ -122,7 +134,10 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
           res.ref_sq += r.pow(2).sum().item<double>();
         }
       };
-      chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict));
+      if (t == 0 && p == Policy::SnapKV)
+        chunks.push_back(m->prefill_compressed(tok.narrow(1, 0, n), cache, state));
+      else
+        chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict));
       t += n;
     }
   });

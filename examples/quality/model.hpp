@@ -52,9 +52,12 @@ struct Config {
 using AttnTap = std::function<void(int64_t layer, const torch::Tensor& out)>;
 
 // Per-sequence decode state outside the KV cache: each layer's last attention input
-// [B, 1, dim] (for the smeared keys of the next token). One per cache; empty at position 0.
+// [B, 1, dim] (for the smeared keys of the next token), and the RoPE position of the next token
+// minus the cache's seen tokens (0, except after a compressed prompt: compress_prompt numbers
+// the kept tokens 0 .. n-1). One per cache; empty at position 0.
 struct DecodeState {
   std::vector<torch::Tensor> last;
+  int64_t offset = 0;
 };
 
 struct RMSNormImpl : torch::nn::Module {
@@ -147,6 +150,37 @@ struct MLAImpl : torch::nn::Module {
     return out(o);
   }
 
+  // Full causal attention over a whole prompt x [B, T, dim] at positions 0..T-1, and the layer's
+  // cache filled by one-shot compression (kvevict::compress_prompt under the cache's scorer,
+  // from the prompt's LSE) instead of appending every token. -> the attention output.
+  template <class P>
+  torch::Tensor compressed(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaCache<P>& cache,
+                           int64_t layer, torch::Tensor* last) {
+    auto p = project(x, pos, last);
+    auto [k, v] = expand(p.ckv, p.kpe);
+    auto q = torch::cat({p.q_nope, p.q_pe}, -1).contiguous();
+    const int64_t T = x.size(1);
+    auto logits = torch::matmul(q, k.transpose(-2, -1)).mul(c.scale()).masked_fill(torch::ones({T, T}, torch::kBool).triu(1), -INFINITY);
+    kvevict::compress_prompt(cache, layer, q, k.contiguous(), v.contiguous(), torch::logsumexp(logits, -1), c.scale());
+    return out(torch::matmul(torch::softmax(logits, -1), v));
+  }
+  template <class P>
+  torch::Tensor compressed(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaLatentCache<P>& cache,
+                           int64_t layer, torch::Tensor* last) {
+    auto p = project(x, pos, last);
+    auto w = wkv_b->weight.view({c.n_heads, c.qk_nope + c.v_dim, c.kv_lora});
+    auto q_abs = torch::matmul(p.q_nope, w.narrow(1, 0, c.qk_nope).unsqueeze(0)).contiguous();  // [B, H, T, r]
+    const int64_t T = x.size(1);
+    auto logits = (torch::matmul(q_abs, p.ckv.unsqueeze(1).transpose(-2, -1)) +
+                   torch::matmul(p.q_pe, p.kpe.unsqueeze(1).transpose(-2, -1)))
+                      .mul(c.scale())
+                      .masked_fill(torch::ones({T, T}, torch::kBool).triu(1), -INFINITY);
+    kvevict::compress_prompt_absorbed(cache, layer, q_abs, p.q_pe.contiguous(), p.ckv.contiguous(), p.kpe.contiguous(),
+                                      torch::logsumexp(logits, -1), c.scale());
+    auto lat = torch::matmul(torch::softmax(logits, -1), p.ckv.unsqueeze(1));                 // [B, H, T, r]
+    return out(torch::matmul(lat, w.narrow(1, c.qk_nope, c.v_dim).transpose(1, 2).unsqueeze(0)));  // [B, H, T, v]
+  }
+
   // Latent layout: q_absorbed = q_nope W_UK, output = (probs ckv) W_UV^T.
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaLatentCache<P>& cache,
@@ -230,7 +264,7 @@ struct ModelImpl : torch::nn::Module {
   template <class Cache>
   torch::Tensor step(const torch::Tensor& tokens, Cache& cache, DecodeState& state, const AttnTap& tap = nullptr,
                      bool observe = true, bool evict = true) {
-    const int64_t start = cache.seen_tokens(0), T = tokens.size(1);
+    const int64_t start = cache.seen_tokens(0) + state.offset, T = tokens.size(1);
     if (static_cast<int64_t>(state.last.size()) != c.n_layers) state.last.assign(c.n_layers, torch::Tensor());
     if (start == 0) state.last.assign(c.n_layers, torch::Tensor());
     auto pos = torch::arange(start, start + T, torch::kLong);
@@ -241,6 +275,25 @@ struct ModelImpl : torch::nn::Module {
       if (evict) cache.evict(l);
       x = x + b->mlp(b->ffn_norm(x));
     }
+    return head(x);
+  }
+
+  // A prompt tokens [B, T] into an empty cache (either layout), each layer compressed once to its
+  // capacity by kvevict::compress_prompt under the cache's scorer (SnapKV's setting: the whole
+  // prompt's attention, from its LSE, then keep the best). Later step() calls continue at RoPE
+  // position T. -> logits [B, T, vocab] (exact: the prompt itself attends to every token).
+  template <class Cache>
+  torch::Tensor prefill_compressed(const torch::Tensor& tokens, Cache& cache, DecodeState& state) {
+    const int64_t T = tokens.size(1);
+    state.last.assign(c.n_layers, torch::Tensor());
+    auto pos = torch::arange(T, torch::kLong);
+    auto x = embed(tokens);
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      auto& b = blocks[l];
+      x = x + b->attn->compressed(b->attn_norm(x), pos, cache, l, &state.last[l]);
+      x = x + b->mlp(b->ffn_norm(x));
+    }
+    state.offset = T - cache.seen_tokens(0);
     return head(x);
   }
 

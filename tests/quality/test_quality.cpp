@@ -1,7 +1,9 @@
 // CI test for the shipped quality model (examples/quality/weights.pt): no corpus, no network.
 //  1. cached decode (expanded and latent layouts) matches the full forward;
 //  2. eviction at 100% budget leaves the logits exactly unchanged (vs never calling evict);
-//  3. full-cache passkey accuracy on a fixed synthetic set matches the value stored with the
+//  3. SnapKV's one-shot prompt compression (Model::prefill_compressed) at capacity T keeps every
+//     token: the decode after it matches the full forward; at 25% it changes the logits;
+//  4. full-cache passkey accuracy on a fixed synthetic set matches the value stored with the
 //     weights (weights.json) within a tolerance.
 // Usage: test_quality <weights.pt> <weights.json>
 #include "evaluate.hpp"
@@ -60,7 +62,20 @@ int main(int argc, char** argv) try {
   auto small = run_policy(m, Layout::Expanded, Policy::H2O, eviction_for(Policy::H2O, T / 4, T), fed, 1, 0).logits;
   check(!torch::equal(small, exp), "25% budget changes the logits");
 
-  // 3. Full-cache passkey accuracy on the fixed set the JSON describes.
+  // 3. SnapKV: the prompt (all but the last 3 fed tokens) attended in full and compressed once per
+  //    layer, then 3 decode steps. At capacity T nothing is dropped; at 25% the logits change.
+  for (auto layout : {Layout::Expanded, Layout::Latent}) {
+    auto snap = run_policy(m, layout, Policy::SnapKV, eviction_for(Policy::SnapKV, T, T), fed, T - 3, 0).logits;
+    const double d = (snap - full).abs().max().item<double>();
+    check(d < 1e-3, std::string("SnapKV at 100% capacity, ") + layout_name(layout) +
+                        ": compressed prefill + decode vs full forward: max |dlogit| = " + std::to_string(d));
+  }
+  auto snap_small =
+      run_policy(m, Layout::Expanded, Policy::SnapKV, eviction_for(Policy::SnapKV, T / 4, T), fed, T - 3, 0).logits;
+  check((snap_small - full).narrow(1, T - 3, 3).abs().max().item<double>() > 1e-3,
+        "SnapKV at 25% changes the decoded logits");
+
+  // 4. Full-cache passkey accuracy on the fixed set the JSON describes.
   const auto L = static_cast<int64_t>(json_number(json, "ci_context"));
   const auto n = static_cast<int64_t>(json_number(json, "ci_docs_per_depth"));
   const double stored = json_number(json, "ci_full_cache_passkey_accuracy");
