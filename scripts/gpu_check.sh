@@ -9,7 +9,7 @@
 #
 # Usage: scripts/gpu_check.sh [--cpu-dry-run]
 #   --cpu-dry-run   for a machine without a GPU: the same configure and build, then the CPU
-#                   steady-state tests, the [cuda] tests (which pass trivially) and one small
+#                   steady-state tests, the [cuda] tests (which return without a GPU) and one small
 #                   CPU benchmark line; checks this script itself.
 # Environment:
 #   Torch_DIR   LibTorch's CMake package dir; default: python's torch.utils.cmake_prefix_path/Torch

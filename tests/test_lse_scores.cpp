@@ -412,6 +412,40 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
   });
 }
 
+TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset or an unpushed update", "[lse][cpu]") {
+  const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV);
+  const auto e = EvictionOptions(24).n_sink(2).n_recent(4).evict_every(8);
+  at::manual_seed(37);
+  kvevict::MlaCache cache(o, e);
+  kvevict::LseRing<kvevict::MlaCache> ring(cache);
+  const auto step = [&] { cache.update(0, at::randn({kB, kH, 1, kQk}), at::randn({kB, kH, 1, kV})); };
+  const auto push = [&] { ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)); };
+  for (int i = 0; i < 3; ++i) step(), push();
+  REQUIRE(ring.pending(0) == 3);
+  // A draft rolled back with queries buffered: the flush names the row and drops the columns.
+  cache.truncate(1, 1);
+  CHECK_THROWS_WITH(ring.flush(0), Contains("LseRing::flush: layer 0 row 1 has 2 seen tokens, expected 3"));
+  CHECK(ring.pending(0) == 0);
+  ring.flush(0);  // nothing left to replay
+  // An update without its push: the next push names the row and leaves the ring as it was.
+  step(), push();
+  step();
+  step();
+  CHECK_THROWS_WITH(ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)),
+                    Contains("LseRing::push: layer 0 row 0 has 6 seen tokens, expected 5"));
+  CHECK(ring.pending(0) == 1);
+  // A row reset with queries buffered.
+  cache.reset(0);
+  CHECK_THROWS_WITH(ring.flush(0), Contains("row 0 has 0 seen tokens, expected 4"));
+  // Used as documented, the same sequence of calls goes through.
+  step(), push();
+  ring.flush(0);
+  cache.truncate(1, 1);
+  step(), push();
+  ring.flush(0);
+  CHECK(ring.pending(0) == 0);
+}
+
 TEST_CASE("per-layer capacities: a pyramid keeps each layer's own budget, a bad layer is named", "[lse][options][cpu]") {
   const std::vector<int64_t> budgets{12, 8, 4, 1};
   const auto e = EvictionOptions(64).n_sink(2).n_recent(3);

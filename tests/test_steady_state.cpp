@@ -215,7 +215,7 @@ TEST_CASE("update reads strided rows in place: no copy, the same values", "[stea
 TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_state][cuda]") {
   KVEVICT_REQUIRE_CUDA_OR_RETURN();
 #if !KVEVICT_CUDA_GRAPHS
-  WARN("built without CUDA graph support (KVEVICT_CUDA_GRAPHS=0): this CUDA test passes trivially");
+  WARN("built without CUDA graph support (KVEVICT_CUDA_GRAPHS=0): this CUDA test did not run");
 #else
   const at::Device cuda("cuda:0");
   const int64_t B = 2, H = 4, qk = 24, v = 16, cap = 40, steps = 50;

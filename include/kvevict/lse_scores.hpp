@@ -206,7 +206,10 @@ void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, 
 /// columns are matched to the newest positions. A ragged update with queries still buffered
 /// throws (flush() before it); with an empty ring, a ragged push is observed at once. Call
 /// flush() before finish(), add_sequence(), reset() or truncate(); evict through evict(), which
-/// flushes first when a pass is due.
+/// flushes first when a pass is due. The ring checks each row's seen tokens at every push and
+/// flush against its last push and throws, naming the layer and row, where they differ (an
+/// update without a push, or a truncate, reset, finish or add_sequence without a flush). It
+/// cannot see a truncate of k tokens followed by an unpushed update of k tokens.
 ///
 /// Memory: per layer [B, H, evict_every, width] queries in the cache dtype (both query tensors
 /// in the latent layout) and [B, H, evict_every] fp32 LSEs; allocated on a layer's first push.
@@ -236,6 +239,10 @@ class LseRing {
   }
 
   /// Scores the buffered queries of `layer` now (one observe_lse over them) and empties the ring.
+  /// \throws c10::Error if the layer's rows changed since the last push (a truncate, reset,
+  ///         finish or add_sequence without a flush first: the buffered queries no longer
+  ///         match the newest positions), naming the layer and row; or as observe_lse. The
+  ///         buffered columns are dropped either way (a throw must not replay them).
   void flush(int64_t layer) {
     auto& R = layers_.at(static_cast<size_t>(layer));
     if (R.n == 0) return;
@@ -243,6 +250,7 @@ class LseRing {
     for (const auto& t : R.q) q.push_back(t.narrow(2, 0, R.n));
     const auto lse = R.lse.narrow(2, 0, R.n);
     R.n = 0;  // scored or not, these columns are gone: a throw must not replay them
+    check_rows_unchanged(layer, R, 0, "flush");
     observe(layer, q, lse);
   }
 
@@ -257,7 +265,32 @@ class LseRing {
     std::vector<at::Tensor> q;  // [B, H, cap, width] each
     at::Tensor lse;             // [B, H, cap] fp32
     int64_t n = 0;
+    std::vector<int64_t> seen;  // per row: the layer's seen tokens at the last push (-1: inactive)
   };
+
+  /// Each row's seen tokens (-1 where the row is inactive).
+  std::vector<int64_t> rows_seen(int64_t layer) const {
+    std::vector<int64_t> seen(static_cast<size_t>(cache_->batch_size()));
+    for (int64_t b = 0; b < cache_->batch_size(); ++b) {
+      seen[b] = cache_->policy().active(b) ? cache_->policy().seen_tokens(layer, b) : -1;
+    }
+    return seen;
+  }
+
+  /// Buffered columns are matched to each row's newest positions: since the last push, every
+  /// active row must have appended exactly `T` tokens (0 at a flush) and no row may have been
+  /// truncated, reset, finished or added.
+  void check_rows_unchanged(int64_t layer, const Ring& R, int64_t T, const char* what) const {
+    const auto now = rows_seen(layer);
+    for (size_t b = 0; b < now.size(); ++b) {
+      const int64_t expected = R.seen[b] < 0 ? -1 : R.seen[b] + T;
+      KVEVICT_CHECK(now[b] == expected, "LseRing::", what, ": layer ", layer, " row ", b, " has ",
+                    now[b] < 0 ? std::string("become inactive") : std::to_string(now[b]) + " seen tokens",
+                    ", expected ", expected < 0 ? std::string("inactive") : std::to_string(expected),
+                    " since the last push; push() after every update, flush() before truncate, reset, finish"
+                    " or add_sequence");
+    }
+  }
 
   void observe(int64_t layer, const std::vector<at::Tensor>& q, const at::Tensor& lse) {
     if constexpr (std::is_same_v<Cache, BasicMlaCache<typename Cache::policy_type>>) {
@@ -282,6 +315,7 @@ class LseRing {
       observe(layer, q, lse);  // validates
       return;
     }
+    if (R.n > 0) check_rows_unchanged(layer, R, T, "push");
     const int64_t cap = std::max(capacity(), R.n + T);
     if (R.q.empty() || R.q[0].size(2) < cap) {
       std::vector<at::Tensor> grown;
@@ -300,6 +334,7 @@ class LseRing {
     for (size_t i = 0; i < q.size(); ++i) R.q[i].narrow(2, R.n, T).copy_(q[i]);
     R.lse.narrow(2, R.n, T).copy_(lse);
     R.n += T;
+    R.seen = rows_seen(layer);
     if (R.n >= capacity()) flush(layer);
   }
 
