@@ -153,18 +153,24 @@ void run_prompt(const Args& a) {
               static_cast<long long>(a.threads), static_cast<long long>(a.chunk));
   at::manual_seed(2);
   const auto q = at::randn({1, H, T, D}), k = at::randn({1, H, T, D}), v = at::randn({1, H, T, V});
+  // Each line is printed as soon as its mode is measured (a 32K-token run takes long).
+  std::printf("%-24s %10s %12s %16s\n", "mode", "seconds", "x attention", "peak extra MiB");
+  std::fflush(stdout);
+  auto report = [](const char* mode, double t, double t_att, int64_t peak, bool ok) {
+    std::printf("%-24s %10.2f %12.2f %16.1f%s\n", mode, t, t / t_att, mib(peak),
+                ok ? "" : "  (peak RSS not reset: includes earlier phases)");
+    std::fflush(stdout);
+  };
   at::Tensor lse;
   const auto [t_att, m_att, ok] = measure([&] { lse = prompt_attention(q, k, v, scale); });
+  report("attention (+LSE)", t_att, t_att, m_att, ok);
   const auto opts = kvevict::MlaCacheOptions(1, H);
   kvevict::MlaCache one(opts, eviction_for(a.capacity, 1)), chunked(opts, eviction_for(a.capacity, 1));
   at::Tensor keep;
   const auto [t_one, m_one, ok1] = measure([&] { keep = kvevict::compress_prompt(one, 0, q, k, v, lse, scale); });
+  report("one-shot (from LSE)", t_one, t_att, m_one, ok1);
   const auto [t_chk, m_chk, ok2] = measure([&] { kvevict::prefill_chunked(chunked, 0, q, k, v, a.chunk, scale); });
-  if (!(ok && ok1 && ok2)) std::printf("warning: could not reset the peak RSS; peaks include earlier phases\n");
-  std::printf("%-24s %10s %12s %16s\n", "mode", "seconds", "x attention", "peak extra MiB");
-  std::printf("%-24s %10.2f %12.2f %16.1f\n", "attention (+LSE)", t_att, 1.0, mib(m_att));
-  std::printf("%-24s %10.2f %12.2f %16.1f\n", "one-shot (from LSE)", t_one, t_one / t_att, mib(m_one));
-  std::printf("%-24s %10.2f %12.2f %16.1f\n", "chunked prefill", t_chk, t_chk / t_att, mib(m_chk));
+  report("chunked prefill", t_chk, t_att, m_chk, ok2);
   // keep: prompt positions kept by one-shot; chunked's cache positions are prompt positions.
   auto x = keep[0].contiguous(), y = std::get<0>(at::sort(chunked.positions(0)[0])).contiguous();
   const auto* xa = x.data_ptr<int64_t>();

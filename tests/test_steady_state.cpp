@@ -37,7 +37,10 @@ namespace {
 /// share their base's storage and do not.
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  CountingCpuAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
+  /// Counts allocations of at least `min_bytes` (0: all).
+  explicit CountingCpuAllocator(size_t min_bytes = 0) : inner_(c10::GetCPUAllocator()), min_bytes_(min_bytes) {
+    c10::SetCPUAllocator(this, kPriority);
+  }
   ~CountingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
   CountingCpuAllocator(const CountingCpuAllocator&) = delete;
   CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
@@ -57,10 +60,11 @@ class CountingCpuAllocator final : public c10::Allocator {
  private:
   static constexpr uint8_t kPriority = 255;  // above the default allocator's registration
   c10::DataPtr counted(size_t n) const {
-    ++count_;
+    if (n >= min_bytes_) ++count_;
     return inner_->allocate(n);
   }
   c10::Allocator* inner_;
+  size_t min_bytes_;
   mutable std::atomic<int64_t> count_{0};
 };
 
@@ -210,6 +214,32 @@ TEST_CASE("update reads strided rows in place: no copy, the same values", "[stea
   cache.update(0, k2, v2);
   CHECK(at::equal(cache.keys(0).narrow(2, T + 1, 1), k2));
   CHECK(at::equal(cache.values(0).narrow(2, T + 1, 1), v2));
+}
+
+TEST_CASE("prefill_chunked grows the buffers once, not at every chunk, and gives the growth back", "[steady_state][cpu]") {
+  // 1 head x 256 dims: a K or V buffer of 65+ slots is >= 65 KiB, while attention's temporaries
+  // over 16 queries stay under 8 KiB, so allocations >= 60 KiB are K/V buffer moves.
+  const auto e = kvevict::EvictionOptions(48).n_sink(4).n_recent(12);  // capacity 64, 65 base slots
+  const int64_t T = 320, chunk = 16;
+  at::manual_seed(5);
+  const auto q = at::randn({1, 1, T, 256}), k = at::randn({1, 1, T, 256}), v = at::randn({1, 1, T, 256});
+  const auto o = kvevict::MlaCacheOptions(1, 1).qk_dim(256).v_dim(256);
+  kvevict_test::on_both_paths([&] {
+    kvevict::MlaCache cache(o, e);
+    REQUIRE(cache.slots(0) == 65);
+    int64_t moves = 0;
+    {
+      CountingCpuAllocator counting(60 * 1024);
+      kvevict::prefill_chunked(cache, 0, q, k, v, chunk);
+      moves = counting.count();
+    }
+    // The 5th chunk grows K and V (2), the pass after it shrinks them to capacity + chunk = 80
+    // slots (2), the end gives them back (2); growing and shrinking at each of the 16 chunks
+    // over capacity would be 64.
+    CHECK(moves <= 6);
+    CHECK(cache.slots(0) == 65);
+    CHECK(cache.size(0) == 64);
+  });
 }
 
 TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_state][cuda]") {

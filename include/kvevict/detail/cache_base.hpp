@@ -134,14 +134,7 @@ class CacheBase {
       policy_.commit(layer, pass);  // throws before changing anything, or not at all
       for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
     }
-    const int64_t base = policy_.base_slots(layer);
-    if (slots(layer) > base && size(layer) <= base) {
-      try {
-        resize(layer, base);
-      } catch (const c10::Error&) {
-        // Keeping the larger buffers is correct too; the next pass tries again.
-      }
-    }
+    shrink_if_fits(layer);
     return evicted;
   }
 
@@ -457,6 +450,23 @@ class CacheBase {
     }
   }
 
+  template <class>
+  friend class GrowthHold;
+
+  /// Gives back the slots grown by long appends once every row of `layer` fits in
+  /// base_slots(layer): shrinks to max(base_slots, the layer's hold) slots. Never throws: keeping
+  /// the larger buffers is correct too (the next pass tries again).
+  void shrink_if_fits(int64_t layer) {
+    const int64_t base = policy_.base_slots(layer);
+    const int64_t floor = std::max(base, hold_.empty() ? int64_t{0} : hold_[layer]);
+    if (slots(layer) > floor && size(layer) <= base) {
+      try {
+        resize(layer, floor);
+      } catch (const c10::Error&) {
+      }
+    }
+  }
+
   Policy policy_;
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;
@@ -468,8 +478,32 @@ class CacheBase {
     std::vector<at::Tensor> views;
   };
   mutable std::vector<LiveViews> live_views_;
+  std::vector<int64_t> hold_;                     // per layer: shrink no lower (GrowthHold); empty: none
   typename Policy::Pass pass_;                    // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
+};
+
+/// While alive, evict() on `layer` shrinks its grown buffers no lower than `slots` (instead of
+/// base_slots): a loop that appends `chunk` > evict_every tokens per pass (chunked prefill)
+/// grows the buffers once instead of growing and shrinking them at every chunk. On destruction
+/// the hold ends and the layer shrinks back to base_slots if every row fits (never throws).
+template <class Cache>
+class GrowthHold {
+ public:
+  GrowthHold(Cache& cache, int64_t layer, int64_t slots) : cache_(cache), layer_(layer) {
+    if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
+    cache_.hold_.at(static_cast<size_t>(layer)) = slots;
+  }
+  ~GrowthHold() {
+    cache_.hold_[static_cast<size_t>(layer_)] = 0;
+    cache_.shrink_if_fits(layer_);
+  }
+  GrowthHold(const GrowthHold&) = delete;
+  GrowthHold& operator=(const GrowthHold&) = delete;
+
+ private:
+  Cache& cache_;
+  int64_t layer_;
 };
 
 }  // namespace detail
