@@ -186,14 +186,14 @@ inline bool parse_flags(int argc, char** argv, const std::map<std::string, FlagS
 }
 
 /// "fp32", "fp16" or "bf16" (already checked by parse_choice) as a dtype.
-at::ScalarType make_dtype(const std::string& name) {
+inline at::ScalarType make_dtype(const std::string& name) {
   return name == "fp16" ? at::kHalf : name == "bf16" ? at::kBFloat16 : at::kFloat;
 }
 
 /// Any at::Device string ("cpu", "cpu:0", "cuda", "cuda:N", ...), resolved as the caches
 /// resolve it: the device a tensor made there reports ("cpu:0" -> "cpu", "cuda" -> "cuda:N").
 /// Throws UsageError if it does not parse or is not usable here.
-at::Device make_device(const std::string& name) {
+inline at::Device make_device(const std::string& name) {
   const auto device = parse_as("--device", name, [](const std::string& t) { return at::Device(t); });
   if (device.is_cuda() && !at::hasCUDA()) {
     throw UsageError("--device " + name + ": this LibTorch build or machine has no CUDA device");
