@@ -215,6 +215,8 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
 /// with its observe, evict), so the cache never holds more than about capacity + chunk tokens
 /// (plus evict_every - 1 chunks when evict_every > 1) and the probabilities of one chunk,
 /// [B, H, chunk, S], are the largest temporary: peak extra O(chunk x (capacity + chunk) x H).
+/// The layer's buffers grow once, up front, to capacity + chunk x evict_every slots and go back
+/// to their usual size at the end (without that they would grow and shrink at every chunk).
 ///
 /// \param q, k  [B, H, T, qk_dim]; v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param chunk tokens per chunk, >= 1.
@@ -236,8 +238,9 @@ void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tens
   detail::check_tensor(v, "v", cache.device());
   detail::check_shape(v, "v", {B, H, T, cache.options().v_dim()}, {"B", "H", "T", "v_dim"}, "[B, H, T, v_dim] as k");
   if (out) *out = at::empty({k.size(0), k.size(1), T, v.size(-1)}, v.options());
-  // The buffers grow once, to capacity + chunk, not at every chunk; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, cache.capacity(layer) + chunk);
+  // The buffers grow once, to what the chunks between passes need; back to base at the end.
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(
+      cache, layer, cache.capacity(layer) + chunk * cache.policy().eviction(layer).evict_every());
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, k.narrow(2, t0, n), v.narrow(2, t0, n));
@@ -270,8 +273,9 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
   detail::check_shape(q_pe, "q_pe", {B, H, T, o.qk_rope_dim()}, {"B", "H", "T", "qk_rope_dim"},
                       "[B, H, T, qk_rope_dim] as ckv");
   if (out) *out = at::empty({q_absorbed.size(0), q_absorbed.size(1), T, ckv.size(2)}, ckv.options());
-  // The buffers grow once, to capacity + chunk, not at every chunk; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, cache.capacity(layer) + chunk);
+  // The buffers grow once, to what the chunks between passes need; back to base at the end.
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(
+      cache, layer, cache.capacity(layer) + chunk * cache.policy().eviction(layer).evict_every());
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, ckv.narrow(1, t0, n), kpe.narrow(1, t0, n));

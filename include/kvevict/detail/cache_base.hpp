@@ -483,14 +483,17 @@ class CacheBase {
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
 };
 
-/// While alive, evict() on `layer` shrinks its grown buffers no lower than `slots` (instead of
-/// base_slots): a loop that appends `chunk` > evict_every tokens per pass (chunked prefill)
-/// grows the buffers once instead of growing and shrinking them at every chunk. On destruction
-/// the hold ends and the layer shrinks back to base_slots if every row fits (never throws).
+/// Grows `layer` to exactly `slots` slots per row now (where it has fewer) and, while alive,
+/// keeps evict() from shrinking it below that (instead of base_slots): a loop that appends
+/// `chunk` > evict_every tokens per pass (chunked prefill, slots = capacity + chunk) then never
+/// moves the buffers, and never grows them geometrically past what it needs. On destruction the
+/// hold ends and the layer shrinks back to base_slots if every row fits (never throws).
+/// \throws c10::Error if the growth cannot be allocated; nothing changed then.
 template <class Cache>
 class GrowthHold {
  public:
   GrowthHold(Cache& cache, int64_t layer, int64_t slots) : cache_(cache), layer_(layer) {
+    if (cache_.slots(layer) < slots) cache_.resize(layer, slots);  // all or nothing
     if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
     cache_.hold_.at(static_cast<size_t>(layer)) = slots;
   }
