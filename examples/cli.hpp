@@ -152,6 +152,16 @@ inline void check_writable(const std::string& flag, const std::string& path) {
   if (!existed) std::filesystem::remove(path, ec);
 }
 
+/// Fails up front (UsageError naming the flag) when `path` cannot be opened for reading.
+inline void check_readable(const std::string& flag, const std::string& path) {
+  errno = 0;
+  std::ifstream probe(path, std::ios::binary);
+  if (!probe) {
+    throw UsageError(flag + ": cannot read '" + path + "'" +
+                     (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
+  }
+}
+
 using FlagSetter = std::function<void(const std::string& flag, const std::string& value)>;
 using SwitchSetter = std::function<void()>;
 

@@ -437,6 +437,28 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
   // A row reset with queries buffered.
   cache.reset(0);
   CHECK_THROWS_WITH(ring.flush(0), Contains("row 0 has 0 seen tokens, expected 4"));
+  // Every push is checked, also with an empty ring: evict_every 1 scores at each push.
+  {
+    kvevict::MlaCache one(o, EvictionOptions(24).n_sink(2).n_recent(4).evict_every(1));
+    kvevict::LseRing<kvevict::MlaCache> r1(one);
+    const auto up = [&](int64_t T) { one.update(0, at::randn({kB, kH, T, kQk}), at::randn({kB, kH, T, kV})); };
+    const auto lse = [](int64_t T) { return at::zeros({kB, kH, T}).add(10.0); };
+    up(1), r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1));
+    CHECK(r1.pending(0) == 0);
+    up(1), up(1);
+    CHECK_THROWS_WITH(r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1)),
+                      Contains("LseRing::push: layer 0 row 0 has 3 seen tokens, expected 2"));
+    // q's T must be what the update appended; its shape, the cache's; the layer, one of its.
+    r1.flush(0);
+    up(1);
+    CHECK_THROWS_WITH(r1.push(0, at::randn({kB, kH, 2, kQk}), lse(2)),
+                      Contains("q has T = 2 query columns, but the latest update appended 1 tokens to every row"));
+    CHECK_THROWS_WITH(r1.push(0, at::randn({kB, 1, 1, kQk}), lse(1)), Contains("q") && Contains("H"));
+    CHECK_THROWS_WITH(r1.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, 1, 1})), Contains("lse"));
+    CHECK_THROWS_AS(r1.push(3, at::randn({kB, kH, 1, kQk}), lse(1)), c10::IndexError);
+    CHECK_THROWS_AS(r1.pending(-1), c10::IndexError);
+    r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1));  // the right push still goes through
+  }
   // Used as documented, the same sequence of calls goes through.
   step(), push();
   ring.flush(0);
@@ -545,6 +567,11 @@ TEST_CASE("compress_prompt and prefill_chunked reject bad inputs before changing
                       Catch::Matchers::Contains("q must be") && Catch::Matchers::Contains("got [1, 2, 9, 4]"));
     CHECK_THROWS_WITH(kvevict::prefill_chunked(c, 0, q, k, at::randn({1, 2, 9, 3}), 4),
                       Catch::Matchers::Contains("v must be"));
+    CHECK(c.seen_tokens(0) == 0);
+    for (const double bad : {double(NAN), double(INFINITY), 0.0, -1.0}) {
+      CHECK_THROWS_WITH(kvevict::prefill_chunked(c, 0, q, k, v, 4, bad),
+                        Catch::Matchers::Contains("prefill_chunked: scale must be finite and > 0"));
+    }
     CHECK(c.seen_tokens(0) == 0);
     kvevict::prefill_chunked(c, 0, q, k, v, 4);  // the good inputs still work
     CHECK(c.seen_tokens(0) == 10);

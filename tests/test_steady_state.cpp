@@ -238,6 +238,14 @@ TEST_CASE("prefill_chunked grows the buffers once, not at every chunk, and gives
     CHECK(moves == 4);
     CHECK(cache.slots(0) == 65);
     CHECK(cache.size(0) == 64);
+    // A prompt shorter than a chunk grows the layer only to what it holds (an empty layer, 40
+    // tokens: they fit in the 65 slots, nothing moves); a huge chunk is not a size.
+    kvevict::MlaCache small(o, e);
+    CountingCpuAllocator counting(60 * 1024);
+    kvevict::prefill_chunked(small, 0, q.narrow(2, 0, 40), k.narrow(2, 0, 40), v.narrow(2, 0, 40), int64_t{1} << 40);
+    CHECK(counting.count() == 0);
+    CHECK(small.slots(0) == 65);
+    CHECK(small.size(0) == 40);
   });
 }
 

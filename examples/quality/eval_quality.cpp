@@ -47,7 +47,8 @@ Options (default in brackets):
   --text-len N           tokens per text window, 2 .. 2^20 [1024]
   --threads N            intra-op threads per job, 1 .. 1024 [1]
   --jobs N               (policy, budget) runs at a time, 1 .. 1024 [2]
-  --heat-budget P        the retrieval heatmap's budget (one of --budgets), percent [25]
+  --heat-budget P        the retrieval heatmap's budget (one of --budgets), percent
+                         [25, or the budget closest to it]
   --no-plots             no gnuplot run (data files only)
   --write-ci-json PATH   write the CI test's reference values (tests/quality) to PATH and exit
   --ci-context L         its document length, 12 .. 2^20 [512]
@@ -63,6 +64,7 @@ struct Args {
                                     "h2o_pyramid",  "sinks_window",  "random", "snapkv"};
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
+  bool heat_given = false;  // --heat-budget given: it must be one of --budgets; else the closest to 25
   bool plots = true;
   std::string ci_json;  // --write-ci-json: write the CI test's reference values and exit
   int64_t ci_context = 512, ci_docs = 8;
@@ -102,7 +104,11 @@ bool parse(int argc, char** argv, Args& a) {
           {"--text-len", [&](auto& f, auto& v) { a.text_len = parse_int(f, v, 2, kMaxLen); }},
           {"--threads", [&](auto& f, auto& v) { a.threads = parse_int(f, v, 1, 1024); }},
           {"--jobs", [&](auto& f, auto& v) { a.jobs = parse_int(f, v, 1, 1024); }},
-          {"--heat-budget", [&](auto& f, auto& v) { a.heat_budget = parse_int(f, v, 1, 100); }},
+          {"--heat-budget",
+           [&](auto& f, auto& v) {
+             a.heat_budget = parse_int(f, v, 1, 100);
+             a.heat_given = true;
+           }},
           {"--write-ci-json",
            [&](auto& f, auto& v) {
              kvevict_cli::check_writable(f, v);
@@ -145,6 +151,14 @@ int main(int argc, char** argv) try {
   torch::set_num_threads(static_cast<int>(a.threads));
   std::system(("mkdir -p " + a.out).c_str());
   Model m{Config()};
+  kvevict_cli::check_readable("--weights", a.weights);
+  if (std::find(a.budgets.begin(), a.budgets.end(), a.heat_budget) == a.budgets.end()) {
+    if (a.heat_given)
+      throw kvevict_cli::UsageError("--heat-budget " + std::to_string(a.heat_budget) + " is not one of --budgets");
+    a.heat_budget = *std::min_element(a.budgets.begin(), a.budgets.end(), [](int64_t x, int64_t y) {
+      return std::abs(x - 25) < std::abs(y - 25);
+    });
+  }
   load_weights(m, a.weights);
   m->eval();
   if (!a.ci_json.empty()) {

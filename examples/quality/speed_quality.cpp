@@ -113,6 +113,7 @@ int main(int argc, char** argv) try {
   torch::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(0);
   Model m{Config()};
+  kvevict_cli::check_readable("--weights", weights);
   load_weights(m, weights);
   m->eval();
   const auto& c = m->c;

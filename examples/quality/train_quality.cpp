@@ -214,6 +214,7 @@ int main(int argc, char** argv) try {
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(0.1));
   int64_t start = 0;
   if (!a.resume.empty()) {
+    for (const char* f : {"/model.pt", "/optim.pt", "/step.txt"}) kvevict_cli::check_readable("--resume", a.resume + f);
     torch::load(model, a.resume + "/model.pt");
     torch::load(opt, a.resume + "/optim.pt");
     std::ifstream(a.resume + "/step.txt") >> start;

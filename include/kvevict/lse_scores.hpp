@@ -227,8 +227,8 @@ class LseRing {
 
   /// Columns the ring holds before it scores them: the cache's evict_every.
   int64_t capacity() const noexcept { return cache_->policy().eviction().evict_every(); }
-  /// Query columns buffered for `layer`.
-  int64_t pending(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).n; }
+  /// Query columns buffered for `layer`. \throws c10::IndexError for a bad layer.
+  int64_t pending(int64_t layer) const { return ring(layer).n; }
 
   /// Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update.
   /// \throws c10::Error on bad shapes (as observe_lse) or a ragged update with queries buffered.
@@ -243,20 +243,18 @@ class LseRing {
   ///         finish or add_sequence without a flush first: the buffered queries no longer
   ///         match the newest positions), naming the layer and row; or as observe_lse. The
   ///         buffered columns are dropped either way (a throw must not replay them).
+  /// After it, rows may change (truncate, reset, finish, add_sequence) before the next push.
   void flush(int64_t layer) {
-    auto& R = layers_.at(static_cast<size_t>(layer));
-    if (R.n == 0) return;
-    std::vector<at::Tensor> q;
-    for (const auto& t : R.q) q.push_back(t.narrow(2, 0, R.n));
-    const auto lse = R.lse.narrow(2, 0, R.n);
-    R.n = 0;  // scored or not, these columns are gone: a throw must not replay them
-    check_rows_unchanged(layer, R, 0, "flush");
-    observe(layer, q, lse);
+    struct Forget {  // thrown or not: the columns are gone and rows may change after a flush
+      Ring& r;
+      ~Forget() { r.seen.clear(); }
+    } forget{ring(layer)};
+    score(layer, "flush");
   }
 
   /// Flushes `layer` if a pass is due, then cache.evict(layer). \return tokens evicted.
   int64_t evict(int64_t layer) {
-    if (cache_->policy().due(layer)) flush(layer);
+    if (cache_->policy().due(layer)) score(layer, "evict");
     return cache_->evict(layer);
   }
 
@@ -265,8 +263,29 @@ class LseRing {
     std::vector<at::Tensor> q;  // [B, H, cap, width] each
     at::Tensor lse;             // [B, H, cap] fp32
     int64_t n = 0;
-    std::vector<int64_t> seen;  // per row: the layer's seen tokens at the last push (-1: inactive)
+    // Per row: the layer's seen tokens at the last push (-1: inactive); kept through the ring's
+    // own scoring (full ring, due pass), cleared by flush(): the user may change rows then.
+    std::vector<int64_t> seen;
   };
+
+  Ring& ring(int64_t layer) {
+    KVEVICT_CHECK_INDEX(layer >= 0 && layer < cache_->num_layers(), "LseRing: layer must be in [0, ",
+                        cache_->num_layers(), "), got ", layer);
+    return layers_[static_cast<size_t>(layer)];
+  }
+  const Ring& ring(int64_t layer) const { return const_cast<LseRing*>(this)->ring(layer); }
+
+  /// Scores the buffered columns of `layer` (one observation) and empties the ring.
+  void score(int64_t layer, const char* what) {
+    auto& R = ring(layer);
+    if (R.n == 0) return;
+    std::vector<at::Tensor> q;
+    for (const auto& t : R.q) q.push_back(t.narrow(2, 0, R.n));
+    const auto lse = R.lse.narrow(2, 0, R.n);
+    R.n = 0;  // scored or not, these columns are gone: a throw must not replay them
+    check_rows_unchanged(layer, R, false, what);
+    observe(layer, q, lse);
+  }
 
   /// Each row's seen tokens (-1 where the row is inactive).
   std::vector<int64_t> rows_seen(int64_t layer) const {
@@ -277,18 +296,23 @@ class LseRing {
     return seen;
   }
 
-  /// Buffered columns are matched to each row's newest positions: since the last push, every
-  /// active row must have appended exactly `T` tokens (0 at a flush) and no row may have been
-  /// truncated, reset, finished or added.
-  void check_rows_unchanged(int64_t layer, const Ring& R, int64_t T, const char* what) const {
+  /// Buffered columns are matched to each row's newest positions: since the last push, each
+  /// active row must have had exactly one update (a push: its latest append; a scoring: none)
+  /// and no row may have been truncated, reset, finished or added. Empty record: no check.
+  void check_rows_unchanged(int64_t layer, const Ring& R, bool after_update, const char* what) const {
+    if (R.seen.empty()) return;
     const auto now = rows_seen(layer);
     for (size_t b = 0; b < now.size(); ++b) {
-      const int64_t expected = R.seen[b] < 0 ? -1 : R.seen[b] + T;
-      KVEVICT_CHECK(now[b] == expected, "LseRing::", what, ": layer ", layer, " row ", b, " has ",
-                    now[b] < 0 ? std::string("become inactive") : std::to_string(now[b]) + " seen tokens",
-                    ", expected ", expected < 0 ? std::string("inactive") : std::to_string(expected),
-                    " since the last push; push() after every update, flush() before truncate, reset, finish"
-                    " or add_sequence");
+      const auto row = static_cast<int64_t>(b);
+      const char* fix = "; push() after every update, flush() before truncate, reset, finish or add_sequence";
+      KVEVICT_CHECK((now[b] < 0) == (R.seen[b] < 0), "LseRing::", what, ": layer ", layer, " row ", b, " was ",
+                    R.seen[b] < 0 ? "free" : "active", " at the last push and is ", now[b] < 0 ? "free" : "active",
+                    " now", fix);
+      if (now[b] < 0) continue;
+      const int64_t expected = R.seen[b] + (after_update ? cache_->policy().appended(layer, row) : 0);
+      KVEVICT_CHECK(now[b] == expected, "LseRing::", what, ": layer ", layer, " row ", b, " has ", now[b],
+                    " seen tokens, expected ", expected, " (", R.seen[b], " at the last push",
+                    after_update ? " plus the latest update" : "", ")", fix);
     }
   }
 
@@ -301,21 +325,37 @@ class LseRing {
   }
 
   void push_impl(int64_t layer, std::vector<at::Tensor> q, const at::Tensor& lse) {
-    auto& R = layers_.at(static_cast<size_t>(layer));
+    auto& R = ring(layer);
     const auto& policy = cache_->policy();
-    const int64_t T = q[0].size(2);
-    bool dense = true;
-    for (int64_t b = 0; b < cache_->batch_size(); ++b) {
-      if (policy.active(b) && policy.appended(layer, b) != T) dense = false;
+    // Every input, every push (as observe_lse would): a buffered column must be a valid one.
+    int64_t T = 0;
+    if constexpr (std::is_same_v<Cache, BasicMlaCache<typename Cache::policy_type>>) {
+      T = detail::check_query(q[0], "q", *cache_, layer, cache_->options().qk_dim(), "qk_dim");
+    } else {
+      T = detail::check_query(q[0], "q_absorbed", *cache_, layer, cache_->options().kv_lora_rank(), "kv_lora_rank");
+      detail::check_query(q[1], "q_pe", *cache_, layer, cache_->options().qk_rope_dim(), "qk_rope_dim");
+      KVEVICT_CHECK(q[1].size(2) == T, "LseRing::push: q_pe has T = ", q[1].size(2), ", q_absorbed ", T);
     }
+    detail::check_lse(lse, cache_->batch_size(), cache_->num_heads(), T, cache_->device());
+    check_rows_unchanged(layer, R, true, "push");
+    bool dense = true, same = true;
+    int64_t count = -1;  // what every active row appended, if they agree
+    for (int64_t b = 0; b < cache_->batch_size(); ++b) {
+      if (!policy.active(b)) continue;
+      if (policy.appended(layer, b) != T) dense = false;
+      if (count >= 0 && policy.appended(layer, b) != count) same = false;
+      count = policy.appended(layer, b);
+    }
+    KVEVICT_CHECK(dense || !same, "LseRing::push: layer ", layer, ": q has T = ", T,
+                  " query columns, but the latest update appended ", count, " tokens to every row");
     if (!dense) {
       KVEVICT_CHECK(R.n == 0, "LseRing::push: layer ", layer, " has ", R.n,
                     " query columns buffered but the latest update was ragged (rows appended different counts);"
                     " flush() before a ragged update");
-      observe(layer, q, lse);  // validates
+      observe(layer, q, lse);
+      R.seen = rows_seen(layer);
       return;
     }
-    if (R.n > 0) check_rows_unchanged(layer, R, T, "push");
     const int64_t cap = std::max(capacity(), R.n + T);
     if (R.q.empty() || R.q[0].size(2) < cap) {
       std::vector<at::Tensor> grown;
@@ -335,7 +375,7 @@ class LseRing {
     R.lse.narrow(2, R.n, T).copy_(lse);
     R.n += T;
     R.seen = rows_seen(layer);
-    if (R.n >= capacity()) flush(layer);
+    if (R.n >= capacity()) score(layer, "push");
   }
 
   Cache* cache_;

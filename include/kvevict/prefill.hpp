@@ -44,6 +44,14 @@ inline void check_prompt_scores(const at::Tensor& scores, const char* what) {
                 ": the prompt scores are not finite (a NaN or inf in lse, q or k); the cache is unchanged");
 }
 
+/// Slots a chunked prefill of T tokens in chunks of `chunk` needs at most: the tokens held now
+/// plus the prompt, or capacity plus the chunks appended between two passes, whichever is less.
+template <class Cache>
+int64_t chunked_slots(const Cache& cache, int64_t layer, int64_t T, int64_t chunk) {
+  const int64_t between_passes = std::min(chunk, T) * cache.policy().eviction(layer).evict_every();
+  return std::min(cache.size(layer) + T, cache.capacity(layer) + between_passes);
+}
+
 /// Whether Scorer has `at::Tensor pool(const at::Tensor&) const` (SnapKV).
 template <class S, class = void>
 struct HasPool : std::false_type {};
@@ -215,19 +223,24 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
 /// with its observe, evict), so the cache never holds more than about capacity + chunk tokens
 /// (plus evict_every - 1 chunks when evict_every > 1) and the probabilities of one chunk,
 /// [B, H, chunk, S], are the largest temporary: peak extra O(chunk x (capacity + chunk) x H).
-/// The layer's buffers grow once, up front, to capacity + chunk x evict_every slots and go back
-/// to their usual size at the end (without that they would grow and shrink at every chunk).
+/// The layer's buffers grow once, up front, to min(tokens held + T, capacity + chunk x
+/// evict_every) slots where they have fewer, and go back to their usual size at the end
+/// (without that they would grow and shrink at every chunk). A throw midway (from update() or
+/// attend(), e.g. a NaN that the observation check rejects) leaves the chunks before it
+/// appended: the cache stays consistent and usable, with fewer prompt tokens.
 ///
 /// \param q, k  [B, H, T, qk_dim]; v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param chunk tokens per chunk, >= 1.
 /// \param out   if given, receives the attention output [B, H, T, v_dim] (cache dtype).
-/// \throws c10::Error on a bad chunk, or q, k, v that do not match the cache or each other
+/// \throws c10::Error on a bad chunk or scale, or q, k, v that do not match the cache or each other
 ///         (checked before the first chunk), or what update() / attend() throw.
 template <class Policy>
 void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t chunk, c10::optional<double> scale = c10::nullopt,
                      at::Tensor* out = nullptr) {
   KVEVICT_CHECK_VALUE(chunk >= 1, "prefill_chunked: chunk must be >= 1, got ", chunk);
+  KVEVICT_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0), "prefill_chunked: scale must be finite and > 0, got ",
+                      scale.value_or(0.0));
   // Every shape first: a mismatch found half-way would leave the prompt half appended.
   const int64_t B = cache.batch_size(), H = cache.num_heads();
   detail::check_tensor(k, "k", cache.device());
@@ -239,8 +252,7 @@ void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tens
   detail::check_shape(v, "v", {B, H, T, cache.options().v_dim()}, {"B", "H", "T", "v_dim"}, "[B, H, T, v_dim] as k");
   if (out) *out = at::empty({k.size(0), k.size(1), T, v.size(-1)}, v.options());
   // The buffers grow once, to what the chunks between passes need; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(
-      cache, layer, cache.capacity(layer) + chunk * cache.policy().eviction(layer).evict_every());
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk));
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, k.narrow(2, t0, n), v.narrow(2, t0, n));
@@ -258,6 +270,8 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
                               const at::Tensor& q_pe, const at::Tensor& ckv, const at::Tensor& kpe, int64_t chunk,
                               c10::optional<double> scale = c10::nullopt, at::Tensor* out = nullptr) {
   KVEVICT_CHECK_VALUE(chunk >= 1, "prefill_chunked_absorbed: chunk must be >= 1, got ", chunk);
+  KVEVICT_CHECK_VALUE(!scale || (std::isfinite(*scale) && *scale > 0), "prefill_chunked_absorbed: scale must be finite and > 0, got ",
+                      scale.value_or(0.0));
   // Every shape first: a mismatch found half-way would leave the prompt half appended.
   const auto& o = cache.options();
   const int64_t B = cache.batch_size(), H = cache.num_heads();
@@ -274,8 +288,7 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
                       "[B, H, T, qk_rope_dim] as ckv");
   if (out) *out = at::empty({q_absorbed.size(0), q_absorbed.size(1), T, ckv.size(2)}, ckv.options());
   // The buffers grow once, to what the chunks between passes need; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(
-      cache, layer, cache.capacity(layer) + chunk * cache.policy().eviction(layer).evict_every());
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk));
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, ckv.narrow(1, t0, n), kpe.narrow(1, t0, n));
