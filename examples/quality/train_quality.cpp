@@ -91,7 +91,7 @@ bool parse(int argc, char** argv, Args& a) {
 // rows and the same schedule):
 //  - induction phase, steps [0, --warm): rows of --warm-len tokens, 70% copying. Short rows
 //    matter: at 24 tokens copying forms in ~200 steps; at 48 and 128 tokens it had not formed
-//    after 500 (the induction circuit starts from a near-uniform softmax, whose signal falls
+//    after 320-480 (the induction circuit starts from a near-uniform softmax, whose signal falls
 //    with the row length);
 //  - ramp, to 50% of --steps: the longest row length grows geometrically from --warm-len to
 //    --max-len; each step draws the longest length (half the time) or a shorter power of two;
