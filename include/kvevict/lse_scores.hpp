@@ -206,10 +206,12 @@ void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, 
 /// columns are matched to the newest positions. A ragged update with queries still buffered
 /// throws (flush() before it); with an empty ring, a ragged push is observed at once. Call
 /// flush() before finish(), add_sequence(), reset() or truncate(); evict through evict(), which
-/// flushes first when a pass is due. The ring checks each row's seen tokens at every push and
-/// flush against its last push and throws, naming the layer and row, where they differ (an
-/// update without a push, or a truncate, reset, finish or add_sequence without a flush). It
-/// cannot see a truncate of k tokens followed by an unpushed update of k tokens.
+/// flushes first when a pass is due. The ring checks each row's seen tokens at every push
+/// (against its last push plus the latest update) and whenever it scores buffered queries
+/// (flush(), a full ring, a due pass: against its last push), and throws, naming the layer and
+/// row, where they differ: an update without a push, or a truncate, reset, finish or
+/// add_sequence without a flush. flush() forgets the record, so rows may change after it. A
+/// flush cannot see a truncate of k tokens followed by an unpushed update of k tokens.
 ///
 /// Memory: per layer [B, H, evict_every, width] queries in the cache dtype (both query tensors
 /// in the latent layout) and [B, H, evict_every] fp32 LSEs; allocated on a layer's first push.
