@@ -289,13 +289,14 @@ class LseRing {
     observe(layer, q, lse);
   }
 
-  /// Each row's seen tokens (-1 where the row is inactive).
-  std::vector<int64_t> rows_seen(int64_t layer) const {
-    std::vector<int64_t> seen(static_cast<size_t>(cache_->batch_size()));
-    for (int64_t b = 0; b < cache_->batch_size(); ++b) {
-      seen[b] = cache_->policy().active(b) ? cache_->policy().seen_tokens(layer, b) : -1;
-    }
-    return seen;
+  /// Row b's seen tokens in `layer`, -1 where the row is inactive.
+  int64_t row_seen(int64_t layer, int64_t b) const {
+    return cache_->policy().active(b) ? cache_->policy().seen_tokens(layer, b) : -1;
+  }
+  /// Records every row's seen tokens (in place: no allocation after the first push).
+  void record_rows(int64_t layer, Ring& R) const {
+    R.seen.resize(static_cast<size_t>(cache_->batch_size()));
+    for (int64_t b = 0; b < cache_->batch_size(); ++b) R.seen[static_cast<size_t>(b)] = row_seen(layer, b);
   }
 
   /// Buffered columns are matched to each row's newest positions: since the last push, each
@@ -303,16 +304,16 @@ class LseRing {
   /// and no row may have been truncated, reset, finished or added. Empty record: no check.
   void check_rows_unchanged(int64_t layer, const Ring& R, bool after_update, const char* what) const {
     if (R.seen.empty()) return;
-    const auto now = rows_seen(layer);
-    for (size_t b = 0; b < now.size(); ++b) {
+    for (size_t b = 0; b < R.seen.size(); ++b) {
       const auto row = static_cast<int64_t>(b);
+      const int64_t now = row_seen(layer, row);
       const char* fix = "; push() after every update, flush() before truncate, reset, finish or add_sequence";
-      KVEVICT_CHECK((now[b] < 0) == (R.seen[b] < 0), "LseRing::", what, ": layer ", layer, " row ", b, " was ",
-                    R.seen[b] < 0 ? "free" : "active", " at the last push and is ", now[b] < 0 ? "free" : "active",
+      KVEVICT_CHECK((now < 0) == (R.seen[b] < 0), "LseRing::", what, ": layer ", layer, " row ", b, " was ",
+                    R.seen[b] < 0 ? "free" : "active", " at the last push and is ", now < 0 ? "free" : "active",
                     " now", fix);
-      if (now[b] < 0) continue;
+      if (now < 0) continue;
       const int64_t expected = R.seen[b] + (after_update ? cache_->policy().appended(layer, row) : 0);
-      KVEVICT_CHECK(now[b] == expected, "LseRing::", what, ": layer ", layer, " row ", b, " has ", now[b],
+      KVEVICT_CHECK(now == expected, "LseRing::", what, ": layer ", layer, " row ", b, " has ", now,
                     " seen tokens, expected ", expected, " (", R.seen[b], " at the last push",
                     after_update ? " plus the latest update" : "", ")", fix);
     }
@@ -355,7 +356,7 @@ class LseRing {
                     " query columns buffered but the latest update was ragged (rows appended different counts);"
                     " flush() before a ragged update");
       observe(layer, q, lse);
-      R.seen = rows_seen(layer);
+      record_rows(layer, R);
       return;
     }
     const int64_t cap = std::max(capacity(), R.n + T);
@@ -376,7 +377,7 @@ class LseRing {
     for (size_t i = 0; i < q.size(); ++i) R.q[i].narrow(2, R.n, T).copy_(q[i]);
     R.lse.narrow(2, R.n, T).copy_(lse);
     R.n += T;
-    R.seen = rows_seen(layer);
+    record_rows(layer, R);
     if (R.n >= capacity()) score(layer, "push");
   }
 

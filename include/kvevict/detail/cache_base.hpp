@@ -485,7 +485,7 @@ class CacheBase {
 
 /// Grows `layer` to exactly `slots` slots per row now (where it has fewer) and, while alive,
 /// keeps evict() from shrinking it below that (instead of base_slots): a loop that appends
-/// `chunk` > evict_every tokens per pass (chunked prefill, slots = capacity + chunk) then never
+/// `chunk` > evict_every tokens per pass (chunked prefill: slots from chunked_slots()) then never
 /// moves the buffers, and never grows them geometrically past what it needs. On destruction the
 /// hold ends and the layer shrinks back to base_slots if every row fits (never throws).
 /// \throws c10::Error if the growth cannot be allocated; nothing changed then.
