@@ -1,0 +1,930 @@
+// kvevict from Python: the public C++ API (include/kvevict/) as the extension module
+// kvevict._kvevict, one translation unit. Tensors cross as the same at::Tensor (no copy); a
+// scorer is an argument (one bound class per scorer type) and picks the C++ template
+// instantiation: MlaCache(opts, eviction, scorer=SnapKV(32, 5)) holds a
+// BasicMlaCache<EvictionPolicy<SnapKV>>. c10 errors reach Python as the exception c10 maps them
+// to (c10::ValueError -> ValueError, IndexError, TypeError, NotImplementedError; any other
+// c10::Error -> RuntimeError) with kvevict's message, without the C++ backtrace.
+//
+// Not bound (see README "Python"): tensor parallelism (tensor_parallel.hpp), the
+// reduce_contributions hook, custom scorers written in Python, and the cache-only protocol
+// the caches use internally (Pass, plan/commit, append_index, ...).
+
+#include <kvevict/kvevict.hpp>
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace py = pybind11;
+namespace kv = kvevict;
+
+// ---- torch.dtype <-> at::ScalarType -------------------------------------------------------------
+namespace pybind11::detail {
+template <>
+struct type_caster<at::ScalarType> {
+  PYBIND11_TYPE_CASTER(at::ScalarType, _("torch.dtype"));
+  bool load(handle src, bool) {
+    if (!THPDtype_Check(src.ptr())) return false;
+    value = reinterpret_cast<THPDtype*>(src.ptr())->scalar_type;
+    return true;
+  }
+  static handle cast(at::ScalarType src, return_value_policy, handle) {
+    return handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(src))).inc_ref();
+  }
+};
+}  // namespace pybind11::detail
+
+namespace {
+
+// ---- scorers and the instantiations they select ----------------------------------------------------
+using Scorer =
+    std::variant<kv::CumulativeAttention, kv::MeanObservedAttention, kv::LatestAttention, kv::DecayedAttention, kv::SnapKV>;
+
+template <template <class> class Of>
+using PerScorer = std::variant<Of<kv::CumulativeAttention>, Of<kv::MeanObservedAttention>, Of<kv::LatestAttention>,
+                               Of<kv::DecayedAttention>, Of<kv::SnapKV>>;
+
+template <class S>
+using PolicyOf = kv::EvictionPolicy<S>;
+template <class S>
+using ExpandedOf = kv::BasicMlaCache<kv::EvictionPolicy<S>>;
+template <class S>
+using LatentOf = kv::BasicMlaLatentCache<kv::EvictionPolicy<S>>;
+template <class S>
+using ExpandedRingOf = kv::LseRing<ExpandedOf<S>>;
+template <class S>
+using LatentRingOf = kv::LseRing<LatentOf<S>>;
+
+/// The Python objects: one C++ instantiation per scorer behind one Python type.
+struct Policy {
+  PerScorer<PolicyOf> v;
+};
+struct Expanded {
+  PerScorer<ExpandedOf> v;
+};
+struct Latent {
+  PerScorer<LatentOf> v;
+};
+struct Ring {
+  std::variant<PerScorer<ExpandedRingOf>, PerScorer<LatentRingOf>> v;
+};
+
+template <template <class> class Of, class... Args>
+PerScorer<Of> build(const Scorer& scorer, const Args&... args) {
+  return std::visit(
+      [&](const auto& s) -> PerScorer<Of> {
+        using S = std::decay_t<decltype(s)>;
+        return PerScorer<Of>(std::in_place_type<Of<S>>, args..., s);
+      },
+      scorer);
+}
+
+template <class T, class F>
+decltype(auto) with(T& self, F&& f) {
+  return std::visit(std::forward<F>(f), self.v);
+}
+
+template <class P>
+Scorer scorer_of(const P& p) {
+  return Scorer(p.scorer());
+}
+
+at::Device to_device(const py::handle& h) {
+  if (py::isinstance<py::str>(h)) return at::Device(h.cast<std::string>());
+  return h.cast<at::Device>();
+}
+
+std::string dtype_name(at::ScalarType t) { return std::string("torch.") + c10::toString(t); }
+
+std::string optional_bool(const c10::optional<bool>& b) { return b ? (*b ? "True" : "False") : "None"; }
+
+/// The eviction state of a policy, or of a cache (read-only: a cache changes it itself, moving
+/// its rows too).
+template <class S>
+const PolicyOf<S>& state_of(const PolicyOf<S>& p) {
+  return p;
+}
+template <class C>
+const typename C::policy_type& state_of(const C& c) {
+  return c.policy();
+}
+
+/// What EvictionPolicy and both cache layouts share: sizes, state, observation, the pass and the
+/// sequence lifecycle (a cache runs each through its policy and moves its rows to match).
+template <class Py>
+void def_state_common(py::class_<Py>& c) {
+  c.def_property_readonly("num_layers", [](Py& s) { return with(s, [](auto& x) { return x.num_layers(); }); })
+      .def_property_readonly("batch_size", [](Py& s) { return with(s, [](auto& x) { return x.batch_size(); }); })
+      .def_property_readonly("num_heads", [](Py& s) { return with(s, [](auto& x) { return x.num_heads(); }); })
+      .def_property_readonly("device", [](Py& s) { return with(s, [](auto& x) { return x.device(); }); },
+                             "Device of the state (and of a cache's buffers); inputs must be on it.")
+      .def_property_readonly("scorer", [](Py& s) { return with(s, [](auto& x) { return scorer_of(state_of(x)); }); },
+                             "The scorer (a copy): which C++ instantiation this is.")
+      .def_property_readonly("checks_observations",
+                             [](Py& s) { return with(s, [](auto& x) { return state_of(x).checks_observations(); }); },
+                             "Whether observe() checks its input (on by default on CPU, off on CUDA).")
+      .def(
+          "capacity",
+          [](Py& s, c10::optional<int64_t> layer) {
+            return with(s, [&](auto& x) { return layer ? x.capacity(*layer) : x.capacity(); });
+          },
+          py::arg("layer") = py::none(),
+          "Tokens per row after a pass: n_sink + budget + n_recent (of `layer`'s budget when layer_budgets are "
+          "set). Raises IndexError for a bad layer.")
+      .def(
+          "eviction",
+          [](Py& s, c10::optional<int64_t> layer) {
+            return with(s, [&](auto& x) { return layer ? state_of(x).eviction(*layer) : state_of(x).eviction(); });
+          },
+          py::arg("layer") = py::none(), "The EvictionOptions (of `layer`: its own budget). A copy.")
+      .def(
+          "size",
+          [](Py& s, int64_t layer, c10::optional<int64_t> row) {
+            return with(s, [&](auto& x) { return row ? x.size(layer, *row) : x.size(layer); });
+          },
+          py::arg("layer"), py::arg("row") = py::none(),
+          "Live tokens of `row` in `layer`; without a row, the longest row: the token width S of views, "
+          "positions and probabilities. Raises IndexError for a bad layer or row.")
+      .def(
+          "seen_tokens",
+          [](Py& s, int64_t layer, c10::optional<int64_t> row) {
+            return with(s, [&](auto& x) { return row ? x.seen_tokens(layer, *row) : x.seen_tokens(layer); });
+          },
+          py::arg("layer"), py::arg("row") = py::none(),
+          "Tokens ever appended to `row` of `layer` (the position of its next token); without a row, the most "
+          "of any row. Raises IndexError.")
+      .def(
+          "slots", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.slots(layer); }); },
+          py::arg("layer"), "Slots per row of `layer` (buffers hold this many; see reserve()).")
+      .def(
+          "positions", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.positions(layer); }); },
+          py::arg("layer"),
+          "[B, S] int64 original position of each slot, slot order (not sorted), -1 past a row's length. A copy, "
+          "on the device. Raises IndexError.")
+      .def(
+          "scores", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.scores(layer); }); },
+          py::arg("layer"),
+          "[B, S] fp32 rank of each slot (the scorer's rank of its state), 0 past a row's length. A copy. Raises "
+          "IndexError; RuntimeError while lazy_reduction observations are pending (flush() first).")
+      .def(
+          "query_positions",
+          [](Py& s, int64_t layer, int64_t Q) {
+            return with(s, [&](auto& x) { return state_of(x).query_positions(layer, Q); });
+          },
+          py::arg("layer"), py::arg("Q"),
+          "[B, Q] int64 positions of Q query columns right-aligned on the newest append, -1 for pads (left "
+          "padding, free rows). On the device.")
+      .def(
+          "observe",
+          [](Py& s, int64_t layer, const at::Tensor& probs) {
+            with(s, [&](auto& x) { x.observe(layer, probs); });
+          },
+          py::arg("layer"), py::arg("probs"),
+          "Feeds attention probabilities [B, H, Q, S] (any floating dtype, the device, slot order, queries "
+          "right-aligned on the newest append; pads ignored) to the scorer, reduced exactly (fixed point, 32 "
+          "fractional bits). Raises RuntimeError on a bad shape, dtype or device, or (checks on) a probability "
+          "outside [0, 1], a non-causal one or a non-finite rank; nothing changes then. With checks on, the "
+          "tensor path (CUDA) syncs once.")
+      .def(
+          "add_scores",
+          [](Py& s, int64_t layer, const at::Tensor& scores) {
+            with(s, [&](auto& x) { x.add_scores(layer, scores); });
+          },
+          py::arg("layer"), py::arg("scores"),
+          "Adds caller-computed per-token scores [B, S] (any floating dtype, the device, slot order) as one "
+          "observation with one observer. Raises as observe().")
+      .def(
+          "flush", [](Py& s, int64_t layer) { with(s, [&](auto& x) { x.flush(layer); }); }, py::arg("layer"),
+          "lazy_reduction: applies the observations held back on `layer` (a no-op otherwise).")
+      .def(
+          "observe_begin",
+          [](Py& s, int64_t layer, int64_t Q) { with(s, [&](auto& x) { x.observe_begin(layer, Q); }); },
+          py::arg("layer"), py::arg("Q"),
+          "Opens an observation of Q query columns that arrives in pieces (observe_add, then observe_end): the "
+          "scorer gets exactly what observe() of the whole would give it.")
+      .def(
+          "observe_add",
+          [](Py& s, int64_t layer, const at::Tensor& probs, int64_t q_begin, int64_t h_begin) {
+            with(s, [&](auto& x) { x.observe_add(layer, probs, q_begin, h_begin); });
+          },
+          py::arg("layer"), py::arg("probs"), py::arg("q_begin"), py::arg("h_begin"),
+          "Adds one piece [B, Hc, Qc, S] of the open observation: query columns [q_begin, q_begin + Qc), heads "
+          "[h_begin, h_begin + Hc).")
+      .def(
+          "observe_end", [](Py& s, int64_t layer) { with(s, [&](auto& x) { x.observe_end(layer); }); },
+          py::arg("layer"), "Applies the observation opened by observe_begin() to the scorer.")
+      .def(
+          "due", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return state_of(x).due(layer); }); },
+          py::arg("layer"),
+          "Whether evict(layer) would run a pass now: a row over capacity that appended in at least evict_every "
+          "appends since its last pass.")
+      .def(
+          "active", [](Py& s, int64_t row) { return with(s, [&](auto& x) { return x.active(row); }); },
+          py::arg("row"), "True while `row` holds a sequence (every row, until finish()). Raises IndexError.")
+      .def(
+          "add_sequence", [](Py& s) { return with(s, [&](auto& x) { return x.add_sequence(); }); },
+          "Starts a new, empty sequence in the lowest free row and returns that row. Raises RuntimeError if "
+          "every row holds one.")
+      .def(
+          "finish", [](Py& s, int64_t row) { with(s, [&](auto& x) { x.finish(row); }); }, py::arg("row"),
+          "Ends the sequence in `row` (its tokens leave every layer); the row is free for add_sequence(). Raises "
+          "IndexError for a bad row, RuntimeError if it is free.")
+      .def(
+          "reset",
+          [](Py& s, c10::optional<int64_t> row) {
+            with(s, [&](auto& x) {
+              if (row) {
+                x.reset(*row);
+              } else {
+                x.reset();
+              }
+            });
+          },
+          py::arg("row") = py::none(),
+          "reset(row): empties one row for a new sequence (positions restart at 0). reset(): empties every layer "
+          "and row, makes every row active and gives back slots grown by long appends.")
+      .def(
+          "reserve", [](Py& s, int64_t slots) { with(s, [&](auto& x) { x.reserve(slots); }); }, py::arg("slots"),
+          "Pre-sizes every layer to at least `slots` slots per row and never shrinks below: appends that fit "
+          "never move the buffers (CUDA graphs). Raises ValueError / RuntimeError; nothing changes then.");
+}
+
+/// What both cache layouts add: the pass moves the rows, rollback, summed stats.
+template <class Py>
+void def_cache_common(py::class_<Py>& c) {
+  def_state_common(c);
+  c.def_property_readonly("dtype", [](Py& s) { return with(s, [](auto& x) { return x.dtype(); }); },
+                          "Storage dtype of the cached rows.")
+      .def(
+          "evict", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.evict(layer); }); },
+          py::arg("layer"),
+          "Runs an eviction pass on `layer` if one is due and moves the rows it says (in place: the buffers are "
+          "not copied); else a no-op. Returns the tokens evicted, summed over rows. Raises IndexError. CPU: no "
+          "allocation in the steady state; CUDA: no host sync.")
+      .def(
+          "stats",
+          [](Py& s, c10::optional<int64_t> layer) {
+            return with(s, [&](auto& x) { return layer ? x.stats(*layer) : x.stats(); });
+          },
+          py::arg("layer") = py::none(), "CacheStats of one layer, or summed over layers.")
+      .def(
+          "truncate", [](Py& s, int64_t row, int64_t k) { with(s, [&](auto& x) { x.truncate(row, k); }); },
+          py::arg("row"), py::arg("k"),
+          "Rolls back the k newest tokens of `row` in every layer (rejected speculative drafts). Raises "
+          "ValueError / RuntimeError if k is out of range, the row is free or a dropped token was already "
+          "evicted; the cache is unchanged then. Syncs on the tensor path.");
+}
+
+// ---- the caller-owned-storage policy ----------------------------------------------------------------
+void def_policy(py::module_& m) {
+  py::class_<Policy> c(m, "EvictionPolicy",
+                       "The eviction state of a cache, for storage the caller owns (C++ kvevict::EvictionPolicy<Scorer>).\n"
+                       "Per layer and batch row it keeps each live token's position, slot and scorer state. append() "
+                       "gives the\nslot mapping of new tokens (write them with write_rows()), observe()/add_scores() "
+                       "feed the scorer, and\nevict() plans a pass as SlotMoves that apply_moves() carries out on any "
+                       "buffer ([B, H, S, D], [B, S, H, D],\nlatent [B, S, W], ...). Not thread-safe.");
+  c.def(py::init([](const kv::EvictionPolicyOptions& o, const kv::EvictionOptions& e, const Scorer& s) {
+         return std::make_unique<Policy>(Policy{build<PolicyOf>(s, o, e)});
+       }),
+       py::arg("options"), py::arg("eviction") = kv::EvictionOptions(), py::arg("scorer") = Scorer(),
+       "Builds empty state for every layer and row (capacity + evict_every slots per row). Raises ValueError "
+       "naming a bad option.")
+      .def_property_readonly("host_path", [](Policy& s) { return with(s, [](auto& x) { return x.host_path(); }); },
+                             "True when the state lives in host loops (CPU); False for the tensor-op path (CUDA).")
+      .def(
+          "appended",
+          [](Policy& s, int64_t layer, int64_t row) { return with(s, [&](auto& x) { return x.appended(layer, row); }); },
+          py::arg("layer"), py::arg("row"), "Tokens `row` appended to `layer` in its latest append.")
+      .def(
+          "base_slots", [](Policy& s, int64_t layer) { return with(s, [&](auto& x) { return x.base_slots(layer); }); },
+          py::arg("layer"), "The slots per row `layer` returns to: max(capacity + evict_every, reserved).")
+      .def(
+          "dense",
+          [](Policy& s, int64_t layer, int64_t Q) { return with(s, [&](auto& x) { return x.dense(layer, Q); }); },
+          py::arg("layer"), py::arg("Q"),
+          "True when Q query columns have no pad and every row is active and as long as the longest.")
+      .def(
+          "stats", [](Policy& s, int64_t layer) { return with(s, [&](auto& x) { return x.stats(layer); }); },
+          py::arg("layer"), "CacheStats of `layer` (bytes: the eviction state only).")
+      .def(
+          "append",
+          [](Policy& s, int64_t layer, std::vector<int64_t> counts, int64_t T) {
+            return with(s, [&](auto& x) { return x.append(layer, counts, T); });
+          },
+          py::arg("layer"), py::arg("counts"), py::arg("T"),
+          "Appends counts[b] tokens to row b of `layer` (row b's tokens are its last counts[b] of T columns). "
+          "Returns the [B, T] int64 slot mapping (CPU): the slot of each new token, -1 for a pad; write the "
+          "rows with write_rows(). Raises RuntimeError / ValueError on a bad count or T, or if a row would "
+          "exceed slots(layer) (reserve() first); nothing changes then.")
+      .def(
+          "evict", [](Policy& s, int64_t layer) { return with(s, [&](auto& x) { return x.evict(layer); }); },
+          py::arg("layer"),
+          "Runs a pass on `layer` if due(); returns the SlotMoves to apply to every buffer of the layer (empty if "
+          "no pass ran). Raises IndexError.")
+      .def(
+          "truncate",
+          [](Policy& s, int64_t row, int64_t k) { return with(s, [&](auto& x) { return x.truncate(row, k); }); },
+          py::arg("row"), py::arg("k"),
+          "Rolls back the k newest tokens of `row` in every layer. Returns one SlotMoves per layer, to apply to "
+          "that layer's buffers (apply_moves). Raises and changes nothing if a dropped token was evicted.");
+  def_state_common(c);
+}
+
+// ---- options ------------------------------------------------------------------------------------------
+template <class O>
+void def_cache_options_common(py::class_<O>& c) {
+  c.def_property("num_layers", [](const O& o) { return o.num_layers(); }, [](O& o, int64_t v) { o.num_layers(v); })
+      .def_property("num_heads", [](const O& o) { return o.num_heads(); }, [](O& o, int64_t v) { o.num_heads(v); })
+      .def_property("batch_size", [](const O& o) { return o.batch_size(); }, [](O& o, int64_t v) { o.batch_size(v); })
+      .def_property("dtype", [](const O& o) { return o.dtype(); }, [](O& o, at::ScalarType v) { o.dtype(v); })
+      .def_property("device", [](const O& o) { return o.device(); }, [](O& o, py::object v) { o.device(to_device(v)); })
+      .def_property("check_observations", [](const O& o) { return o.check_observations(); },
+                    [](O& o, c10::optional<bool> v) { o.check_observations(v); })
+      .def_property("layer_budgets", [](const O& o) { return o.layer_budgets(); },
+                    [](O& o, std::vector<int64_t> v) { o.layer_budgets(std::move(v)); })
+      .def_property("total_heads", [](const O& o) { return o.total_heads(); }, [](O& o, int64_t v) { o.total_heads(v); })
+      .def_property("lazy_reduction", [](const O& o) { return o.lazy_reduction(); },
+                    [](O& o, bool v) { o.lazy_reduction(v); })
+      .def("validate", [](const O& o) { o.validate(); }, "Raises ValueError naming a bad value.");
+}
+
+void def_options(py::module_& m) {
+  py::class_<kv::EvictionOptions>(
+      m, "EvictionOptions",
+      "What an eviction pass keeps per layer and row (H2O, Zhang et al. 2023, Sec. 3; sinks from StreamingLLM, Xiao "
+      "et al. 2023): the first n_sink positions, the `budget` highest-ranked other tokens and the n_recent newest. "
+      "Checked (validate()) when a cache or policy is built.")
+      .def(py::init([](int64_t budget, int64_t n_sink, int64_t n_recent, int64_t evict_every) {
+             return kv::EvictionOptions(budget).n_sink(n_sink).n_recent(n_recent).evict_every(evict_every);
+           }),
+           py::arg("budget") = 64, py::kw_only(), py::arg("n_sink") = 4, py::arg("n_recent") = 16,
+           py::arg("evict_every") = 1)
+      .def_property("budget", [](const kv::EvictionOptions& o) { return o.budget(); },
+                    [](kv::EvictionOptions& o, int64_t v) { o.budget(v); })
+      .def_property("n_sink", [](const kv::EvictionOptions& o) { return o.n_sink(); },
+                    [](kv::EvictionOptions& o, int64_t v) { o.n_sink(v); })
+      .def_property("n_recent", [](const kv::EvictionOptions& o) { return o.n_recent(); },
+                    [](kv::EvictionOptions& o, int64_t v) { o.n_recent(v); })
+      .def_property("evict_every", [](const kv::EvictionOptions& o) { return o.evict_every(); },
+                    [](kv::EvictionOptions& o, int64_t v) { o.evict_every(v); })
+      .def("capacity", &kv::EvictionOptions::capacity, "n_sink + budget + n_recent.")
+      .def("validate", &kv::EvictionOptions::validate,
+           "Raises ValueError naming the value: a count < 0 or > 2^40, evict_every < 1, capacity < 1.")
+      .def_property_readonly_static("MAX_TOKENS", [](py::object) { return kv::EvictionOptions::kMaxTokens; })
+      .def("__repr__", [](const kv::EvictionOptions& o) {
+        std::ostringstream s;
+        s << "EvictionOptions(budget=" << o.budget() << ", n_sink=" << o.n_sink() << ", n_recent=" << o.n_recent()
+          << ", evict_every=" << o.evict_every() << ")";
+        return s.str();
+      });
+
+  py::class_<kv::EvictionPolicyOptions> po(m, "EvictionPolicyOptions",
+                                           "The shape of an EvictionPolicy's state: layers, heads, rows, device, "
+                                           "checks, per-layer budgets.");
+  po.def(py::init([](int64_t layers, int64_t heads, int64_t batch, py::object device, c10::optional<bool> check,
+                     std::vector<int64_t> budgets, int64_t total_heads, bool lazy) {
+           return kv::EvictionPolicyOptions(layers, heads)
+               .batch_size(batch)
+               .device(to_device(device))
+               .check_observations(check)
+               .layer_budgets(std::move(budgets))
+               .total_heads(total_heads)
+               .lazy_reduction(lazy);
+         }),
+         py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("batch_size") = 1,
+         py::arg("device") = "cpu", py::arg("check_observations") = py::none(),
+         py::arg("layer_budgets") = std::vector<int64_t>{}, py::arg("total_heads") = 0,
+         py::arg("lazy_reduction") = false)
+      .def_property("num_layers", [](const kv::EvictionPolicyOptions& o) { return o.num_layers(); },
+                    [](kv::EvictionPolicyOptions& o, int64_t v) { o.num_layers(v); })
+      .def_property("num_heads", [](const kv::EvictionPolicyOptions& o) { return o.num_heads(); },
+                    [](kv::EvictionPolicyOptions& o, int64_t v) { o.num_heads(v); })
+      .def_property("batch_size", [](const kv::EvictionPolicyOptions& o) { return o.batch_size(); },
+                    [](kv::EvictionPolicyOptions& o, int64_t v) { o.batch_size(v); })
+      .def_property("device", [](const kv::EvictionPolicyOptions& o) { return o.device(); },
+                    [](kv::EvictionPolicyOptions& o, py::object v) { o.device(to_device(v)); })
+      .def_property("check_observations", [](const kv::EvictionPolicyOptions& o) { return o.check_observations(); },
+                    [](kv::EvictionPolicyOptions& o, c10::optional<bool> v) { o.check_observations(v); })
+      .def_property("layer_budgets", [](const kv::EvictionPolicyOptions& o) { return o.layer_budgets(); },
+                    [](kv::EvictionPolicyOptions& o, std::vector<int64_t> v) { o.layer_budgets(std::move(v)); })
+      .def_property("total_heads", [](const kv::EvictionPolicyOptions& o) { return o.total_heads(); },
+                    [](kv::EvictionPolicyOptions& o, int64_t v) { o.total_heads(v); })
+      .def_property("lazy_reduction", [](const kv::EvictionPolicyOptions& o) { return o.lazy_reduction(); },
+                    [](kv::EvictionPolicyOptions& o, bool v) { o.lazy_reduction(v); })
+      .def("validate", [](const kv::EvictionPolicyOptions& o) { o.validate(); }, "Raises ValueError naming a bad value.");
+
+  py::class_<kv::MlaCacheOptions> eo(m, "MlaCacheOptions",
+                                     "Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys "
+                                     "[B, H, S, qk_dim] and values [B, H, S, v_dim] (DeepSeek-V3: 192 = 128 no-RoPE + "
+                                     "64 RoPE, and 128).");
+  eo.def(py::init([](int64_t layers, int64_t heads, int64_t qk_dim, int64_t v_dim, int64_t batch, at::ScalarType dtype,
+                     py::object device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
+                     bool lazy) {
+           kv::MlaCacheOptions o(layers, heads);
+           o.qk_dim(qk_dim).v_dim(v_dim);
+           o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
+           o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
+           return o;
+         }),
+         py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("qk_dim") = 192, py::arg("v_dim") = 128,
+         py::arg("batch_size") = 1, py::arg("dtype") = at::kFloat, py::arg("device") = "cpu",
+         py::arg("check_observations") = py::none(), py::arg("layer_budgets") = std::vector<int64_t>{},
+         py::arg("total_heads") = 0, py::arg("lazy_reduction") = false)
+      .def_property("qk_dim", [](const kv::MlaCacheOptions& o) { return o.qk_dim(); },
+                    [](kv::MlaCacheOptions& o, int64_t v) { o.qk_dim(v); })
+      .def_property("v_dim", [](const kv::MlaCacheOptions& o) { return o.v_dim(); },
+                    [](kv::MlaCacheOptions& o, int64_t v) { o.v_dim(v); });
+  def_cache_options_common(eo);
+
+  py::class_<kv::MlaLatentCacheOptions> lo(m, "MlaLatentCacheOptions",
+                                           "Shape, dtype and device of a latent-layout cache (MlaLatentCache): per "
+                                           "layer ckv [B, S, kv_lora_rank] and kpe [B, S, qk_rope_dim], shared by all "
+                                           "heads (DeepSeek-V3: 512 and 64).");
+  lo.def(py::init([](int64_t layers, int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t batch,
+                     at::ScalarType dtype, py::object device, c10::optional<bool> check, std::vector<int64_t> budgets,
+                     int64_t total_heads, bool lazy) {
+           kv::MlaLatentCacheOptions o(layers, heads);
+           o.kv_lora_rank(rank).qk_rope_dim(rope).qk_nope_dim(nope);
+           o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
+           o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
+           return o;
+         }),
+         py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("kv_lora_rank") = 512,
+         py::arg("qk_rope_dim") = 64, py::arg("qk_nope_dim") = 128, py::arg("batch_size") = 1,
+         py::arg("dtype") = at::kFloat, py::arg("device") = "cpu", py::arg("check_observations") = py::none(),
+         py::arg("layer_budgets") = std::vector<int64_t>{}, py::arg("total_heads") = 0,
+         py::arg("lazy_reduction") = false)
+      .def_property("kv_lora_rank", [](const kv::MlaLatentCacheOptions& o) { return o.kv_lora_rank(); },
+                    [](kv::MlaLatentCacheOptions& o, int64_t v) { o.kv_lora_rank(v); })
+      .def_property("qk_rope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_rope_dim(); },
+                    [](kv::MlaLatentCacheOptions& o, int64_t v) { o.qk_rope_dim(v); })
+      .def_property("qk_nope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_nope_dim(); },
+                    [](kv::MlaLatentCacheOptions& o, int64_t v) { o.qk_nope_dim(v); });
+  def_cache_options_common(lo);
+
+  py::enum_<kv::LseBase>(m, "LseBase", "The logarithm base of a kernel's LSE: kE (FlashMLA, FlashAttention) or k2 "
+                                       "(FlashInfer's default).")
+      .value("kE", kv::LseBase::kE)
+      .value("k2", kv::LseBase::k2);
+
+  py::class_<kv::LseOptions>(m, "LseOptions",
+                             "How observe_lse() and friends chunk their work and read the LSE. Peak extra memory "
+                             "about 12 x B x head_chunk x query_chunk x S bytes.")
+      .def(py::init([](int64_t query_chunk, int64_t head_chunk, kv::LseBase base) {
+             return kv::LseOptions().query_chunk(query_chunk).head_chunk(head_chunk).base(base);
+           }),
+           py::kw_only(), py::arg("query_chunk") = 64, py::arg("head_chunk") = 8, py::arg("base") = kv::LseBase::kE)
+      .def_property("query_chunk", [](const kv::LseOptions& o) { return o.query_chunk(); },
+                    [](kv::LseOptions& o, int64_t v) { o.query_chunk(v); })
+      .def_property("head_chunk", [](const kv::LseOptions& o) { return o.head_chunk(); },
+                    [](kv::LseOptions& o, int64_t v) { o.head_chunk(v); })
+      .def_property("base", [](const kv::LseOptions& o) { return o.base(); },
+                    [](kv::LseOptions& o, kv::LseBase v) { o.base(v); })
+      .def("validate", &kv::LseOptions::validate, "Raises ValueError naming a chunk below 1.");
+}
+
+void def_scorers(py::module_& m) {
+  py::class_<kv::CumulativeAttention>(m, "CumulativeAttention",
+                                      "H2O's accumulated attention (Zhang et al. 2023, Sec. 3.2; the default): "
+                                      "score += mean over heads of the observed attention.")
+      .def(py::init<>())
+      .def_property_readonly_static("name", [](py::object) { return kv::CumulativeAttention::kName; })
+      .def("__repr__", [](const kv::CumulativeAttention&) { return "CumulativeAttention()"; });
+  py::class_<kv::MeanObservedAttention>(m, "MeanObservedAttention",
+                                        "The cumulative sum divided by how many observed queries could see the token.")
+      .def(py::init<>())
+      .def_property_readonly_static("name", [](py::object) { return kv::MeanObservedAttention::kName; })
+      .def("__repr__", [](const kv::MeanObservedAttention&) { return "MeanObservedAttention()"; });
+  py::class_<kv::LatestAttention>(m, "LatestAttention",
+                                  "TOVA (Oren et al. 2024, Sec. 4): the last query's attention replaces the score.")
+      .def(py::init<>())
+      .def_property_readonly_static("name", [](py::object) { return kv::LatestAttention::kName; })
+      .def("__repr__", [](const kv::LatestAttention&) { return "LatestAttention()"; });
+  py::class_<kv::DecayedAttention>(m, "DecayedAttention",
+                                   "score = gamma * score + contribution: stale heavy hitters fade.")
+      .def(py::init<float>(), py::arg("gamma") = 0.9f, "Raises ValueError if gamma is outside [0, 1].")
+      .def_property_readonly("gamma", &kv::DecayedAttention::gamma)
+      .def_property_readonly_static("name", [](py::object) { return kv::DecayedAttention::kName; })
+      .def("__repr__", [](const kv::DecayedAttention& s) { return "DecayedAttention(gamma=" + std::to_string(s.gamma()) + ")"; });
+  py::class_<kv::SnapKV> snap(m, "SnapKV",
+                              "SnapKV's observation window (Li et al. 2024, Sec. 4): the last `window` prompt "
+                              "queries vote, heads averaged, then 1-D pooling over `kernel` tokens. For prompt "
+                              "compression (compress_prompt); set n_recent >= window.");
+  py::enum_<kv::SnapKV::Pooling>(snap, "Pooling").value("kAvg", kv::SnapKV::Pooling::kAvg).value("kMax", kv::SnapKV::Pooling::kMax);
+  snap.def(py::init<int64_t, int64_t, kv::SnapKV::Pooling>(), py::arg("window") = 64, py::arg("kernel") = 5,
+           py::arg("pooling") = kv::SnapKV::Pooling::kAvg,
+           "Raises ValueError if window < 1 or kernel is even or < 1.")
+      .def_property_readonly("window", &kv::SnapKV::window)
+      .def_property_readonly("kernel", &kv::SnapKV::kernel)
+      .def_property_readonly("pooling", &kv::SnapKV::pooling)
+      .def_property_readonly_static("name", [](py::object) { return kv::SnapKV::kName; })
+      .def("pool", &kv::SnapKV::pool, py::arg("ranks"),
+           "Pools [B, T] fp32 ranks (position order) along the token axis: mean (zero padding counted) or max over "
+           "t - kernel/2 .. t + kernel/2.")
+      .def("__repr__", [](const kv::SnapKV& s) {
+        return "SnapKV(window=" + std::to_string(s.window()) + ", kernel=" + std::to_string(s.kernel()) + ")";
+      });
+}
+
+// ---- caches -------------------------------------------------------------------------------------------
+void def_caches(py::module_& m) {
+  py::class_<kv::OrderedLayer>(m, "OrderedLayer", "A layer's live tokens sorted by position (copies).")
+      .def_readonly("keys", &kv::OrderedLayer::keys, "[B, H, S, qk_dim]")
+      .def_readonly("values", &kv::OrderedLayer::values, "[B, H, S, v_dim]")
+      .def_readonly("positions", &kv::OrderedLayer::positions, "[B, S] int64, ascending per row");
+  py::class_<kv::OrderedLatentLayer>(m, "OrderedLatentLayer", "A latent layer's live tokens sorted by position (copies).")
+      .def_readonly("ckv", &kv::OrderedLatentLayer::ckv, "[B, S, kv_lora_rank]")
+      .def_readonly("kpe", &kv::OrderedLatentLayer::kpe, "[B, S, qk_rope_dim]")
+      .def_readonly("positions", &kv::OrderedLatentLayer::positions, "[B, S] int64, ascending per row");
+
+  py::class_<Expanded> e(m, "MlaCache",
+                         "A KV cache in the expanded MLA layout (C++ kvevict::BasicMlaCache<EvictionPolicy<Scorer>>): "
+                         "per layer keys [B, H, slots, qk_dim] (RoPE applied) and values [B, H, slots, v_dim], kept at "
+                         "capacity() tokens per row. Live tokens fill slots [0, size); slot order is not position "
+                         "order (positions(), ordered()). Not thread-safe.");
+  e.def(py::init([](const kv::MlaCacheOptions& o, const kv::EvictionOptions& ev, const Scorer& s) {
+          return std::make_unique<Expanded>(Expanded{build<ExpandedOf>(s, o, ev)});
+        }),
+        py::arg("options"), py::arg("eviction") = kv::EvictionOptions(), py::arg("scorer") = Scorer(),
+        "Allocates capacity + evict_every slots per row for every layer. Raises ValueError naming a bad option.")
+      .def_property_readonly("options",
+                             [](Expanded& s) { return with(s, [](auto& x) { return x.options(); }); })
+      .def(
+          "update",
+          [](Expanded& s, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+             c10::optional<std::vector<int64_t>> counts) {
+            return with(s, [&](auto& x) {
+              return counts ? x.update(layer, k, v, *counts) : x.update(layer, k, v);
+            });
+          },
+          py::arg("layer"), py::arg("k_new"), py::arg("v_new"), py::arg("counts") = py::none(),
+          "Appends T new tokens: k_new [B, H, T, qk_dim] (RoPE applied), v_new [B, H, T, v_dim], the cache's "
+          "dtype and device, at positions seen_tokens .. + T - 1 with score 0. counts (B ints in [0, T]): a ragged "
+          "chunk, row b appends its last counts[b] columns (left padding; free rows 0). Returns (keys, values): "
+          "views [B, H, S, .] over slots [0, S) of the cache's own buffers (no copy), invalidated by the next "
+          "update() or evict(). Copies T rows per head; grows the buffers only when an append exceeds the slots. "
+          "Raises IndexError / TypeError / RuntimeError on a bad layer, shape, dtype or device; the cache is "
+          "unchanged then.")
+      .def(
+          "keys", [](Expanded& s, int64_t layer) { return with(s, [&](auto& x) { return x.keys(layer); }); },
+          py::arg("layer"), "[B, H, S, qk_dim] live keys: a view of the buffer, slot order.")
+      .def(
+          "values", [](Expanded& s, int64_t layer) { return with(s, [&](auto& x) { return x.values(layer); }); },
+          py::arg("layer"), "[B, H, S, v_dim] live values: a view of the buffer, slot order.")
+      .def(
+          "ordered", [](Expanded& s, int64_t layer) { return with(s, [&](auto& x) { return x.ordered(layer); }); },
+          py::arg("layer"), "Copies of the live keys, values and positions sorted by position per row.");
+  def_cache_common(e);
+
+  py::class_<Latent> l(m, "MlaLatentCache",
+                       "A KV cache in the latent MLA layout (DeepSeek-V2 Sec. 2.1.2; C++ "
+                       "kvevict::BasicMlaLatentCache<EvictionPolicy<Scorer>>): per layer ckv [B, slots, kv_lora_rank] "
+                       "and kpe [B, slots, qk_rope_dim], shared by all heads. Same contract as MlaCache; attention "
+                       "through attend_absorbed(). Not thread-safe.");
+  l.def(py::init([](const kv::MlaLatentCacheOptions& o, const kv::EvictionOptions& ev, const Scorer& s) {
+          return std::make_unique<Latent>(Latent{build<LatentOf>(s, o, ev)});
+        }),
+        py::arg("options"), py::arg("eviction") = kv::EvictionOptions(), py::arg("scorer") = Scorer(),
+        "Allocates capacity + evict_every slots per row for every layer. Raises ValueError naming a bad option.")
+      .def_property_readonly("options", [](Latent& s) { return with(s, [](auto& x) { return x.options(); }); })
+      .def(
+          "update",
+          [](Latent& s, int64_t layer, const at::Tensor& ckv, const at::Tensor& kpe,
+             c10::optional<std::vector<int64_t>> counts) {
+            return with(s, [&](auto& x) {
+              return counts ? x.update(layer, ckv, kpe, *counts) : x.update(layer, ckv, kpe);
+            });
+          },
+          py::arg("layer"), py::arg("ckv_new"), py::arg("kpe_new"), py::arg("counts") = py::none(),
+          "Appends T new tokens: ckv_new [B, T, kv_lora_rank] (after kv_a_layernorm), kpe_new [B, T, qk_rope_dim] "
+          "(RoPE applied); counts as MlaCache.update(). Returns (ckv, kpe): views [B, S, .] of the cache's "
+          "buffers. Raises as MlaCache.update().")
+      .def(
+          "ckv", [](Latent& s, int64_t layer) { return with(s, [&](auto& x) { return x.ckv(layer); }); },
+          py::arg("layer"), "[B, S, kv_lora_rank] live compressed KV: a view of the buffer, slot order.")
+      .def(
+          "kpe", [](Latent& s, int64_t layer) { return with(s, [&](auto& x) { return x.kpe(layer); }); },
+          py::arg("layer"), "[B, S, qk_rope_dim] live RoPE keys: a view of the buffer, slot order.")
+      .def(
+          "ordered", [](Latent& s, int64_t layer) { return with(s, [&](auto& x) { return x.ordered(layer); }); },
+          py::arg("layer"), "Copies of the live ckv, kpe and positions sorted by position per row.");
+  def_cache_common(l);
+}
+
+// ---- attention, LSE scoring, prefill ----------------------------------------------------------------------
+py::object out_and_probs(const at::Tensor& out, const at::Tensor& probs, bool return_probs) {
+  if (return_probs) return py::make_tuple(out, probs);
+  return py::cast(out);
+}
+
+void def_attention(py::module_& m) {
+  m.def(
+      "attend",
+      [](const at::Tensor& q, Expanded& c, int64_t layer, c10::optional<double> scale, bool observe,
+         bool return_probs) {
+        at::Tensor probs;
+        auto out = with(c, [&](auto& x) { return kv::attend(q, x, layer, scale, return_probs ? &probs : nullptr, observe); });
+        return out_and_probs(out, probs, return_probs);
+      },
+      py::arg("q"), py::arg("cache"), py::arg("layer"), py::arg("scale") = py::none(), py::kw_only(),
+      py::arg("observe") = true, py::arg("return_probs") = false,
+      "Attention of the newest T tokens over `layer`'s live slots (expanded layout), masked per sequence (live "
+      "slots, causal by position, pads zero), then cache.observe(layer, probs) unless observe=False.\n"
+      "q: [B, H, T, qk_dim], the cache's dtype and device, 1 <= T <= seen_tokens. scale: default 1/sqrt(qk_dim).\n"
+      "Returns out [B, H, T, v_dim] in the cache dtype, or (out, probs [B, H, T, S] fp32, slot order) with "
+      "return_probs. Raises on a bad layer, shape, dtype or device; the cache is unchanged then. fp16 on CPU "
+      "computes in fp32.");
+  m.def(
+      "attend_absorbed",
+      [](const at::Tensor& q_absorbed, const at::Tensor& q_pe, Latent& c, int64_t layer, c10::optional<double> scale,
+         bool observe, bool return_probs) {
+        at::Tensor probs;
+        auto out = with(c, [&](auto& x) {
+          return kv::attend_absorbed(q_absorbed, q_pe, x, layer, scale, return_probs ? &probs : nullptr, observe);
+        });
+        return out_and_probs(out, probs, return_probs);
+      },
+      py::arg("q_absorbed"), py::arg("q_pe"), py::arg("cache"), py::arg("layer"), py::arg("scale") = py::none(),
+      py::kw_only(), py::arg("observe") = true, py::arg("return_probs") = false,
+      "Absorbed MLA attention over `layer`'s latent slots (DeepSeek-V2 Sec. 2.1.2): logits q_absorbed . ckv + "
+      "q_pe . kpe, output probs @ ckv (apply W_UV, then o_proj). q_absorbed [B, H, T, kv_lora_rank], q_pe [B, H, "
+      "T, qk_rope_dim]. scale: default 1/sqrt(qk_nope_dim + qk_rope_dim). Returns [B, H, T, kv_lora_rank], or "
+      "(out, probs) with return_probs. Raises as attend().");
+  m.def(
+      "observe_lse",
+      [](const at::Tensor& q, Expanded& c, int64_t layer, const at::Tensor& lse, c10::optional<double> scale,
+         const kv::LseOptions& opts) { with(c, [&](auto& x) { kv::observe_lse(q, x, layer, lse, scale, opts); }); },
+      py::arg("q"), py::arg("cache"), py::arg("layer"), py::arg("lse"), py::arg("scale") = py::none(),
+      py::arg("opts") = kv::LseOptions(),
+      "Scores from a fused kernel's log-sum-exp (expanded layout): recomputes p = exp(scale * q.k - lse) in "
+      "chunks with attend()'s masks and observes them, exactly as observe(probs). q [B, H, Q, qk_dim], lse "
+      "[B, H, Q] fp32 (base per opts). Raises on bad shapes; with checks on (CPU default) if a logit exceeds its "
+      "lse by more than 1e-3 (wrong scale or base). The scorer state is unchanged then.");
+  m.def(
+      "observe_lse_absorbed",
+      [](const at::Tensor& q_absorbed, const at::Tensor& q_pe, Latent& c, int64_t layer, const at::Tensor& lse,
+         c10::optional<double> scale, const kv::LseOptions& opts) {
+        with(c, [&](auto& x) { kv::observe_lse_absorbed(q_absorbed, q_pe, x, layer, lse, scale, opts); });
+      },
+      py::arg("q_absorbed"), py::arg("q_pe"), py::arg("cache"), py::arg("layer"), py::arg("lse"),
+      py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(),
+      "observe_lse() for the latent layout: logits scale * (q_absorbed . ckv + q_pe . kpe).");
+
+  py::class_<Ring>(m, "LseRing",
+                   "Amortised LSE scoring for one cache: buffers the queries and LSEs of up to evict_every decode "
+                   "steps per layer and scores them with one batched product when full or when a pass is due. "
+                   "push() after every update(); flush() before a ragged update, finish, add_sequence, reset or "
+                   "truncate. Keeps the cache alive.")
+      .def(py::init([](Expanded& c, c10::optional<double> scale, const kv::LseOptions& opts) {
+             return with(c, [&](auto& x) {
+               using C = std::decay_t<decltype(x)>;
+               using V = PerScorer<ExpandedRingOf>;
+               return std::make_unique<Ring>(Ring{V(std::in_place_type<kv::LseRing<C>>, x, scale, opts)});
+             });
+           }),
+           py::arg("cache"), py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(), py::keep_alive<1, 2>())
+      .def(py::init([](Latent& c, c10::optional<double> scale, const kv::LseOptions& opts) {
+             return with(c, [&](auto& x) {
+               using C = std::decay_t<decltype(x)>;
+               using V = PerScorer<LatentRingOf>;
+               return std::make_unique<Ring>(Ring{V(std::in_place_type<kv::LseRing<C>>, x, scale, opts)});
+             });
+           }),
+           py::arg("cache"), py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(), py::keep_alive<1, 2>())
+      .def("capacity",
+           [](Ring& r) { return std::visit([](auto& v) { return std::visit([](auto& x) { return x.capacity(); }, v); }, r.v); },
+           "Query columns the ring holds before it scores them: the cache's evict_every.")
+      .def(
+          "pending",
+          [](Ring& r, int64_t layer) {
+            return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.pending(layer); }, v); }, r.v);
+          },
+          py::arg("layer"), "Query columns buffered for `layer`.")
+      .def(
+          "push",
+          [](Ring& r, int64_t layer, const at::Tensor& q, const at::Tensor& lse) {
+            KVEVICT_CHECK_TYPE(r.v.index() == 0,
+                               "LseRing.push: this ring scores an MlaLatentCache: push(layer, q_absorbed, q_pe, lse)");
+            std::visit([&](auto& x) { x.push(layer, q, lse); }, std::get<0>(r.v));
+          },
+          py::arg("layer"), py::arg("q"), py::arg("lse"),
+          "Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update. Raises TypeError "
+          "for a latent ring.")
+      .def(
+          "push",
+          [](Ring& r, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& lse) {
+            KVEVICT_CHECK_TYPE(r.v.index() == 1, "LseRing.push: this ring scores an MlaCache: push(layer, q, lse)");
+            std::visit([&](auto& x) { x.push(layer, q_absorbed, q_pe, lse); }, std::get<1>(r.v));
+          },
+          py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("lse"),
+          "Latent layout: buffers q_absorbed [B, H, T, kv_lora_rank], q_pe [B, H, T, qk_rope_dim] and lse.")
+      .def(
+          "flush",
+          [](Ring& r, int64_t layer) {
+            std::visit([&](auto& v) { std::visit([&](auto& x) { x.flush(layer); }, v); }, r.v);
+          },
+          py::arg("layer"), "Scores the buffered queries of `layer` now and empties the ring.")
+      .def(
+          "evict",
+          [](Ring& r, int64_t layer) {
+            return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.evict(layer); }, v); }, r.v);
+          },
+          py::arg("layer"), "Flushes `layer` if a pass is due, then cache.evict(layer). Returns tokens evicted.");
+
+  m.def(
+      "prompt_scores",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse, double scale, const Scorer& scorer,
+         const kv::LseOptions& opts) {
+        return std::visit([&](const auto& s) { return kv::prompt_scores(q, k, lse, scale, s, opts); }, scorer);
+      },
+      py::arg("q"), py::arg("k"), py::arg("lse"), py::arg("scale"), py::arg("scorer") = Scorer(),
+      py::arg("opts") = kv::LseOptions(),
+      "Scores every prompt token by the attention the whole prompt gives it (causal), recomputed chunk by chunk "
+      "from the prefill LSE (no [H, T, T] tensor), ranked by `scorer` (pooled for SnapKV). q, k [B, H, T, qk_dim], "
+      "lse [B, H, T]. Returns [B, T] fp32 ranks in position order for Selection.keep_indices.");
+  m.def(
+      "prompt_scores_absorbed",
+      [](const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& ckv, const at::Tensor& kpe,
+         const at::Tensor& lse, double scale, const Scorer& scorer, const kv::LseOptions& opts) {
+        return std::visit(
+            [&](const auto& s) { return kv::prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, scale, s, opts); },
+            scorer);
+      },
+      py::arg("q_absorbed"), py::arg("q_pe"), py::arg("ckv"), py::arg("kpe"), py::arg("lse"), py::arg("scale"),
+      py::arg("scorer") = Scorer(), py::arg("opts") = kv::LseOptions(),
+      "prompt_scores() for the latent layout: ckv [B, T, kv_lora_rank], kpe [B, T, qk_rope_dim].");
+  m.def(
+      "compress_prompt",
+      [](Expanded& c, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const at::Tensor& lse, c10::optional<double> scale, const kv::LseOptions& opts) {
+        return with(c, [&](auto& x) { return kv::compress_prompt(x, layer, q, k, v, lse, scale, opts); });
+      },
+      py::arg("cache"), py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"),
+      py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(),
+      "One-shot prompt compression into an empty layer: prompt_scores() under the cache's scorer, then "
+      "Selection.keep_indices() with the layer's capacity; the kept keys and values are appended in position "
+      "order (renumbered 0..n-1) with their prompt rank. Returns [B, n] int64 prompt positions kept. Raises if the "
+      "layer holds tokens, on bad shapes or non-finite scores; the cache is unchanged then.");
+  m.def(
+      "compress_prompt_absorbed",
+      [](Latent& c, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& ckv,
+         const at::Tensor& kpe, const at::Tensor& lse, c10::optional<double> scale, const kv::LseOptions& opts) {
+        return with(c, [&](auto& x) {
+          return kv::compress_prompt_absorbed(x, layer, q_absorbed, q_pe, ckv, kpe, lse, scale, opts);
+        });
+      },
+      py::arg("cache"), py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("ckv"), py::arg("kpe"),
+      py::arg("lse"), py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(),
+      "compress_prompt() for the latent layout.");
+  m.def(
+      "prefill_chunked",
+      [](Expanded& c, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk,
+         c10::optional<double> scale, bool return_output) -> py::object {
+        at::Tensor out;
+        with(c, [&](auto& x) { kv::prefill_chunked(x, layer, q, k, v, chunk, scale, return_output ? &out : nullptr); });
+        if (return_output) return py::cast(out);
+        return py::none();
+      },
+      py::arg("cache"), py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("chunk"),
+      py::arg("scale") = py::none(), py::kw_only(), py::arg("return_output") = false,
+      "Chunked prefill: update, attend (observing) and evict per chunk of `chunk` tokens, so the layer never holds "
+      "much more than capacity + chunk tokens. q, k [B, H, T, qk_dim], v [B, H, T, v_dim]. Returns the attention "
+      "output [B, H, T, v_dim] with return_output, else None. Raises on a bad chunk, scale or shape (before the "
+      "first chunk).");
+  m.def(
+      "prefill_chunked_absorbed",
+      [](Latent& c, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& ckv,
+         const at::Tensor& kpe, int64_t chunk, c10::optional<double> scale, bool return_output) -> py::object {
+        at::Tensor out;
+        with(c, [&](auto& x) {
+          kv::prefill_chunked_absorbed(x, layer, q_absorbed, q_pe, ckv, kpe, chunk, scale, return_output ? &out : nullptr);
+        });
+        if (return_output) return py::cast(out);
+        return py::none();
+      },
+      py::arg("cache"), py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("ckv"), py::arg("kpe"),
+      py::arg("chunk"), py::arg("scale") = py::none(), py::kw_only(), py::arg("return_output") = false,
+      "prefill_chunked() for the latent layout; the output is the latent [B, H, T, kv_lora_rank].");
+}
+
+// ---- selection, moves, memory model -------------------------------------------------------------------
+void def_tools(py::module_& m) {
+  py::class_<kv::CacheStats>(m, "CacheStats", "Counters of one layer or, summed, of a whole cache.")
+      .def_readonly("eviction_events", &kv::CacheStats::eviction_events)
+      .def_readonly("tokens_evicted", &kv::CacheStats::tokens_evicted)
+      .def_readonly("bytes_allocated", &kv::CacheStats::bytes_allocated);
+
+  py::class_<kv::SlotMoves>(m, "SlotMoves",
+                            "The row moves of one pass on one layer: slot dst[b, j] receives slot src[b, j] (all reads "
+                            "before any write), the same for every buffer of the layer.")
+      .def(py::init([](const at::Tensor& src, const at::Tensor& dst, int64_t slot_bound) {
+             return kv::SlotMoves{src, dst, slot_bound};
+           }),
+           py::arg("src"), py::arg("dst"), py::arg("slot_bound") = 0)
+      .def_readonly("src", &kv::SlotMoves::src, "[B, n] int64 source slots")
+      .def_readonly("dst", &kv::SlotMoves::dst, "[B, n] int64 destination slots")
+      .def_readonly("slot_bound", &kv::SlotMoves::slot_bound, "every slot named is below this (0: unknown)")
+      .def("size", &kv::SlotMoves::size, "Columns per row (n); 0 when nothing moves.")
+      .def("empty", &kv::SlotMoves::empty, "True when nothing moves.")
+      .def("__len__", &kv::SlotMoves::size);
+
+  m.def("apply_moves", &kv::apply_moves, py::arg("moves"), py::arg("buffer"), py::arg("token_dim"),
+        "Applies `moves` to one caller-owned buffer [B, ..., slots, ...] in place (bit-exact row copies; memcpy on "
+        "a contiguous CPU buffer, no allocation). Raises if the buffer's batch, device or token_dim do not fit; "
+        "nothing is moved then.");
+  m.def("write_rows", &kv::write_rows, py::arg("buffer"), py::arg("token_dim"), py::arg("rows"),
+        py::arg("slot_mapping"),
+        "Writes the new rows [B, ..., T, ...] of an append into `buffer` in place, where the slot mapping [B, T] "
+        "int64 of EvictionPolicy.append() says (-1: a pad, not written), as vLLM's reshape_and_cache. Raises on a "
+        "shape, dtype or device mismatch; nothing is written then.");
+
+  py::class_<kv::Selection>(m, "Selection",
+                            "The stateless selection of the contract: per row keep every sink, the recent window and "
+                            "the `budget` highest-scored other tokens; lower score evicted first, ties evict the older "
+                            "position, non-finite scores lowest.")
+      .def(py::init<kv::EvictionOptions>(), py::arg("options") = kv::EvictionOptions())
+      .def_property_readonly("options", &kv::Selection::options)
+      .def("capacity", &kv::Selection::capacity, "n_sink + budget + n_recent tokens per row.")
+      .def("keep_indices", &kv::Selection::keep_indices, py::arg("scores"),
+           "Prefill compression: scores [B, S] (any floating dtype and device) of positions 0..S-1 -> [B, min(S, "
+           "capacity)] int64 positions to keep, ascending per row.")
+      .def("evict_slots", &kv::Selection::evict_slots, py::arg("scores"), py::arg("positions"),
+           "One pass with tensor ops: scores [B, S], positions [B, S] int64 (slot order, distinct) -> [B, S - "
+           "capacity] int64 slots to evict, ascending per row.");
+
+  py::enum_<kv::Layout>(m, "Layout", "The two ways an MLA cache can be stored.")
+      .value("kExpanded", kv::Layout::kExpanded)
+      .value("kLatent", kv::Layout::kLatent);
+  py::class_<kv::MlaMemoryConfig>(m, "MlaMemoryConfig",
+                                  "The dimensions that size an MLA cache; defaults: DeepSeek-V3 at 2 bytes per element.")
+      .def(py::init([](int64_t layers, int64_t heads, int64_t qk, int64_t v, int64_t rank, int64_t rope, int64_t bytes) {
+             kv::MlaMemoryConfig c;
+             c.num_layers = layers;
+             c.num_heads = heads;
+             c.qk_dim = qk;
+             c.v_dim = v;
+             c.kv_lora_rank = rank;
+             c.qk_rope_dim = rope;
+             c.bytes_per_element = bytes;
+             return c;
+           }),
+           py::kw_only(), py::arg("num_layers") = 61, py::arg("num_heads") = 128, py::arg("qk_dim") = 192,
+           py::arg("v_dim") = 128, py::arg("kv_lora_rank") = 512, py::arg("qk_rope_dim") = 64,
+           py::arg("bytes_per_element") = 2)
+      .def_readwrite("num_layers", &kv::MlaMemoryConfig::num_layers)
+      .def_readwrite("num_heads", &kv::MlaMemoryConfig::num_heads)
+      .def_readwrite("qk_dim", &kv::MlaMemoryConfig::qk_dim)
+      .def_readwrite("v_dim", &kv::MlaMemoryConfig::v_dim)
+      .def_readwrite("kv_lora_rank", &kv::MlaMemoryConfig::kv_lora_rank)
+      .def_readwrite("qk_rope_dim", &kv::MlaMemoryConfig::qk_rope_dim)
+      .def_readwrite("bytes_per_element", &kv::MlaMemoryConfig::bytes_per_element);
+  m.def("bytes_per_token_per_layer", &kv::bytes_per_token_per_layer, py::arg("config"), py::arg("layout"),
+        "Bytes one token takes in one layer (K/V data only). Raises ValueError on a dimension < 1 or an overflow.");
+  m.def("bytes_per_token", &kv::bytes_per_token, py::arg("config"), py::arg("layout"),
+        "Bytes one token takes across all layers.");
+  m.def("full_cache_bytes", &kv::full_cache_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"),
+        "Bytes a full cache of seq_len tokens takes for one sequence, all layers.");
+  m.def("capped_cache_bytes", &kv::capped_cache_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"),
+        py::arg("capacity"), "Bytes a cache capped at `capacity` tokens takes after seq_len tokens.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kvevict, m) {
+  m.doc() = "kvevict's C++ API (include/kvevict/) for PyTorch: KV-cache eviction for DeepSeek-style (MLA) models.";
+  m.attr("__version__") = std::to_string(KVEVICT_VERSION_MAJOR) + "." + std::to_string(KVEVICT_VERSION_MINOR) + "." +
+                          std::to_string(KVEVICT_VERSION_PATCH);
+  // c10's exception classes to the Python exceptions PyTorch maps them to, with kvevict's message.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+  def_options(m);
+  def_scorers(m);
+  def_tools(m);
+  def_policy(m);
+  def_caches(m);
+  def_attention(m);
+}

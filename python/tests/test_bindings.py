@@ -1,0 +1,404 @@
+"""The binding against the C++ library (kvevict_reference), hand-worked examples and the
+selection oracle: kept positions, scores, attention, prompt compression, the caller-owned
+policy, errors and zero-copy views."""
+
+import math
+
+import pytest
+import torch
+
+import kvevict
+from conftest import kept, oracle_keep, reference
+
+SCORERS = [
+    ("CumulativeAttention", {}, lambda: kvevict.CumulativeAttention()),
+    ("MeanObservedAttention", {}, lambda: kvevict.MeanObservedAttention()),
+    ("LatestAttention", {}, lambda: kvevict.LatestAttention()),
+    ("DecayedAttention", {"gamma": 0.5}, lambda: kvevict.DecayedAttention(0.5)),
+    ("SnapKV", {"window": 3, "kernel": 3}, lambda: kvevict.SnapKV(3, 3)),
+]
+DIMS = {"expanded": {"qk_dim": 24, "v_dim": 16}, "latent": {"kv_lora_rank": 20, "qk_rope_dim": 8, "qk_nope_dim": 12}}
+
+
+def make_cache(req, scorer):
+    ev = kvevict.EvictionOptions(req["budget"], n_sink=req["n_sink"], n_recent=req["n_recent"],
+                                 evict_every=req.get("evict_every", 1))
+    common = dict(batch_size=req.get("batch_size", 1), layer_budgets=req.get("layer_budgets", []))
+    d = DIMS[req["layout"]]
+    if req["layout"] == "expanded":
+        return kvevict.MlaCache(kvevict.MlaCacheOptions(req["num_layers"], req["num_heads"], **d, **common), ev, scorer)
+    return kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(req["num_layers"], req["num_heads"], **d, **common),
+                                  ev, scorer)
+
+
+def run_trace(req, scorer):
+    """What reference.cpp's trace does, through the binding."""
+    cache = make_cache(req, scorer)
+    out = {"positions": [], "scores": [], "outputs": [], "evicted": []}
+    for s in req["steps"]:
+        op, layer = s["op"], s.get("layer", 0)
+        if op == "update":
+            cache.update(layer, *s["rows"], counts=s.get("counts"))
+        elif op == "attend":
+            q = s["q"]
+            if req["layout"] == "expanded":
+                out["outputs"].append(kvevict.attend(q[0], cache, layer, s.get("scale")))
+            else:
+                out["outputs"].append(kvevict.attend_absorbed(q[0], q[1], cache, layer, s.get("scale")))
+        elif op == "observe":
+            cache.observe(layer, s["probs"])
+        elif op == "add_scores":
+            cache.add_scores(layer, s["scores"])
+        elif op == "evict":
+            out["evicted"].append(cache.evict(layer))
+        elif op == "truncate":
+            cache.truncate(s["row"], s["k"])
+        elif op == "finish":
+            cache.finish(s["row"])
+        elif op == "add_sequence":
+            cache.add_sequence()
+        elif op == "reset":
+            cache.reset(s.get("row"))
+        if s.get("record"):
+            for l in range(cache.num_layers):
+                out["positions"].append(cache.positions(l))
+                out["scores"].append(cache.scores(l))
+    return out
+
+
+def rows(layout, B, H, T, g):
+    d = DIMS[layout]
+    if layout == "expanded":
+        return [torch.randn(B, H, T, d["qk_dim"], generator=g), torch.randn(B, H, T, d["v_dim"], generator=g)]
+    return [torch.randn(B, T, d["kv_lora_rank"], generator=g), torch.randn(B, T, d["qk_rope_dim"], generator=g)]
+
+
+def queries(layout, B, H, T, g):
+    d = DIMS[layout]
+    if layout == "expanded":
+        return [torch.randn(B, H, T, d["qk_dim"], generator=g)]
+    return [torch.randn(B, H, T, d["kv_lora_rank"], generator=g), torch.randn(B, H, T, d["qk_rope_dim"], generator=g)]
+
+
+def decode_trace(layout, scorer_name, params, seed=0):
+    """Two layers (per-layer budgets), two rows: a ragged prefill, decode steps with attention,
+    evict_every 2, a rollback, a row that finishes and a new sequence in its place."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, L = 2, 3, 2
+    steps = []
+    for l in range(L):  # ragged prefill: row 0 appends 9 tokens, row 1 appends 5 (left-padded)
+        steps += [{"op": "update", "layer": l, "rows": rows(layout, B, H, 9, g), "counts": [9, 5]},
+                  {"op": "attend", "layer": l, "q": queries(layout, B, H, 9, g)},
+                  {"op": "evict", "layer": l, "record": l == L - 1}]
+    for t in range(12):
+        for l in range(L):
+            steps += [{"op": "update", "layer": l, "rows": rows(layout, B, H, 1, g)},
+                      {"op": "attend", "layer": l, "q": queries(layout, B, H, 1, g), "scale": 0.3},
+                      {"op": "evict", "layer": l, "record": True}]
+        if t == 5:
+            steps.append({"op": "truncate", "row": 1, "k": 1, "record": True})
+        if t == 8:
+            steps += [{"op": "finish", "row": 0}, {"op": "add_sequence", "record": True}]
+    return dict(op="trace", layout=layout, scorer=scorer_name, **params, **DIMS[layout], num_layers=L, num_heads=H,
+                batch_size=B, budget=3, n_sink=1, n_recent=3, evict_every=2, layer_budgets=[3, 2], steps=steps)
+
+
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+@pytest.mark.parametrize("scorer_name,params,scorer", SCORERS, ids=[s[0] for s in SCORERS])
+def test_decode_keeps_what_the_cpp_keeps(layout, scorer_name, params, scorer):
+    req = decode_trace(layout, scorer_name, params)
+    ours, theirs = run_trace(req, scorer()), reference(req)
+    assert len(ours["positions"]) == len(theirs["positions"]) > 20
+    for a, b in zip(ours["positions"], theirs["positions"]):
+        assert torch.equal(a, b)
+    for a, b in zip(ours["scores"], theirs["scores"]):
+        assert torch.equal(a, b)
+    for a, b in zip(ours["outputs"], theirs["outputs"]):
+        assert torch.equal(a, b)
+    assert ours["evicted"] == list(theirs["evicted"])
+    assert sum(ours["evicted"]) > 0
+
+
+def test_add_scores_keeps_the_oracle_set():
+    g = torch.Generator().manual_seed(1)
+    for S, n_sink, budget, n_recent in [(30, 2, 8, 3), (17, 0, 5, 1), (12, 4, 1, 4)]:
+        cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=8, v_dim=8, batch_size=2),
+                                 kvevict.EvictionOptions(budget, n_sink=n_sink, n_recent=n_recent))
+        cache.update(0, torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g))
+        scores = torch.rand(2, S, generator=g)
+        scores[1, 3:9] = 0.25  # ties: the older are evicted first
+        cache.add_scores(0, scores)
+        cache.evict(0)
+        for row in range(2):
+            want = oracle_keep(list(range(S)), scores[row].tolist(), n_sink, budget, n_recent)
+            assert kept(cache, 0, row) == want
+
+
+def test_hand_worked_ties_keep_the_newest_candidates():
+    # 10 tokens, equal scores, 2 sinks, budget 3, 2 recent: candidates 2..7 tie, the older go first.
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 1, qk_dim=4, v_dim=4),
+                             kvevict.EvictionOptions(3, n_sink=2, n_recent=2))
+    cache.update(0, torch.zeros(1, 1, 10, 4), torch.zeros(1, 1, 10, 4))
+    cache.add_scores(0, torch.full((1, 10), 0.5))
+    assert cache.evict(0) == 3
+    assert kept(cache) == [0, 1, 5, 6, 7, 8, 9]
+    # the lowest-scored candidates (positions 2..7 here) go first
+    cache.reset()
+    cache.update(0, torch.zeros(1, 1, 10, 4), torch.zeros(1, 1, 10, 4))
+    cache.add_scores(0, torch.tensor([[0, 0, 5, 1, 4, 3, 2, 9, 0, 0]], dtype=torch.float32))
+    cache.evict(0)
+    assert kept(cache) == [0, 1, 2, 4, 7, 8, 9]
+
+
+def test_keep_indices_matches_cpp_and_oracle():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(3, 40, generator=g)
+    scores[2, 10:30] = 1.0
+    sel = kvevict.Selection(kvevict.EvictionOptions(10, n_sink=3, n_recent=5))
+    keep = sel.keep_indices(scores)
+    ref = reference(dict(op="keep_indices", scores=scores, budget=10, n_sink=3, n_recent=5))["keep"]
+    assert torch.equal(keep, ref)
+    for b in range(3):
+        assert keep[b].tolist() == oracle_keep(list(range(40)), scores[b].tolist(), 3, 10, 5)
+    assert sel.capacity() == 18
+    slots = sel.evict_slots(scores, torch.arange(40).expand(3, 40).contiguous())
+    for b in range(3):
+        assert sorted(set(range(40)) - set(slots[b].tolist())) == keep[b].tolist()
+
+
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+@pytest.mark.parametrize("scorer_name,params,scorer", [SCORERS[0], SCORERS[4]], ids=["H2O", "SnapKV"])
+def test_compress_prompt_matches_cpp(layout, scorer_name, params, scorer):
+    g = torch.Generator().manual_seed(3)
+    B, H, T = 2, 2, 30
+    scale = 0.2
+    d = DIMS[layout]
+    if layout == "expanded":
+        q, k = torch.randn(B, H, T, d["qk_dim"], generator=g), torch.randn(B, H, T, d["qk_dim"], generator=g)
+        v = torch.randn(B, H, T, d["v_dim"], generator=g)
+        logits = (q @ k.transpose(-2, -1)).mul(scale)
+        tensors = dict(q=q, k=k, v=v)
+    else:
+        qa, qp = torch.randn(B, H, T, d["kv_lora_rank"], generator=g), torch.randn(B, H, T, d["qk_rope_dim"], generator=g)
+        ckv, kpe = torch.randn(B, T, d["kv_lora_rank"], generator=g), torch.randn(B, T, d["qk_rope_dim"], generator=g)
+        logits = (qa @ ckv.unsqueeze(1).transpose(-2, -1) + qp @ kpe.unsqueeze(1).transpose(-2, -1)).mul(scale)
+        tensors = dict(q_absorbed=qa, q_pe=qp, ckv=ckv, kpe=kpe)
+    lse = torch.logsumexp(logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1)
+    req = dict(op="compress", layout=layout, scorer=scorer_name, **params, **d, num_layers=1, num_heads=H,
+               batch_size=B, budget=6, n_sink=2, n_recent=4, scale=scale, lse=lse, **tensors)
+    cache = make_cache(req, scorer())
+    if layout == "expanded":
+        keep = kvevict.compress_prompt(cache, 0, q, k, v, lse, scale)
+    else:
+        keep = kvevict.compress_prompt_absorbed(cache, 0, qa, qp, ckv, kpe, lse, scale)
+    ref = reference(req)
+    assert keep.shape == (B, 12)
+    assert torch.equal(keep, ref["keep"])
+    assert torch.equal(cache.positions(0), ref["positions"])
+    assert torch.equal(cache.scores(0), ref["scores"])
+    # the same scores through prompt_scores and Selection.keep_indices
+    if layout == "expanded":
+        scores = kvevict.prompt_scores(q, k, lse, scale, scorer())
+    else:
+        scores = kvevict.prompt_scores_absorbed(qa, qp, ckv, kpe, lse, scale, scorer())
+    assert torch.equal(kvevict.Selection(cache.eviction(0)).keep_indices(scores), keep)
+
+
+def test_attend_matches_a_plain_softmax_attention():
+    g = torch.Generator().manual_seed(4)
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=8, v_dim=6), kvevict.EvictionOptions(4, n_sink=1, n_recent=2))
+    k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 6, generator=g)
+    cache.update(0, k, v)
+    cache.add_scores(0, torch.rand(1, 12, generator=g))
+    cache.evict(0)
+    pos = cache.positions(0)[0]
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    cache.update(0, torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 6, generator=g))
+    out, probs = kvevict.attend(q, cache, 0, 0.5, return_probs=True)
+    keys, values = cache.keys(0), cache.values(0)
+    want = torch.softmax(q @ keys.transpose(-2, -1) * 0.5, -1) @ values
+    assert torch.allclose(out, want, atol=1e-6)
+    assert probs.shape == (1, 2, 1, 8) and torch.allclose(probs.sum(-1), torch.ones(1, 2, 1))
+    assert set(pos.tolist()) | {12} == set(cache.positions(0)[0].tolist())
+
+
+def test_prefill_chunked_at_full_capacity_is_full_attention():
+    g = torch.Generator().manual_seed(5)
+    T = 20
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g) for _ in range(3))
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=8, v_dim=8), kvevict.EvictionOptions(T, n_sink=0, n_recent=0))
+    out = kvevict.prefill_chunked(cache, 0, q, k, v, 6, 0.3, return_output=True)
+    causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+    want = torch.softmax((q @ k.transpose(-2, -1) * 0.3).masked_fill(causal, -math.inf), -1) @ v
+    assert torch.allclose(out, want, atol=1e-5)
+    small = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=8, v_dim=8), kvevict.EvictionOptions(4, n_sink=1, n_recent=2))
+    assert kvevict.prefill_chunked(small, 0, q, k, v, 5) is None
+    assert small.size(0) == 7 and small.seen_tokens(0) == T
+    assert kept(small)[0] == 0 and kept(small)[-2:] == [T - 2, T - 1]
+
+
+def test_observe_lse_gives_the_scores_of_the_probabilities():
+    g = torch.Generator().manual_seed(6)
+    caches = [kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=8, v_dim=8), kvevict.EvictionOptions(4)) for _ in range(2)]
+    k, v = torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    q = torch.randn(1, 2, 3, 8, generator=g)
+    for c in caches:
+        c.update(0, k, v)
+    _, probs = kvevict.attend(q, caches[0], 0, 0.4, return_probs=True)  # observes
+    causal = caches[1].positions(0).view(1, 1, 1, 10) > caches[1].query_positions(0, 3).view(1, 1, 3, 1)
+    lse = torch.logsumexp((q @ k.transpose(-2, -1) * 0.4).masked_fill(causal, -math.inf), -1)
+    kvevict.observe_lse(q, caches[1], 0, lse, 0.4)
+    assert torch.allclose(caches[0].scores(0), caches[1].scores(0), atol=1e-6)
+    with pytest.raises(RuntimeError, match="lse"):
+        kvevict.observe_lse(q, caches[1], 0, lse - 1.0, 0.4)  # logits above their lse
+
+
+def test_lse_ring_buffers_evict_every_steps():
+    g = torch.Generator().manual_seed(7)
+    cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=8, qk_rope_dim=4, qk_nope_dim=4),
+                                   kvevict.EvictionOptions(4, n_sink=1, n_recent=2, evict_every=3))
+    ring = kvevict.LseRing(cache, 0.5)
+    assert ring.capacity() == 3
+    for t in range(10):
+        cache.update(0, torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 4, generator=g))
+        qa, qp = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 4, generator=g)
+        logits = (qa @ cache.ckv(0).unsqueeze(1).transpose(-2, -1) + qp @ cache.kpe(0).unsqueeze(1).transpose(-2, -1)) * 0.5
+        ring.push(0, qa, qp, torch.logsumexp(logits, -1))
+        assert 0 <= ring.pending(0) < 3  # a full ring scores itself
+        due = cache.due(0)
+        ring.evict(0)
+        if due:  # a due pass scores the buffered queries first
+            assert ring.pending(0) == 0
+    assert cache.size(0) <= cache.capacity() + 2
+    with pytest.raises(TypeError, match="MlaLatentCache"):
+        ring.push(0, qa, torch.zeros(1, 2, 1))
+    for _ in range(2):  # an update without a push: the ring names the layer and row
+        cache.update(0, torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 4, generator=g))
+    with pytest.raises(RuntimeError, match="LseRing::push: layer 0 row 0 has"):
+        ring.push(0, qa, qp, torch.zeros(1, 2, 1))
+
+
+def test_policy_drives_caller_owned_buffers_like_the_cache():
+    """EvictionPolicy + write_rows + apply_moves on a [B, S, H, D] buffer (token_dim 1) keep the
+    tokens, and the rows, that MlaCache keeps on the same inputs."""
+    g = torch.Generator().manual_seed(8)
+    B, H, D = 2, 2, 4
+    ev = kvevict.EvictionOptions(5, n_sink=1, n_recent=2)
+    policy = kvevict.EvictionPolicy(kvevict.EvictionPolicyOptions(1, H, batch_size=B), ev)
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, H, qk_dim=D, v_dim=D, batch_size=B), ev)
+    policy.reserve(32)
+    buffer = torch.zeros(B, policy.slots(0), H, D)
+    ptr = buffer.data_ptr()
+    for t, (T, counts) in enumerate([(6, [6, 4]), (1, [1, 1]), (3, [3, 0]), (1, [1, 1]), (4, [2, 4]), (1, [1, 1])]):
+        new = torch.randn(B, H, T, D, generator=g)
+        mapping = policy.append(0, counts, T)
+        assert mapping.shape == (B, T) and mapping.dtype == torch.int64
+        kvevict.write_rows(buffer, 1, new.transpose(1, 2).contiguous(), mapping)
+        cache.update(0, new, new, counts=counts)
+        scores = torch.rand(B, policy.size(0), generator=g)
+        policy.add_scores(0, scores)
+        cache.add_scores(0, scores)
+        moves = policy.evict(0)
+        kvevict.apply_moves(moves, buffer, 1)
+        cache.evict(0)
+        assert torch.equal(policy.positions(0), cache.positions(0))
+        for b in range(B):
+            n = policy.size(0, b)
+            assert torch.equal(buffer[b, :n].transpose(0, 1), cache.keys(0)[b, :, :n])
+    assert buffer.data_ptr() == ptr  # written and moved in place
+    moves = policy.truncate(0, 1)
+    assert len(moves) == 1 and isinstance(moves[0], kvevict.SlotMoves)
+
+
+def test_views_share_the_cache_buffers():
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=4, v_dim=4), kvevict.EvictionOptions(2, n_sink=1, n_recent=1))
+    k, v = cache.update(0, torch.arange(40.0).view(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    assert k.data_ptr() == cache.keys(0).data_ptr() and v.data_ptr() == cache.values(0).data_ptr()
+    lat = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=4, qk_rope_dim=2))
+    ckv, kpe = lat.update(0, torch.ones(1, 3, 4), torch.ones(1, 3, 2))
+    assert ckv.data_ptr() == lat.ckv(0).data_ptr() and kpe.data_ptr() == lat.kpe(0).data_ptr()
+    # an eviction moves rows inside the same memory: the old view sees them
+    cache.add_scores(0, torch.tensor([[0.0, 0.1, 0.9, 0.2, 0.0]]))
+    cache.evict(0)
+    assert kept(cache) == [0, 2, 3, 4]
+    slot_of_4 = cache.positions(0)[0].tolist().index(4)
+    assert torch.equal(k[0, 0, slot_of_4], torch.arange(16.0, 20.0))
+    # a tensor passed in is the caller's own: apply_moves and write_rows write into it
+    buf = torch.arange(6.0).view(1, 6)
+    kvevict.apply_moves(kvevict.SlotMoves(torch.tensor([[5]]), torch.tensor([[0]])), buf, 1)
+    assert buf.tolist() == [[5.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    with pytest.raises(ValueError, match="kvevict: EvictionOptions: budget must be in"):
+        kvevict.MlaCache(kvevict.MlaCacheOptions(1, 1), kvevict.EvictionOptions(-1))
+    with pytest.raises(ValueError, match="num_layers must be in"):
+        kvevict.MlaCache(kvevict.MlaCacheOptions(0, 1))
+    with pytest.raises(ValueError, match="layer 1: capacity"):
+        kvevict.MlaCache(kvevict.MlaCacheOptions(2, 1, layer_budgets=[1, 0]), kvevict.EvictionOptions(1, n_sink=0, n_recent=0))
+    with pytest.raises(ValueError, match="gamma"):
+        kvevict.DecayedAttention(1.5)
+    with pytest.raises(ValueError, match="kernel must be odd"):
+        kvevict.SnapKV(4, 2)
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(2, 2, qk_dim=4, v_dim=4), kvevict.EvictionOptions(2, n_sink=1, n_recent=1))
+    cache.update(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    before = cache.positions(0)
+    with pytest.raises(IndexError, match="layer must be in \\[0, 2\\), got 7"):
+        cache.update(7, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    with pytest.raises(TypeError, match="k_new must have the cache's dtype Float, got Double"):
+        cache.update(0, torch.zeros(1, 2, 1, 4, dtype=torch.float64), torch.zeros(1, 2, 1, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="v_new must be \\[B, H, T, v_dim\\]"):
+        cache.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 5))
+    with pytest.raises(ValueError, match="counts\\[0\\] must be in \\[0, T = 1\\], got 2"):
+        cache.update(0, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), counts=[2])
+    with pytest.raises(RuntimeError, match="attention probs must be in \\[0, 1\\]"):
+        cache.observe(0, torch.full((1, 2, 1, 3), 2.0))
+    with pytest.raises(IndexError):
+        cache.finish(3)
+    assert torch.equal(cache.positions(0), before) and cache.seen_tokens(0) == 3
+    with pytest.raises(TypeError):  # not a tensor: pybind11's own argument check
+        cache.update(0, "k", "v")
+    with pytest.raises(TypeError, match="scorer"):
+        kvevict.install(kvevict.models.Model(), scorer=3)
+
+
+def test_lifecycle_and_rollback():
+    cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 1, kv_lora_rank=4, qk_rope_dim=2, batch_size=2),
+                                   kvevict.EvictionOptions(2, n_sink=1, n_recent=2))
+    cache.finish(1)
+    assert not cache.active(1) and cache.add_sequence() == 1
+    with pytest.raises(RuntimeError, match="all 2 rows hold a sequence"):
+        cache.add_sequence()
+    cache.update(0, torch.randn(2, 4, 4), torch.randn(2, 4, 2), counts=[4, 2])
+    assert [cache.size(0, 0), cache.size(0, 1)] == [4, 2]
+    cache.truncate(0, 2)
+    assert cache.seen_tokens(0, 0) == 2 and kept(cache, 0, 0) == [0, 1]
+    with pytest.raises(ValueError):
+        cache.truncate(0, 5)
+    cache.reset(1)
+    assert cache.size(0, 1) == 0
+    cache.reserve(64)
+    assert cache.slots(0) == 64
+    cache.reset()
+    assert cache.size(0) == 0 and cache.stats().tokens_evicted == 0
+
+
+def test_memory_model_hand_worked():
+    c = kvevict.MlaMemoryConfig()  # DeepSeek-V3, 2 bytes per element
+    assert kvevict.bytes_per_token_per_layer(c, kvevict.Layout.kExpanded) == 128 * (192 + 128) * 2
+    assert kvevict.bytes_per_token(c, kvevict.Layout.kExpanded) == 4_997_120
+    assert kvevict.bytes_per_token(c, kvevict.Layout.kLatent) == 61 * 576 * 2 == 70_272
+    assert kvevict.full_cache_bytes(c, kvevict.Layout.kLatent, 1000) == 70_272_000
+    assert kvevict.capped_cache_bytes(c, kvevict.Layout.kLatent, 10_000, 4_612) == 4_612 * 70_272
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        kvevict.capped_cache_bytes(c, kvevict.Layout.kLatent, 10, 0)
+    with pytest.raises(ValueError, match="overflows int64"):
+        kvevict.full_cache_bytes(c, kvevict.Layout.kExpanded, 2**62)
+
+
+def test_snapkv_pool_hand_worked():
+    ranks = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    avg = kvevict.SnapKV(4, 3).pool(ranks)
+    assert torch.allclose(avg, torch.tensor([[1.0, 2.0, 3.0, 4.0, 3.0]]))  # zero padding counts
+    mx = kvevict.SnapKV(4, 3, kvevict.SnapKV.Pooling.kMax).pool(ranks)
+    assert mx.tolist() == [[2.0, 3.0, 4.0, 5.0, 5.0]]
