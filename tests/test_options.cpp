@@ -88,3 +88,22 @@ TEST_CASE("Sizes too large to allocate throw c10::Error naming every size, not s
   CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(huge, 1).batch_size(huge), kvevict::EvictionOptions(4)),
                     Contains("num_layers x batch_size must be <= 2^40"));
 }
+
+TEST_CASE("A device kvevict cannot run on (meta, or anything but CPU and CUDA) is rejected when built, naming it",
+          "[options][errors][cpu]") {
+  const at::Device meta(at::kMeta);
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2).device(meta)),
+                    Contains("MlaCacheOptions: device must be a CPU or CUDA device, got meta"));
+  CHECK_THROWS_WITH(kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 2).device(meta)),
+                    Contains("MlaLatentCacheOptions: device must be a CPU or CUDA device, got meta"));
+  CHECK_THROWS_WITH(kvevict::EvictionPolicy<>(kvevict::EvictionPolicyOptions(1, 2).device(meta)),
+                    Contains("EvictionPolicyOptions: device must be a CPU or CUDA device, got meta"));
+  CHECK_THROWS_AS(kvevict::EvictionPolicy<>(kvevict::EvictionPolicyOptions(1, 2).device(meta)), c10::ValueError);
+  // Other device types, whatever this build has of them.
+  for (const auto type : {at::kXLA, at::kVulkan, at::kMPS, at::kHIP}) {
+    const at::Device d(type);
+    INFO(d);
+    CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2).device(d)),
+                      Contains("device must be a CPU or CUDA device, got " + d.str()));
+  }
+}

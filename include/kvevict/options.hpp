@@ -82,10 +82,13 @@ struct EvictionPolicyOptions {
     return check_observations_.has_value() ? *check_observations_ : device.is_cpu();
   }
 
-  /// Throws c10::ValueError naming the offending value: a size < 1 or above 2^40, or
-  /// layers x rows above 2^40 (the host state would not fit).
+  /// Throws c10::ValueError naming the offending value: a size < 1 or above 2^40, layers x
+  /// rows above 2^40 (the host state would not fit), or a device that is neither CPU nor CUDA
+  /// (meta has no data to evict; other backends are not supported).
   void validate(const char* type = "EvictionPolicyOptions") const {
     constexpr int64_t kMax = EvictionOptions::kMaxTokens;
+    KVEVICT_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), type, ": device must be a CPU or CUDA device, got ",
+                        device_);
     KVEVICT_CHECK_VALUE(num_layers_ >= 1 && num_layers_ <= kMax, type, ": num_layers must be in [1, 2^40], got ",
                         num_layers_);
     KVEVICT_CHECK_VALUE(batch_size_ >= 1 && batch_size_ <= kMax, type, ": batch_size must be in [1, 2^40], got ",
@@ -105,7 +108,7 @@ struct EvictionPolicyOptions {
   KVEVICT_ARG(int64_t, num_heads);
   /// Batch rows (B): each row holds one sequence at a time. Default: 1.
   KVEVICT_ARG(int64_t, batch_size) = 1;
-  /// Device of the state (positions, scores); inputs must be on it. Default: CPU.
+  /// Device of the state (positions, scores): CPU or CUDA; inputs must be on it. Default: CPU.
   KVEVICT_ARG(at::Device, device) = at::Device(at::kCPU);
   /// Check every observation: probabilities finite and in [0, 1], zero where a key is newer than
   /// its query (causal), and the resulting rank finite; a failed check throws and changes
@@ -145,8 +148,8 @@ template <class Derived>
 struct CacheOptionsBase {
   CacheOptionsBase(int64_t num_layers, int64_t num_heads) : num_layers_(num_layers), num_heads_(num_heads) {}
 
-  /// Throws c10::ValueError naming the offending value: a size < 1 or > 2^40, or a
-  /// non-floating dtype.
+  /// Throws c10::ValueError naming the offending value: a size < 1 or > 2^40, a device that is
+  /// neither CPU nor CUDA, or a non-floating dtype.
   void validate() const {
     const char* type = Derived::kName;
     policy_options().validate(type);
@@ -175,7 +178,7 @@ struct CacheOptionsBase {
   KVEVICT_ARG_AS(Derived, int64_t, batch_size) = 1;
   /// Storage dtype of the cached rows. Default: at::kFloat.
   KVEVICT_ARG_AS(Derived, at::ScalarType, dtype) = at::kFloat;
-  /// Device of every buffer; inputs must be on it. Default: CPU.
+  /// Device of every buffer: CPU or CUDA; inputs must be on it. Default: CPU.
   KVEVICT_ARG_AS(Derived, at::Device, device) = at::Device(at::kCPU);
   /// See EvictionPolicyOptions::check_observations. Default: unset (on for CPU, off for CUDA).
   KVEVICT_ARG_AS(Derived, c10::optional<bool>, check_observations) = c10::nullopt;
