@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace kvevict_test {
@@ -87,6 +88,17 @@ struct ForceTensorPath {
   ~ForceTensorPath() { kvevict::detail::force_tensor_path() = previous; }
   bool previous;
 };
+
+/// The message (without the backtrace) of the c10::Error that `f` throws; empty if it throws none.
+template <class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return {};
+}
 
 /// Runs `f` twice: on the default CPU path and on the tensor-op (CUDA) path.
 template <class F>

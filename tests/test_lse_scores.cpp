@@ -577,3 +577,32 @@ TEST_CASE("compress_prompt and prefill_chunked reject bad inputs before changing
     CHECK(c.seen_tokens(0) == 10);
   });
 }
+
+TEST_CASE("A prompt of 0 tokens is rejected naming the prompt, by every prompt function", "[lse][errors][cpu]") {
+  using kvevict_test::message_of;
+  kvevict_test::on_both_paths([] {
+    kvevict::MlaCache c(kvevict::MlaCacheOptions(1, 2).qk_dim(4).v_dim(3), EvictionOptions(3).n_sink(1).n_recent(2));
+    const auto q = at::randn({1, 2, 0, 4}), k = at::randn({1, 2, 0, 4}), v = at::randn({1, 2, 0, 3});
+    const auto lse = at::zeros({1, 2, 0});
+    kvevict::MlaLatentCache lc(kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(4).qk_rope_dim(2),
+                               EvictionOptions(3).n_sink(1).n_recent(2));
+    const auto qa = at::randn({1, 2, 0, 4}), qpe = at::randn({1, 2, 0, 2});
+    const auto ckv = at::randn({1, 0, 4}), kpe = at::randn({1, 0, 2});
+    const std::vector<std::pair<std::string, std::string>> got = {
+        {"compress_prompt", message_of([&] { kvevict::compress_prompt(c, 0, q, k, v, lse); })},
+        {"prompt_scores", message_of([&] { kvevict::prompt_scores(q, k, lse, 0.5); })},
+        {"prefill_chunked", message_of([&] { kvevict::prefill_chunked(c, 0, q, k, v, 4); })},
+        {"compress_prompt_absorbed", message_of([&] { kvevict::compress_prompt_absorbed(lc, 0, qa, qpe, ckv, kpe, lse); })},
+        {"prompt_scores_absorbed", message_of([&] { kvevict::prompt_scores_absorbed(qa, qpe, ckv, kpe, lse, 0.5); })},
+        {"prefill_chunked_absorbed", message_of([&] { kvevict::prefill_chunked_absorbed(lc, 0, qa, qpe, ckv, kpe, 4); })}};
+    for (const auto& [what, message] : got) {
+      INFO(what);
+      const bool latent = what.find("absorbed") != std::string::npos;
+      CHECK_THAT(message, Contains(what + ": the prompt must hold at least one token") && Contains("got T = 0") &&
+                              Contains(latent ? "ckv [B, T, kv_lora_rank]" : "k [B, H, T, qk_dim]"));
+    }
+    CHECK(c.seen_tokens(0) == 0);
+    CHECK(c.slots(0) == 7);
+    CHECK(lc.seen_tokens(0) == 0);
+  });
+}

@@ -44,6 +44,12 @@ inline void check_prompt_scores(const at::Tensor& scores, const char* what) {
                 ": the prompt scores are not finite (a NaN or inf in lse, q or k); the cache is unchanged");
 }
 
+/// A prompt holds at least one token: `what` names the function, `arg` the prompt tensor and
+/// its shape (e.g. "k [B, H, T, qk_dim]").
+inline void check_prompt_tokens(int64_t T, const char* what, const char* arg) {
+  KVEVICT_CHECK_VALUE(T >= 1, what, ": the prompt must hold at least one token (", arg, " with T >= 1), got T = ", T);
+}
+
 /// Slots a chunked prefill of T tokens in chunks of `chunk` needs at most: the tokens held now
 /// plus the prompt, or capacity plus the chunks appended between two passes, whichever is less.
 template <class Cache>
@@ -107,8 +113,8 @@ inline at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& keep, int
 /// \param opts   chunking, LSE base; peak extra memory about 12 x B x head_chunk x query_chunk x T
 ///               bytes plus under 100 x B x T bytes of eviction state (LseOptions).
 /// \return [B, T] fp32 ranks in position order, on k's device, for Selection::keep_indices.
-/// \throws c10::Error on bad shapes, dtypes or devices, or (on CPU) an lse that does not match
-///         the logits (a logit above its lse by more than 1e-3).
+/// \throws c10::Error on bad shapes, dtypes or devices, a prompt of 0 tokens, or (on CPU) an lse
+///         that does not match the logits (a logit above its lse by more than 1e-3).
 /// \note Cost: q . k over the causal half, T^2 / 2 x H x qk_dim multiply-adds, plus one exp and
 ///       one fixed-point add per (head, query, key).
 template <class Scorer = CumulativeAttention>
@@ -117,6 +123,7 @@ at::Tensor prompt_scores(const at::Tensor& q, const at::Tensor& k, const at::Ten
   detail::check_shape(k, "k", {-1, -1, -1, -1}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim]");
   detail::check_floating(k, "k");
   const int64_t B = k.size(0), H = k.size(1), T = k.size(2), D = k.size(3);
+  detail::check_prompt_tokens(T, "prompt_scores", "k [B, H, T, qk_dim]");
   detail::check_shape(q, "q", {B, H, T, D}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] as k");
   detail::check_device(q, "q", k.device());
   KVEVICT_CHECK_TYPE(q.scalar_type() == k.scalar_type(), "q must have k's dtype ", k.scalar_type(), ", got ",
@@ -144,6 +151,7 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
   detail::check_shape(ckv, "ckv", {-1, -1, -1}, {"B", "T", "kv_lora_rank"}, "[B, T, kv_lora_rank]");
   detail::check_floating(ckv, "ckv");
   const int64_t B = ckv.size(0), T = ckv.size(1), W = ckv.size(2);
+  detail::check_prompt_tokens(T, "prompt_scores_absorbed", "ckv [B, T, kv_lora_rank]");
   detail::check_shape(kpe, "kpe", {B, T, -1}, {"B", "T", "qk_rope_dim"}, "[B, T, qk_rope_dim]");
   const int64_t R = kpe.size(2);
   detail::check_shape(q_absorbed, "q_absorbed", {B, -1, T, W}, {"B", "H", "T", "kv_lora_rank"},
@@ -178,8 +186,9 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 /// \param lse   [B, H, T] LSE of the prefill kernel (see prompt_scores()).
 /// \param scale default 1/sqrt(qk_dim), as attend().
 /// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)).
-/// \throws c10::Error if the layer already holds tokens, v does not match k, the scores are not
-///         finite, or as prompt_scores() / update(); the cache is unchanged then.
+/// \throws c10::Error if the layer already holds tokens, k does not match the cache, the prompt
+///         holds 0 tokens, v does not match k, the scores are not finite, or as prompt_scores() /
+///         update(); the cache is unchanged then.
 template <class Policy>
 at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
@@ -187,6 +196,9 @@ at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at
   KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt: layer ", layer, " already holds ",
                 cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+  detail::check_shape(k, "k", {cache.batch_size(), cache.num_heads(), -1, cache.options().qk_dim()},
+                      {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] with the cache's B, H, qk_dim");
+  detail::check_prompt_tokens(k.size(2), "compress_prompt", "k [B, H, T, qk_dim]");
   detail::check_shape(v, "v", {k.size(0), k.size(1), k.size(2), cache.options().v_dim()}, {"B", "H", "T", "v_dim"},
                       "[B, H, T, v_dim] with k's B, H, T");
   const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
@@ -209,6 +221,9 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
   KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt_absorbed: layer ", layer, " already holds ",
                 cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
   const auto& o = cache.options();
+  detail::check_shape(ckv, "ckv", {cache.batch_size(), -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"},
+                      "[B, T, kv_lora_rank] with the cache's B, kv_lora_rank");
+  detail::check_prompt_tokens(ckv.size(1), "compress_prompt_absorbed", "ckv [B, T, kv_lora_rank]");
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
   const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
   detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
@@ -232,8 +247,9 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
 /// \param q, k  [B, H, T, qk_dim]; v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param chunk tokens per chunk, >= 1.
 /// \param out   if given, receives the attention output [B, H, T, v_dim] (cache dtype).
-/// \throws c10::Error on a bad chunk or scale, or q, k, v that do not match the cache or each other
-///         (checked before the first chunk), or what update() / attend() throw.
+/// \throws c10::Error on a bad chunk or scale, a prompt of 0 tokens, or q, k, v that do not match
+///         the cache or each other (checked before the first chunk), or what update() / attend()
+///         throw.
 template <class Policy>
 void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, int64_t chunk, c10::optional<double> scale = c10::nullopt,
@@ -246,6 +262,7 @@ void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tens
   detail::check_tensor(k, "k", cache.device());
   detail::check_shape(k, "k", {B, H, -1, cache.options().qk_dim()}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim]");
   const int64_t T = k.size(2);
+  detail::check_prompt_tokens(T, "prefill_chunked", "k [B, H, T, qk_dim]");
   detail::check_tensor(q, "q", cache.device());
   detail::check_shape(q, "q", {B, H, T, cache.options().qk_dim()}, {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] as k");
   detail::check_tensor(v, "v", cache.device());
@@ -278,6 +295,7 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
   detail::check_tensor(ckv, "ckv", cache.device());
   detail::check_shape(ckv, "ckv", {B, -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"}, "[B, T, kv_lora_rank]");
   const int64_t T = ckv.size(1);
+  detail::check_prompt_tokens(T, "prefill_chunked_absorbed", "ckv [B, T, kv_lora_rank]");
   detail::check_tensor(kpe, "kpe", cache.device());
   detail::check_shape(kpe, "kpe", {B, T, o.qk_rope_dim()}, {"B", "T", "qk_rope_dim"}, "[B, T, qk_rope_dim] as ckv");
   detail::check_tensor(q_absorbed, "q_absorbed", cache.device());
