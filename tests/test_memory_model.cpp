@@ -94,10 +94,10 @@ TEST_CASE("the memory model agrees with what an MlaCache holds", "[memory_model]
   c.bytes_per_element = 2;
   kvevict::MlaCache cache(kvevict::MlaCacheOptions(2, 3).qk_dim(6).v_dim(4).dtype(at::kHalf),
                           kvevict::EvictionOptions(5).n_sink(1).n_recent(2));
-  const int64_t slots = cache.slots(0);  // capacity 8 + evict_every 1
-  REQUIRE(slots == 9);
+  const int64_t slots = cache.slots(0);  // capacity 8 + evict_every 1 + the trash slot
+  REQUIRE(slots == 10);
   const int64_t kv = kvevict::capped_cache_bytes(c, Layout::kExpanded, 1000, slots);
-  CHECK(kv == 9 * 3 * 10 * 2 * 2);
+  CHECK(kv == 10 * 3 * 10 * 2 * 2);
   CHECK(cache.stats().bytes_allocated >= kv + 2 * slots * 12);
 }
 

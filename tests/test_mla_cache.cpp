@@ -179,13 +179,13 @@ TEST_CASE("update appends a prefill chunk and decode steps at consecutive positi
     ForceTensorPath guard(tensor_path);
     at::manual_seed(1);
     const int64_t B = 2, H = 3;
-    // capacity 1 + 4 + 2 = 7, evict_every 1: 8 slots per row.
+    // capacity 1 + 4 + 2 = 7, evict_every 1: 8 slots per row, and the trash slot.
     MlaCache cache(small_options(2, B, H), EvictionOptions(4).n_sink(1).n_recent(2));
     CHECK(cache.capacity() == 7);
     CHECK(cache.num_layers() == 2);
     CHECK(cache.batch_size() == B);
     CHECK(cache.num_heads() == H);
-    CHECK(cache.slots(0) == 8);
+    CHECK(cache.slots(0) == 9);
     CHECK(cache.size(0) == 0);
     CHECK(cache.seen_tokens(0) == 0);
     CHECK(cache.positions(0).sizes() == at::IntArrayRef{B, 0});
@@ -239,9 +239,9 @@ TEST_CASE("a long append grows the buffers and keeps the data", "[mla_cache][cpu
     ForceTensorPath guard(tensor_path);
     at::manual_seed(2);
     const int64_t B = 2, H = 2;
-    // capacity 1 + 1 + 1 = 3, evict_every 1: 4 slots.
+    // capacity 1 + 1 + 1 = 3, evict_every 1: 4 slots and the trash slot.
     MlaCache cache(small_options(1, B, H), EvictionOptions(1).n_sink(1).n_recent(1));
-    REQUIRE(cache.slots(0) == 4);
+    REQUIRE(cache.slots(0) == 5);
     const int64_t bytes_before = cache.stats().bytes_allocated;
     Appended a;
     auto append = [&](int64_t T) {
@@ -250,8 +250,8 @@ TEST_CASE("a long append grows the buffers and keeps the data", "[mla_cache][cpu
       return cache.update(0, k, v);
     };
     append(3);
-    auto kv = append(6);  // 9 tokens > 4 slots
-    CHECK(cache.slots(0) >= 9);
+    auto kv = append(6);  // 9 tokens > 4
+    CHECK(cache.slots(0) >= 10);
     CHECK(cache.size(0) == 9);
     CHECK(cache.seen_tokens(0) == 9);
     CHECK(bit_equal(kv.first, a.k));
@@ -268,7 +268,7 @@ TEST_CASE("a long append grows the buffers and keeps the data", "[mla_cache][cpu
 
     // A very long prefill-like append after that, then decode on top of it.
     append(40);
-    CHECK(cache.slots(0) >= 43);
+    CHECK(cache.slots(0) >= 44);
     CHECK(cache.size(0) == 43);
     check_rows(cache, 0, a);
     append(1);
@@ -318,7 +318,7 @@ TEST_CASE("evict_every: a pass runs only when over capacity and due", "[mla_cach
       at::manual_seed(4);
       MlaCache cache(small_options(1, B, H), EvictionOptions(1).n_sink(1).n_recent(2).evict_every(3));
       REQUIRE(cache.capacity() == 4);
-      CHECK(cache.slots(0) == 7);  // capacity + evict_every
+      CHECK(cache.slots(0) == 8);  // capacity + evict_every + the trash slot
       // Hand-worked (contract rule 6): step 5 is the first over capacity and 5 >= 3 updates
       // have happened since construction: pass. Then every third update.
       const std::vector<int64_t> after_update{1, 2, 3, 4, 5, 5, 6, 7, 5, 6, 7, 5, 6, 7};
@@ -341,7 +341,7 @@ TEST_CASE("evict_every: a pass runs only when over capacity and due", "[mla_cach
       }
       CHECK(cache.stats(0).eviction_events == 4);
       CHECK(cache.stats(0).tokens_evicted == B * 10);
-      CHECK(cache.slots(0) == 7);  // never grew
+      CHECK(cache.slots(0) == 8);  // never grew
     }
   }
   SECTION("a prefill counts as one update") {
@@ -595,9 +595,9 @@ TEST_CASE("stats count passes per layer and bytes of every buffer", "[mla_cache]
     INFO("dtype " << dtype);
     const int64_t B = 3, H = 2, L = 2;
     const int64_t elem = dtype == at::kFloat ? 4 : 2;
-    // capacity 2 + 2 + 1 = 5, evict_every 2: 7 slots per row.
+    // capacity 2 + 2 + 1 = 5, evict_every 2: 7 slots per row and the trash slot.
     MlaCache cache(small_options(L, B, H, dtype), EvictionOptions(2).n_sink(2).n_recent(1).evict_every(2));
-    REQUIRE(cache.slots(0) == 7);
+    REQUIRE(cache.slots(0) == 8);
     // K/V data: B * H * slots * (qk_dim + v_dim) elements; bookkeeping: at least an fp32
     // score and an int64 position per slot and row (12 bytes), at most twice that plus a
     // few scalars.
@@ -630,12 +630,12 @@ TEST_CASE("stats count passes per layer and bytes of every buffer", "[mla_cache]
     CHECK(cache.stats(1).eviction_events == 0);
     // Layer 1: a 20-token append grows it; the pass gives the growth back.
     cache.update(1, at::randn({B, H, 20, kQk}).to(dtype), at::randn({B, H, 20, kV}).to(dtype));
-    CHECK(cache.slots(1) >= 20);
+    CHECK(cache.slots(1) >= 21);
     check_bytes(1);
     CHECK(cache.stats(1).bytes_allocated > initial);
     CHECK(cache.evict(1) == 0);  // 1 update since construction: not due
     CHECK(step(1, 1) == B * 16);
-    CHECK(cache.slots(1) == 7);  // capacity 5 + evict_every 2
+    CHECK(cache.slots(1) == 8);  // capacity 5 + evict_every 2 + the trash slot
     check_bytes(1);
     CHECK(cache.stats(1).bytes_allocated == initial);
     const auto total = cache.stats();
@@ -1544,7 +1544,7 @@ TEST_CASE("reserve is all or nothing: an allocation failure in any layer changes
         CHECK(same_state(before, snapshot(cache)));
       } else {
         completed = true;
-        for (int64_t l = 0; l < 3; ++l) CHECK(cache.slots(l) == 64);
+        for (int64_t l = 0; l < 3; ++l) CHECK(cache.slots(l) == 65);  // 64 tokens + the trash slot
       }
     }
     CHECK(completed);
@@ -1559,6 +1559,6 @@ TEST_CASE("An update that throws does not grow the buffers first", "[mla_cache][
     CHECK_THROWS_WITH(cache.update(0, at::zeros({2, 2, 20, kQk}), at::zeros({2, 2, 20, kV}), {0, 20}),
                       Contains("row 1 holds no sequence"));
     CHECK(same_state(before, snapshot(cache)));
-    CHECK(cache.slots(0) == 5);
+    CHECK(cache.slots(0) == 6);
   });
 }

@@ -201,20 +201,20 @@ TEST_CASE("truncate rolls back the newest tokens; evicted ones cannot be rolled 
 TEST_CASE("the cap is a cap: a long append's growth is given back by the next pass and by reset()",
           "[sequences][cpu]") {
   on_both_paths([] {
-    MlaCache cache(options(1, 2), EvictionOptions(4).n_sink(2).n_recent(2));  // capacity 8, 9 slots
+    MlaCache cache(options(1, 2), EvictionOptions(4).n_sink(2).n_recent(2));  // capacity 8, 9 + the trash slot
     const int64_t initial = cache.stats().bytes_allocated;
-    CHECK(cache.slots(0) == 9);
+    CHECK(cache.slots(0) == 10);
     cache.update(0, at::randn({1, 2, 2000, kQk}), at::randn({1, 2, 2000, kV}));  // a long prefill
-    CHECK(cache.slots(0) >= 2000);
+    CHECK(cache.slots(0) >= 2001);
     CHECK(cache.stats().bytes_allocated > 100 * initial);
     cache.add_scores(0, at::rand({1, 2000}));
     CHECK(cache.evict(0) == 1992);
-    CHECK(cache.slots(0) == 9);
+    CHECK(cache.slots(0) == 10);
     CHECK(cache.stats().bytes_allocated == initial);
     cache.update(0, at::randn({1, 2, 500, kQk}), at::randn({1, 2, 500, kV}));
-    CHECK(cache.slots(0) >= 508);
+    CHECK(cache.slots(0) >= 509);
     cache.reset();
-    CHECK(cache.slots(0) == 9);
+    CHECK(cache.slots(0) == 10);
     CHECK(cache.stats().bytes_allocated == initial);
     CHECK(cache.size(0) == 0);
   });
@@ -223,8 +223,8 @@ TEST_CASE("the cap is a cap: a long append's growth is given back by the next pa
 TEST_CASE("reserve pre-sizes the buffers: appends that fit never move them", "[sequences][cpu]") {
   on_both_paths([] {
     MlaCache cache(options(2, 2), EvictionOptions(4).n_sink(2).n_recent(2));  // capacity 8
-    cache.reserve(64);
-    CHECK(cache.slots(0) == 64);
+    cache.reserve(64);  // room for 64 tokens: 65 slots with the trash slot
+    CHECK(cache.slots(0) == 65);
     cache.update(0, at::randn({2, 2, 60, kQk}), at::randn({2, 2, 60, kV}));
     const void* keys = cache.keys(0).data_ptr();
     cache.add_scores(0, at::rand({2, 60}));
@@ -233,11 +233,11 @@ TEST_CASE("reserve pre-sizes the buffers: appends that fit never move them", "[s
       cache.update(0, at::randn({2, 2, 1, kQk}), at::randn({2, 2, 1, kV}));
       cache.evict(0);
     }
-    CHECK(cache.slots(0) == 64);  // not shrunk below the reservation
+    CHECK(cache.slots(0) == 65);  // not shrunk below the reservation
     CHECK(cache.keys(0).data_ptr() == keys);
     cache.reset();
-    CHECK(cache.slots(0) == 64);
-    CHECK_THROWS_WITH(cache.reserve(0), Contains("reserve: slots must be in [1, 2^40], got 0"));
+    CHECK(cache.slots(0) == 65);
+    CHECK_THROWS_WITH(cache.reserve(0), Contains("reserve: tokens must be in [1, 2^40], got 0"));
   });
 }
 

@@ -219,32 +219,32 @@ TEST_CASE("update reads strided rows in place: no copy, the same values", "[stea
 TEST_CASE("prefill_chunked grows the buffers once, not at every chunk, and gives the growth back", "[steady_state][cpu]") {
   // 1 head x 256 dims: a K or V buffer of 65+ slots is >= 65 KiB, while attention's temporaries
   // over 16 queries stay under 8 KiB, so allocations >= 60 KiB are K/V buffer moves.
-  const auto e = kvevict::EvictionOptions(48).n_sink(4).n_recent(12);  // capacity 64, 65 base slots
+  const auto e = kvevict::EvictionOptions(48).n_sink(4).n_recent(12);  // capacity 64, 66 base slots (trash)
   const int64_t T = 320, chunk = 16;
   at::manual_seed(5);
   const auto q = at::randn({1, 1, T, 256}), k = at::randn({1, 1, T, 256}), v = at::randn({1, 1, T, 256});
   const auto o = kvevict::MlaCacheOptions(1, 1).qk_dim(256).v_dim(256);
   kvevict_test::on_both_paths([&] {
     kvevict::MlaCache cache(o, e);
-    REQUIRE(cache.slots(0) == 65);
+    REQUIRE(cache.slots(0) == 66);
     int64_t moves = 0;
     {
       CountingCpuAllocator counting(60 * 1024);
       kvevict::prefill_chunked(cache, 0, q, k, v, chunk);
       moves = counting.count();
     }
-    // K and V grow to capacity + chunk = 80 slots once, up front (2), and go back to 65 at the
+    // K and V grow to capacity + chunk = 80 tokens once, up front (2), and go back to 66 at the
     // end (2); growing and shrinking at each of the 16 chunks over capacity would be 64.
     CHECK(moves == 4);
-    CHECK(cache.slots(0) == 65);
+    CHECK(cache.slots(0) == 66);
     CHECK(cache.size(0) == 64);
     // A prompt shorter than a chunk grows the layer only to what it holds (an empty layer, 40
-    // tokens: they fit in the 65 slots, nothing moves); a huge chunk is not a size.
+    // tokens: they fit in the 66 slots, nothing moves); a huge chunk is not a size.
     kvevict::MlaCache small(o, e);
     CountingCpuAllocator counting(60 * 1024);
     kvevict::prefill_chunked(small, 0, q.narrow(2, 0, 40), k.narrow(2, 0, 40), v.narrow(2, 0, 40), int64_t{1} << 40);
     CHECK(counting.count() == 0);
-    CHECK(small.slots(0) == 65);
+    CHECK(small.slots(0) == 66);
     CHECK(small.size(0) == 40);
   });
 }
@@ -340,4 +340,222 @@ TEST_CASE("100,000 decode steps hold the cache's memory flat", "[long_run][cpu][
   CHECK(cache.stats().eviction_events == layers * (steps - cache.capacity()));
   CHECK(cache.seen_tokens(0) == steps);
   CHECK(cache.size(0) == cache.capacity());
+}
+
+namespace {
+
+/// Records the storage ranges the CPU allocator hands out while installed, to tell tensors made
+/// inside a stretch of code (temporaries) from those that outlive it.
+class AddressRecordingAllocator final : public c10::Allocator {
+ public:
+  AddressRecordingAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
+  ~AddressRecordingAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
+  AddressRecordingAllocator(const AddressRecordingAllocator&) = delete;
+  AddressRecordingAllocator& operator=(const AddressRecordingAllocator&) = delete;
+  c10::DataPtr allocate(size_t n) const { return recorded(n); }
+  c10::DataPtr allocate(size_t n) { return recorded(n); }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
+  /// Whether `p` lies in storage allocated while this allocator was installed.
+  bool made_here(const void* p) const {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    for (const auto& r : ranges_) {
+      if (a >= r.first && a < r.first + std::max<size_t>(r.second, 1)) return true;
+    }
+    return false;
+  }
+
+ private:
+  static constexpr uint8_t kPriority = 255;
+  c10::DataPtr recorded(size_t n) const {
+    auto p = inner_->allocate(n);
+    ranges_.emplace_back(reinterpret_cast<uintptr_t>(p.get()), n);
+    return p;
+  }
+  c10::Allocator* inner_;
+  mutable std::vector<std::pair<uintptr_t, size_t>> ranges_;
+};
+
+/// One top-level ATen call of a step: its name, the sizes of its tensor arguments, and where
+/// their data lives.
+struct Call {
+  std::string name;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<const void*> data;
+};
+
+/// Records the top-level ATen calls of this thread while alive (RecordFunction).
+class CallRecorder {
+ public:
+  CallRecorder() {
+    current() = this;
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(&CallRecorder::enter, &CallRecorder::leave).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~CallRecorder() {
+    at::removeCallback(handle_);
+    current() = nullptr;
+  }
+  CallRecorder(const CallRecorder&) = delete;
+  CallRecorder& operator=(const CallRecorder&) = delete;
+  std::vector<Call> calls;
+
+ private:
+  static CallRecorder*& current() {
+    static thread_local CallRecorder* r = nullptr;
+    return r;
+  }
+  static int& depth() {
+    static thread_local int d = 0;
+    return d;
+  }
+  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
+    if (depth()++ == 0 && current() != nullptr) {
+      Call c{fn.name(), {}, {}};
+      for (const auto& v : fn.inputs()) {
+        if (v.isTensor() && v.toTensor().defined()) {
+          c.shapes.push_back(v.toTensor().sizes().vec());
+          c.data.push_back(v.toTensor().data_ptr());
+        } else if (v.isList()) {
+          const auto list = v.toList();
+          for (size_t i = 0; i < list.size(); ++i) {
+            const c10::IValue e = list.get(i);
+            if (e.isTensor() && e.toTensor().defined()) {
+              c.shapes.push_back(e.toTensor().sizes().vec());
+              c.data.push_back(e.toTensor().data_ptr());
+            }
+          }
+        } else if (v.isInt()) {
+          c.shapes.push_back({v.toInt()});  // an integer argument: it is baked into a graph too
+          c.data.push_back(nullptr);
+        }
+      }
+      current()->calls.push_back(std::move(c));
+    }
+    return nullptr;
+  }
+  static void leave(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
+  at::CallbackHandle handle_;
+};
+
+/// The calls of one step and the storage allocated during it.
+struct RecordedStep {
+  std::vector<Call> calls;
+  std::unique_ptr<AddressRecordingAllocator> allocations;
+};
+
+template <class F>
+RecordedStep record_step(F&& step) {
+  RecordedStep r;
+  r.allocations = std::make_unique<AddressRecordingAllocator>();
+  {
+    CallRecorder rec;
+    step();
+    r.calls = std::move(rec.calls);
+  }
+  return r;
+}
+
+/// Checks that two steps can be one CUDA graph replayed: the same calls on the same shapes and
+/// integers, no transfer or host read, and every tensor that outlives the step (made before it)
+/// at the same data pointer in both.
+void require_replayable(const RecordedStep& a, const RecordedStep& b) {
+  REQUIRE(a.calls.size() == b.calls.size());
+  for (size_t i = 0; i < a.calls.size(); ++i) {
+    const auto& x = a.calls[i];
+    const auto& y = b.calls[i];
+    INFO("call " << i << ": " << x.name);
+    REQUIRE(x.name == y.name);
+    CHECK(x.shapes == y.shapes);
+    CHECK(x.name != "aten::item");
+    CHECK(x.name != "aten::_local_scalar_dense");
+    CHECK(x.name != "aten::nonzero");
+    CHECK(x.name != "aten::to");  // a copy to a device (the mirrors upload through it)
+    CHECK(x.name != "aten::_to_copy");
+    REQUIRE(x.data.size() == y.data.size());
+    for (size_t j = 0; j < x.data.size(); ++j) {
+      if (x.data[j] == y.data[j]) continue;
+      INFO("argument " << j);
+      // Different storage: allowed only for temporaries, made inside their own step (a graph's
+      // private pool gives them the same addresses on every replay).
+      CHECK(a.allocations->made_here(x.data[j]));
+      CHECK(b.allocations->made_here(y.data[j]));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, shapes and storage, no sync",
+          "[steady_state][cpu]") {
+  const int64_t H = 8, rank = 32, rope = 8, cap = 40;
+  const int64_t ee = GENERATE(1, 4);
+  const bool ragged = GENERATE(false, true);
+  CAPTURE(ee, ragged);
+  const int64_t B = ragged ? 3 : 1;
+  const auto eviction = kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4).evict_every(ee);
+  const auto options = kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(rank).qk_rope_dim(rope)
+                           .check_observations(false);
+  kvevict_test::ForceTensorPath tensor_path(true);
+  kvevict::MlaLatentCache cache(options, eviction);
+  kvevict_test::ForceTensorPath host_path(false);
+  kvevict::MlaLatentCache host(options, eviction);
+  REQUIRE_FALSE(cache.policy().host_path());
+  REQUIRE(host.policy().host_path());
+  cache.reserve(cap + ee);
+  host.reserve(cap + ee);
+  at::manual_seed(11);
+  // Prompts: full rows, and (ragged) one row far below capacity and one free row. A decode step
+  // then appends one token to every active row.
+  std::vector<int64_t> prompt{cap, ragged ? 5 : cap, cap};
+  prompt.resize(B);
+  const auto first = at::randn({B, cap, rank}), first_pe = at::randn({B, cap, rope});
+  cache.update(0, first, first_pe, prompt);
+  host.update(0, first, first_pe, prompt);
+  if (ragged) {
+    cache.finish(2);
+    host.finish(2);
+  }
+  std::vector<int64_t> counts(B, 1);
+  if (ragged) counts[2] = 0;
+  int64_t step_index = 0;
+  std::vector<at::Tensor> ckv, kpe, probs;  // per step, made before it
+  const auto make_inputs = [&](int64_t steps) {
+    for (int64_t i = 0; i < steps; ++i) {
+      ckv.push_back(at::randn({B, 1, rank}));
+      kpe.push_back(at::randn({B, 1, rope}));
+    }
+  };
+  const auto step = [&](kvevict::MlaLatentCache& c, const at::Tensor& p) {
+    c.update(0, ckv[step_index], kpe[step_index], counts);
+    c.observe(0, p);
+    c.evict(0);
+  };
+  make_inputs(200);
+  const auto probs_for = [&](const kvevict::MlaLatentCache& c) {
+    return at::softmax(at::randn({B, H, 1, c.size(0) + 1}), -1);  // after the coming update
+  };
+  const auto both = [&] {
+    const auto p = probs_for(host);
+    step(cache, p);
+    step(host, p);
+    ++step_index;
+  };
+  for (int i = 0; i < 3 * ee + 2; ++i) both();  // warm-up: passes have run, scratch is made
+  // Two steps at the same place in the pass schedule: ee steps apart.
+  const auto p0 = probs_for(host);
+  auto a = record_step([&] { step(cache, p0); });
+  step(host, p0);
+  ++step_index;
+  for (int64_t i = 1; i < ee; ++i) both();
+  const auto p1 = probs_for(host);
+  auto b = record_step([&] { step(cache, p1); });
+  step(host, p1);
+  ++step_index;
+  require_replayable(a, b);
+  // The same tokens in the same slots, with the same scores, as the host path.
+  CHECK(at::equal(cache.positions(0), host.positions(0)));
+  CHECK(at::equal(cache.scores(0), host.scores(0)));
+  CHECK(at::equal(cache.ckv(0), host.ckv(0)));
+  CHECK(at::equal(cache.kpe(0), host.kpe(0)));
 }

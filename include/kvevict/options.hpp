@@ -102,6 +102,33 @@ struct EvictionPolicyOptions {
                         total_heads_);
   }
 
+  /// Checks layer_budgets against `e` without allocating. \throws c10::ValueError naming a
+  /// layer whose budget is out of range or gives a capacity < 1, or a layer_budgets of the
+  /// wrong length.
+  void check_layer_budgets(const EvictionOptions& e) const {
+    const auto& budgets = layer_budgets_;
+    if (budgets.empty()) return;
+    KVEVICT_CHECK_VALUE(static_cast<int64_t>(budgets.size()) == num_layers_,
+                        "layer_budgets must have one entry per layer (num_layers = ", num_layers_, "), got ",
+                        budgets.size());
+    for (size_t l = 0; l < budgets.size(); ++l) {
+      KVEVICT_CHECK_VALUE(budgets[l] >= 0 && budgets[l] <= EvictionOptions::kMaxTokens, "layer_budgets[", l,
+                          "] must be in [0, 2^40], got ", budgets[l]);
+      KVEVICT_CHECK_VALUE(e.n_sink() + budgets[l] + e.n_recent() >= 1, "layer ", l,
+                          ": capacity = n_sink + budget + n_recent must be >= 1, got n_sink=", e.n_sink(),
+                          ", layer_budgets[", l, "]=", budgets[l], ", n_recent=", e.n_recent());
+    }
+  }
+
+  /// The eviction options of every layer: `e`, with its budget from layer_budgets if set
+  /// (checked by check_layer_budgets()).
+  std::vector<EvictionOptions> layer_eviction(const EvictionOptions& e) const {
+    if (layer_budgets_.empty()) return std::vector<EvictionOptions>(static_cast<size_t>(num_layers_), e);
+    std::vector<EvictionOptions> out;
+    for (const auto budget : layer_budgets_) out.push_back(EvictionOptions(e).budget(budget));
+    return out;
+  }
+
   /// Decoder layers, each with its own eviction state.
   KVEVICT_ARG(int64_t, num_layers);
   /// Attention heads whose probabilities observe() receives: probs are [B, num_heads, Q, S].

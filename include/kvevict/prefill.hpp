@@ -51,11 +51,12 @@ inline void check_prompt_tokens(int64_t T, const char* what, const char* arg) {
 }
 
 /// Slots a chunked prefill of T tokens in chunks of `chunk` needs at most: the tokens held now
-/// plus the prompt, or capacity plus the chunks appended between two passes, whichever is less.
+/// plus the prompt, or capacity plus the chunks appended between two passes, whichever is less,
+/// plus the trash slot.
 template <class Cache>
 int64_t chunked_slots(const Cache& cache, int64_t layer, int64_t T, int64_t chunk) {
   const int64_t between_passes = std::min(chunk, T) * cache.policy().eviction(layer).evict_every();
-  return std::min(cache.size(layer) + T, cache.capacity(layer) + between_passes);
+  return std::min(cache.size(layer) + T, cache.capacity(layer) + between_passes) + 1;
 }
 
 /// Whether Scorer has `at::Tensor pool(const at::Tensor&) const` (SnapKV).

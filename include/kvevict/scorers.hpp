@@ -38,6 +38,8 @@
 // Optional: `static constexpr bool kLinear = true;` when two observations equal one with their
 // contributions and observers summed (apply(apply(s, c1, o1), c2, o2) == apply(s, c1 + c2,
 // o1 + o2) up to fp32 rounding). EvictionPolicyOptions::lazy_reduction needs it.
+// Optional: `static constexpr bool kUsesObservers = false;` when apply() ignores the observer
+// counts: the tensor path then does not compute them (fewer kernels per observation).
 
 #include <kvevict/check.hpp>
 
@@ -53,6 +55,7 @@ namespace kvevict {
 /// been observed more often, so under uniform attention they score higher than newer ones.
 struct CumulativeAttention {
   static constexpr const char* kName = "CumulativeAttention";
+  static constexpr bool kUsesObservers = false;
   static constexpr bool kLastQueryOnly = false;
   static constexpr bool kLinear = true;  // lazy_reduction applies
   static constexpr int64_t kStateWidth = 1;  // {score}
@@ -93,6 +96,7 @@ struct MeanObservedAttention {
 /// attention only, `score[b, s] = mean_h p[b, h, Q-1, s]`, replacing the previous score.
 struct LatestAttention {
   static constexpr const char* kName = "LatestAttention";
+  static constexpr bool kUsesObservers = false;
   static constexpr bool kLastQueryOnly = true;
   static constexpr int64_t kStateWidth = 1;  // {score}
   void apply(float* state, float c, float /*observers*/) const noexcept { state[0] = c; }
@@ -115,6 +119,7 @@ struct LatestAttention {
 /// -ffp-contract=fast) may differ from the tensor path in the last bit.
 struct DecayedAttention {
   static constexpr const char* kName = "DecayedAttention";
+  static constexpr bool kUsesObservers = false;
   static constexpr bool kLastQueryOnly = false;
   static constexpr int64_t kStateWidth = 1;  // {score}
 
@@ -156,6 +161,7 @@ struct DecayedAttention {
 struct SnapKV {
   enum class Pooling { kAvg, kMax };
   static constexpr const char* kName = "SnapKV";
+  static constexpr bool kUsesObservers = false;
   static constexpr bool kLastQueryOnly = false;
   static constexpr int64_t kStateWidth = 1;  // {window score}
 

@@ -70,6 +70,53 @@ inline float lowest_key(const float* x, int64_t n) noexcept {
   return lowest;
 }
 
+/// rank_key() on a tensor of fp32 ranks: non-finite -> -inf, and -0 -> +0 (a radix sort or
+/// select on CUDA must not order -0 below +0: they tie, rule 3). A new tensor.
+inline at::Tensor rank_keys(const at::Tensor& ranks) {
+  const float inf = std::numeric_limits<float>::infinity();
+  return at::nan_to_num(ranks, -inf, -inf, -inf).add_(0.0);
+}
+
+/// Positions below this make eviction_keys() exact (they fill the key's low 32 bits).
+constexpr int64_t kKeyPositions = int64_t{1} << 32;
+
+/// The order of evicted_before() as one int64 per slot, for a single top-k: the rank key's
+/// bits mapped to an int32 that orders as the float does, times 2^32, plus the position (ties
+/// evict the older). `ranks` [B, S] fp32, `positions` [B, S] int64 in [0, kKeyPositions) (dead
+/// slots may hold anything: the caller masks them).
+inline at::Tensor eviction_keys(const at::Tensor& ranks, const at::Tensor& positions) {
+  const auto bits = rank_keys(ranks).view(at::kInt);
+  // Negative floats order backwards by their bits: flip their magnitude bits.
+  const auto ordered = bits.bitwise_xor(bits.__rshift__(31).bitwise_and_(0x7fffffff));
+  return positions.add(ordered.to(at::kLong), /*alpha=*/kKeyPositions);
+}
+
+/// The tensor form of one pass's selection: [B, k] slots of each row's k heavy-hitter candidates
+/// (n_sink <= position < recent_from) evicted first, in eviction order when `ordered` (a row
+/// that evicts n < k then takes its first n), else in no particular order; a row with fewer
+/// than k candidates fills its columns with non-candidates (the caller masks them).
+///
+/// \param ranks        [B, S] fp32 scorer ranks, slot order.
+/// \param positions    [B, S] int64 positions, -1 dead.
+/// \param recent_from  [B, 1] int64 first position of each row's recent window, on the device.
+/// \param max_seen     the most tokens any row has seen (host): below 2^32 one top-k over
+///                     eviction_keys(); else two stable sorts (by position, then by rank key).
+/// No host sync.
+inline at::Tensor lowest_candidates(const at::Tensor& ranks, const at::Tensor& positions, int64_t n_sink,
+                                    const at::Tensor& recent_from, int64_t k, int64_t max_seen, bool ordered) {
+  const auto other = positions.lt(n_sink).logical_or_(positions.ge(recent_from));  // sinks, recent, dead
+  if (max_seen <= kKeyPositions) {
+    const auto key = eviction_keys(ranks, positions).masked_fill_(other, std::numeric_limits<int64_t>::max());
+    return std::get<1>(at::topk(key, k, /*dim=*/1, /*largest=*/false, /*sorted=*/ordered));
+  }
+  const auto by_position = std::get<1>(at::sort(
+      positions.masked_fill(positions.lt(0), std::numeric_limits<int64_t>::max()), /*dim=*/1));  // oldest first
+  const auto key = rank_keys(ranks).masked_fill_(other, std::numeric_limits<float>::infinity());
+  const auto order = std::get<1>(at::sort(key.gather(1, by_position), /*stable=*/true, /*dim=*/1,
+                                          /*descending=*/false)).narrow(1, 0, k);
+  return by_position.gather(1, order);
+}
+
 }  // namespace detail
 
 /// Chooses which tokens an eviction pass removes: per batch row, keep every sink (the first
@@ -111,7 +158,8 @@ class Selection {
   }
 
   /// The selection of one eviction pass over one layer's live slots, with tensor ops (no
-  /// host sync, static shapes: what the caches run on CUDA).
+  /// host sync, static shapes), for prompt compression (keep_indices()). The caches' passes
+  /// run detail::lowest_candidates(), which orders the same way.
   ///
   /// \param scores     [B, S] ranking scores (fp32 or fp64; ranked in their own dtype), slot order.
   /// \param positions  [B, S] int64 original positions, slot order, distinct per row, on
@@ -130,9 +178,7 @@ class Selection {
     const int64_t n_evict = std::max<int64_t>(S - capacity(), 0);
     if (n_evict == 0) return at::empty({B, 0}, positions.options());
     const auto by_position = std::get<1>(at::sort(positions, /*dim=*/1));      // slots, oldest first
-    auto key = scores.gather(1, by_position);
-    key = at::where(at::isfinite(key), key, at::full({}, -std::numeric_limits<float>::infinity(), key.options()));
-    key = key.add(0.0);  // -0 + 0 = +0: a radix sort (CUDA) must not order -0 below +0 (rule 3)
+    const auto key = detail::rank_keys(scores.gather(1, by_position));
     const int64_t n_cand = S - options_.n_sink() - options_.n_recent();
     const auto cand = key.narrow(1, options_.n_sink(), n_cand);
     // Stable ascending sort: equal keys keep position order, so the older is evicted first.

@@ -95,6 +95,37 @@ inline void scatter_moves(const SlotMoves& moves, const at::Tensor& buffer, int6
   v.index_put_({rows, moves.dst}, gathered);
 }
 
+/// Writes rows [B, ..., T, ...] into `buffer` [B, ..., slots, ...] at the slots `map` [B, T]
+/// along `token_dim` (map on the buffer's device, every entry a valid slot): one scatter_, no
+/// host sync. Entries that repeat a slot (pads on the trash slot) leave it holding one of them.
+inline void scatter_rows(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& rows, const at::Tensor& map) {
+  auto index = map;  // [B, T] -> [B, 1.., T, 1..], then broadcast over the other dims (a view)
+  for (int64_t d = 1; d < token_dim; ++d) index = index.unsqueeze(1);
+  for (int64_t d = token_dim + 1; d < rows.dim(); ++d) index = index.unsqueeze(-1);
+  buffer.scatter_(token_dim, index.expand(rows.sizes()), rows);
+}
+
+/// Host write_rows on a contiguous CPU buffer: memcpy of each real token's rows, per
+/// [b, outer...] group; `map` [B, T] checked, -1 pads skipped.
+inline void write_rows_host(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& rows, const int64_t* map) {
+  const RowLayout L(buffer, token_dim);
+  const auto src = rows.contiguous();
+  const int64_t B = rows.size(0), T = rows.size(token_dim);
+  const int64_t bytes = L.row * static_cast<int64_t>(buffer.element_size());
+  const auto* s = static_cast<const char*>(src.data_ptr());
+  auto* d = static_cast<char*>(buffer.data_ptr());
+  buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < L.groups_per_row; ++g) {
+      const int64_t group = b * L.groups_per_row + g;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = map[b * T + t];
+        if (slot >= 0) std::memcpy(d + (group * L.slots + slot) * bytes, s + (group * T + t) * bytes, bytes);
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Applies `moves` to one buffer the caller owns, in place. Bit-exact row copies.
@@ -131,13 +162,20 @@ inline void apply_moves(const SlotMoves& moves, const at::Tensor& buffer, int64_
 /// Writes the new tokens of an append into one buffer the caller owns, where the slot mapping
 /// of EvictionPolicy::append() says (as vLLM's reshape_and_cache does with its slot_mapping).
 ///
-/// \param buffer        [B, ..., slots, ...] destination, token dim `token_dim`.
+/// \param buffer        [B, ..., slots, ...] destination, token dim `token_dim`, at least
+///                      EvictionPolicy::slots(layer) slots.
 /// \param token_dim     the dimension of `buffer` (and of `rows`) that indexes tokens.
 /// \param rows          [B, ..., T, ...] new rows, the buffer's shape with T tokens, same dtype
 ///                      and device.
-/// \param slot_mapping  [B, T] int64 (any device) from EvictionPolicy::append(): the slot of
-///                      each new token, -1 for a pad (not written).
-/// \throws c10::Error on a shape, dtype or device mismatch; nothing is written then.
+/// \param slot_mapping  [B, T] int64 from EvictionPolicy::append(): the slot of each new token,
+///                      -1 for a pad (not stored). On the buffer's device (a CPU mapping works
+///                      too; for a device buffer it is then uploaded).
+/// \throws c10::Error on a shape, dtype or device mismatch, or (a CPU mapping) a slot outside
+///         [-1, slots - 1); nothing is written then. A device mapping's values are not read on
+///         the host: slots outside the buffer are a device-side error there.
+/// \note A contiguous CPU buffer is written with memcpy, without allocating. Otherwise one
+///       scatter_ per call, no host sync: pads are written to the buffer's last slot, the trash
+///       slot, which never holds a token (its contents are undefined).
 inline void write_rows(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& rows,
                        const at::Tensor& slot_mapping) {
   KVEVICT_CHECK(buffer.defined() && rows.defined() && slot_mapping.defined(),
@@ -160,17 +198,25 @@ inline void write_rows(const at::Tensor& buffer, int64_t token_dim, const at::Te
                      buffer.scalar_type(), ", got ", rows.scalar_type());
   KVEVICT_CHECK(rows.device() == buffer.device(), "write_rows: rows must be on the buffer's device ",
                 buffer.device(), ", got ", rows.device());
+  KVEVICT_CHECK(slot_mapping.is_cpu() || slot_mapping.device() == buffer.device(),
+                "write_rows: slot_mapping must be on the buffer's device ", buffer.device(), " or the CPU, got ",
+                slot_mapping.device());
+  const int64_t B = rows.size(0), T = rows.size(token_dim), trash = buffer.size(token_dim) - 1;
   at::NoGradGuard no_grad;
-  const auto map = slot_mapping.to(at::kCPU);
-  const auto real = map.ge(0).nonzero();  // [M, 2] (row, column)
-  if (real.size(0) == 0) return;
-  const auto b = real.select(1, 0), t = real.select(1, 1);
-  const auto slot = map.index({b, t});
-  KVEVICT_CHECK(slot.max().item<int64_t>() < buffer.size(token_dim), "write_rows: slot_mapping names slot ",
-                slot.max().item<int64_t>(), " but the buffer holds ", buffer.size(token_dim), " slots");
-  const auto dev = buffer.device();
-  auto dst = buffer.transpose(1, token_dim);
-  dst.index_put_({b.to(dev), slot.to(dev)}, rows.transpose(1, token_dim).index({b.to(dev), t.to(dev)}));
+  if (slot_mapping.is_cpu()) {
+    const auto map = slot_mapping.contiguous();
+    const int64_t* m = map.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * T; ++i) {
+      KVEVICT_CHECK(m[i] >= -1 && m[i] < trash, "write_rows: slot_mapping[", i / T, ", ", i % T, "] = ", m[i],
+                    " must be -1 (a pad) or a slot in [0, ", trash, ") (the buffer's last slot is the trash slot)");
+    }
+    if (buffer.is_cpu() && buffer.is_contiguous()) {
+      detail::write_rows_host(buffer, token_dim, rows, m);
+      return;
+    }
+  }
+  const auto map = slot_mapping.to(buffer.device());
+  detail::scatter_rows(buffer, token_dim, rows, map.masked_fill(map.lt(0), trash));
 }
 
 }  // namespace kvevict

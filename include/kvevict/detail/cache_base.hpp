@@ -119,12 +119,12 @@ class CacheBase {
     for (const auto n : pass.n) evicted += n;
     if (policy_.host_path()) {
       for (size_t i = 0; i < specs_.size(); ++i) {
-        apply_moves_host(policy_.host_src(pass), policy_.host_dst(pass), batch_size(), pass.columns, pass.columns,
+        apply_moves_host(pass.src.data(), pass.dst.data(), batch_size(), pass.columns, pass.columns,
                          bufs[i], token_dim(i));
       }
       policy_.commit(layer, pass);
     } else {
-      const auto moves = policy_.to_moves(pass);
+      const auto moves = pass.to_moves(device());
       std::vector<at::Tensor> gathered;
       at::Tensor rows;
       if (!moves.empty()) {
@@ -193,18 +193,18 @@ class CacheBase {
     }
   }
 
-  /// Pre-sizes every layer to at least `slots` slots per row, and never shrinks below that
-  /// afterwards: appends that fit never move the buffers, so CUDA graphs captured after this
-  /// call stay valid.
-  /// \throws c10::Error if slots is out of range or cannot be allocated; nothing changes then.
-  void reserve(int64_t slots_per_row) {
-    KVEVICT_CHECK_VALUE(slots_per_row >= 1 && slots_per_row <= EvictionOptions::kMaxTokens,
-                        "reserve: slots must be in [1, 2^40], got ", slots_per_row);
+  /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
+  /// trash slot), and never shrinks below that afterwards: appends that fit never move the
+  /// buffers, so CUDA graphs captured after this call stay valid.
+  /// \throws c10::Error if tokens is out of range or cannot be allocated; nothing changes then.
+  void reserve(int64_t tokens) {
+    KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
+                        tokens);
     std::vector<std::vector<at::Tensor>> grown(buffers_.size());  // every allocation first
     for (int64_t l = 0; l < num_layers(); ++l) {
-      if (slots(l) < slots_per_row) grown[l] = resized_buffers(l, slots_per_row);
+      if (slots(l) < tokens + 1) grown[l] = resized_buffers(l, tokens + 1);
     }
-    policy_.reserve(slots_per_row);  // all layers or none
+    policy_.reserve(tokens);  // all layers or none
     for (int64_t l = 0; l < num_layers(); ++l) {
       if (!grown[l].empty()) {
         buffers_[l] = std::move(grown[l]);
@@ -289,35 +289,24 @@ class CacheBase {
                           counts_[b]);
       needed = std::max(needed, policy_.size(layer, b) + counts_[b]);
     }
-    if (needed > slots(layer)) {
+    if (needed > slots(layer) - 1) {  // the last slot is the trash slot
       KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
       policy_.check_append(layer, counts_, T, /*check_room=*/false);  // everything else, before growing
-      resize(layer, std::max(needed, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens)));
+      resize(layer, std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1)));
     }
     policy_.check_append(layer, counts_, T);
     auto& bufs = buffers_[layer];
     for (size_t i = 0; i < specs_.size(); ++i) {
       if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
     }
+    at::Tensor map;
     if (policy_.host_path()) {
       for (size_t i = 0; i < specs_.size(); ++i) copy_rows_host(layer, i, rows[i], T);
     } else {
-      bool uniform = true;
-      for (int64_t b = 0; b < B; ++b) uniform = uniform && counts_[b] == T && size(layer, b) == size(layer, 0);
-      if (uniform) {
-        for (size_t i = 0; i < specs_.size(); ++i) bufs[i].narrow(token_dim(i), size(layer, 0), T).copy_(rows[i]);
-      } else {
-        const auto idx = policy_.append_index(layer, counts_.data(), T);
-        const auto& r = std::get<0>(idx);
-        if (r.numel() > 0) {
-          for (size_t i = 0; i < specs_.size(); ++i) {
-            auto dst = bufs[i].transpose(1, token_dim(i));
-            dst.index_put_({r, std::get<2>(idx)}, rows[i].transpose(1, token_dim(i)).index({r, std::get<1>(idx)}));
-          }
-        }
-      }
+      map = policy_.slot_map(layer, counts_.data(), T);  // [B, T] on the device, pads on the trash slot
+      for (size_t i = 0; i < specs_.size(); ++i) scatter_rows(bufs[i], token_dim(i), rows[i], map);
     }
-    policy_.append_unchecked(layer, counts_.data(), T);
+    policy_.append_unchecked(layer, counts_.data(), T, map);
     return live(layer);
   }
 
@@ -459,7 +448,7 @@ class CacheBase {
   void shrink_if_fits(int64_t layer) {
     const int64_t base = policy_.base_slots(layer);
     const int64_t floor = std::max(base, hold_.empty() ? int64_t{0} : hold_[layer]);
-    if (slots(layer) > floor && size(layer) <= base) {
+    if (slots(layer) > floor && size(layer) <= base - 1) {  // rows fit next to the trash slot
       try {
         resize(layer, floor);
       } catch (const c10::Error&) {
@@ -479,7 +468,7 @@ class CacheBase {
   };
   mutable std::vector<LiveViews> live_views_;
   std::vector<int64_t> hold_;                     // per layer: shrink no lower (GrowthHold); empty: none
-  typename Policy::Pass pass_;                    // the pass being applied (scratch, reused)
+  Pass pass_;                                     // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
 };
 

@@ -1,0 +1,483 @@
+#pragma once
+// The tensor path of EvictionPolicy: every step is ATen ops on the policy's device (CUDA; CPU
+// in tests, through force_tensor_path()). Its twin, host_path.hpp, has the same steps under the
+// same names in the same order; both keep the same tokens, bit for bit (docs/DESIGN.md,
+// contract rule 5).
+//
+// Built for replay in a CUDA graph: each row's length, seen tokens and recent-window start live
+// on the device (`counters`) and the kernels read them there; the host keeps its own copies
+// (LayerState) for its decisions and never reads the device. Host facts that the kernels need
+// and that stay the same in the steady state (how many tokens each row appends or a pass
+// evicts, which query columns count) reach the device through DeviceMirrors, uploaded only when
+// they change. Pads (of an append, of a pass's move columns) go to the trash slot, the last
+// slot of every row, which never holds a token. With checks off, the steady state makes no
+// host sync and no host-to-device copy.
+
+#include <kvevict/check.hpp>
+#include <kvevict/detail/host_path.hpp>
+#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/slot_plan.hpp>
+#include <kvevict/selection.hpp>
+#include <kvevict/slot_moves.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace kvevict {
+namespace detail {
+
+/// Test hook: while true, policies built afterwards use the tensor path on CPU too (the path
+/// CUDA always takes), so one CPU machine can test both paths against the same oracle. Read
+/// once, at construction.
+inline bool& force_tensor_path() {
+  static thread_local bool force = false;
+  return force;
+}
+
+/// A host vector mirrored on a device: uploaded only when its values change, so a steady-state
+/// step (same values every time) makes no copy and keeps the same device tensor (CUDA graphs).
+struct DeviceMirror {
+  std::vector<int64_t> host;
+  at::Tensor device;
+  const at::Tensor& get(const std::vector<int64_t>& values, const at::Device& dev, at::IntArrayRef shape) {
+    if (!device.defined() || values != host || device.sizes() != shape) {
+      // A copy even to the CPU, so that an op counter sees every upload (aten::to with a device).
+      auto t = at::tensor(values, at::TensorOptions().dtype(at::kLong)).view(shape).to(dev, false, /*copy=*/true);
+      host = values;  // after the copy: a throw above leaves the mirror as it was
+      device = std::move(t);
+    }
+    return device;
+  }
+};
+
+/// Whether Scorer declares `kUsesObservers = false` (scorers.hpp): its apply() ignores the
+/// observer counts, so the tensor path need not compute them.
+template <class S, class = void>
+struct UsesObservers : std::true_type {};
+template <class S>
+struct UsesObservers<S, std::void_t<decltype(S::kUsesObservers)>> : std::bool_constant<S::kUsesObservers> {};
+
+template <class Scorer>
+class TensorPath {
+ public:
+  using Core = PolicyCore<Scorer>;
+  static constexpr int64_t W = Scorer::kStateWidth;
+
+  /// Per-layer device state next to LayerState.
+  struct Scratch {
+    at::Tensor counters;            // [B, 3] int64: length, seen tokens, seen - n_recent
+    at::Tensor open_sum, open_bad;  // an observation in pieces: [B, S] fp64 sums, [] bool "a check failed"
+    DeviceMirror step;              // [B, 3] what an append adds to counters: counts x 3
+    DeviceMirror start;             // [B, 1] T - counts: each row's first real column of an append
+    DeviceMirror first;             // [B, 1] each row's first real query column (query_positions)
+    DeviceMirror evict;             // [B, 1] tokens a pass evicts per row
+    DeviceMirror counted;           // [B, Q] 1 where a query column counts (when some do not)
+    DeviceMirror rows;              // [B, 1] 1 for the rows an observation applies to (when some do not)
+  };
+
+  /// The scratch of `layer` (nothing in it depends on the slots: a resize keeps it).
+  Scratch resized(const Core& c, int64_t layer, int64_t /*slots*/) const {
+    if (static_cast<size_t>(layer) < scratch_.size() && scratch_[layer].counters.defined()) return scratch_[layer];
+    Scratch D;
+    D.counters = at::zeros({c.batch_size(), 3}, at::TensorOptions().dtype(at::kLong).device(c.device));
+    D.counters.select(1, 2).fill_(-c.layer_eviction[layer].n_recent());
+    return D;
+  }
+
+  void swap_in(int64_t layer, Scratch& D) noexcept {
+    if (static_cast<size_t>(layer) >= scratch_.size()) scratch_.resize(static_cast<size_t>(layer) + 1);
+    std::swap(scratch_[layer], D);
+  }
+
+  void clear_row(const Core& c, LayerState& L, int64_t layer, int64_t row) {
+    L.position.select(0, row).fill_(-1);
+    const auto counters = scratch_[layer].counters.select(0, row);
+    counters.narrow(0, 0, 2).zero_();
+    counters.select(0, 2).fill_(-c.layer_eviction[layer].n_recent());
+    if (L.pending.defined()) L.pending.select(0, row).zero_();
+  }
+
+  /// [B, T] int64 slot of each column of an append of `counts` (before it), on the device: the
+  /// row's length plus the column's offset in the row's tokens; pads get `pad`. A view of the
+  /// counters when every row appends one token (then valid only until append()).
+  at::Tensor slot_map(const Core& c, const LayerState& L, int64_t layer, const int64_t* counts, int64_t T, int64_t pad) {
+    auto& D = scratch_[layer];
+    const auto len = D.counters.narrow(1, 0, 1);  // [B, 1]
+    if (whole_chunk(c, counts, T)) return T == 1 ? len : len.add(iota(c, T));
+    const auto off = offsets(c, layer, counts, T);
+    return len.add(off).masked_fill_(off.lt(0), pad);
+  }
+
+  /// Writes the new tokens' state (positions from the device's seen counter, scorer state 0)
+  /// and advances the counters. `map` from slot_map() with pads on the trash slot.
+  void append(const Core& c, LayerState& L, int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+    auto& D = scratch_[layer];
+    const int64_t B = c.batch_size();
+    const auto seen = D.counters.narrow(1, 1, 1);  // [B, 1]
+    at::Tensor position;
+    if (whole_chunk(c, counts, T)) {
+      position = T == 1 ? seen : seen.add(iota(c, T));
+    } else {
+      const auto off = offsets(c, layer, counts, T);
+      position = seen.add(off).masked_fill_(off.lt(0), -1);  // the trash slot stays dead
+    }
+    const auto r = rows_index(c);
+    L.position.index_put_({r, map}, position);
+    L.state.index_put_({r, map}, zero(c));
+    std::vector<int64_t> step(static_cast<size_t>(3 * B));
+    for (int64_t b = 0; b < B; ++b) step[3 * b] = step[3 * b + 1] = step[3 * b + 2] = counts[b];
+    D.counters.add_(D.step.get(step, c.device, {B, 3}));
+  }
+
+  /// [B, Q] int64 query positions (see EvictionPolicy::query_positions), a new device tensor
+  /// computed from the seen counter: no upload in the steady state.
+  at::Tensor query_positions(const Core& c, const LayerState& L, int64_t layer, int64_t Q) {
+    const auto seen = scratch_[layer].counters.narrow(1, 1, 1);
+    bool all_real = true;
+    for (int64_t b = 0; b < c.batch_size(); ++b) all_real = all_real && c.first_real(L, b, Q) == 0;
+    if (all_real) return Q == 1 ? seen.sub(1) : seen.add(iota(c, Q).sub(Q));
+    std::vector<int64_t> first(static_cast<size_t>(c.batch_size()));
+    for (int64_t b = 0; b < c.batch_size(); ++b) first[b] = c.first_real(L, b, Q);
+    const auto& f = scratch_[layer].first.get(first, c.device, {c.batch_size(), 1});
+    const auto q = iota(c, Q);
+    return seen.add(q).sub_(Q).masked_fill_(q.lt(f), -1);
+  }
+
+  void begin_observation(const Core& c, LayerState& L, int64_t layer, int64_t /*Q*/) {
+    auto& D = scratch_[layer];
+    D.open_sum = at::zeros({c.batch_size(), max_of(L.len)}, L.position.options().dtype(at::kDouble));
+    D.open_bad = at::Tensor();
+  }
+
+  /// Adds the fixed-point sums of probs [B, Hc, Qc, S] (query columns from q_begin) to the open
+  /// observation: exact integers, so pieces add up to the whole in any order.
+  void add_observation(const Core& c, LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin,
+                       int64_t /*h_begin*/) {
+    auto& D = scratch_[layer];
+    if (c.check) check_probs(c, L, layer, in, q_begin);
+    D.open_sum.add_(fixed_sums(c, L, layer, in, q_begin));
+  }
+
+  /// The reducer, the contributions and observers, and the scorer's update (or, with
+  /// lazy_reduction, the sums into pending).
+  void end_observation(const Core& c, LayerState& L, int64_t layer) {
+    auto& D = scratch_[layer];
+    auto sum = std::move(D.open_sum);
+    const auto bad = std::move(D.open_bad);
+    D.open_sum = at::Tensor();
+    D.open_bad = at::Tensor();
+    apply_observation(c, L, layer, sum, bad);
+  }
+
+  /// observe(probs) in one piece: begin + add + end without the open [B, S] buffer.
+  void observe(const Core& c, LayerState& L, int64_t layer, const at::Tensor& probs) {
+    at::Tensor bad;
+    if (c.check) {
+      check_probs(c, L, layer, probs, 0);
+      bad = std::move(scratch_[layer].open_bad);
+      scratch_[layer].open_bad = at::Tensor();
+    }
+    apply_observation(c, L, layer, fixed_sums(c, L, layer, probs, 0), bad);
+  }
+
+  void add_scores(const Core& c, LayerState& L, int64_t layer, const at::Tensor& in) {
+    const int64_t B = c.batch_size(), S = max_of(L.len);
+    const auto contribution = in.to(at::kFloat);
+    const auto observers = at::ones({B, S}, contribution.options());
+    apply(c, L, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
+  }
+
+  void flush(const Core& c, LayerState& L, int64_t layer) {
+    const int64_t S = max_of(L.len);
+    if (S > 0) {
+      const auto pend = L.pending.narrow(1, 0, S);
+      auto sum = pend.select(2, 0).clone();  // [B, S] fp64
+      if (c.options.reduce_contributions()) c.options.reduce_contributions()(layer, sum);
+      const auto contribution = from_fixed(sum, heads_divisor(c));
+      const auto observers = pend.select(2, 1).to(at::kFloat);
+      apply(c, L, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
+    }
+    L.pending.zero_();
+  }
+
+  /// Plans a pass (pass.n and new_len set by the caller): one top-k over a key that orders by
+  /// rank, then position (selection.hpp), picks each row's evicted slots; holes below the new
+  /// length receive the kept tail slots in order, as the host path pairs them. No host read.
+  void plan(const Core& c, LayerState& L, int64_t layer, Pass& pass) {
+    const auto& eviction = c.layer_eviction[layer];
+    auto& D = scratch_[layer];
+    const int64_t B = c.batch_size(), S = max_of(L.len);
+    int64_t columns = 0;
+    bool uniform = true;  // every row evicts `columns`
+    for (int64_t b = 0; b < B; ++b) columns = std::max(columns, pass.n[b]);
+    for (int64_t b = 0; b < B; ++b) uniform = uniform && pass.n[b] == columns;
+    pass.columns = columns;
+    if (columns == 0) return;
+    const auto pos = L.position.narrow(1, 0, S);
+    const auto len = D.counters.narrow(1, 0, 1), recent_from = D.counters.narrow(1, 2, 1);
+    const auto chosen = lowest_candidates(c.scorer.rank(L.state.narrow(1, 0, S)), pos, eviction.n_sink(), recent_from,
+                                          columns, max_of(L.seen), /*ordered=*/!uniform);  // [B, columns] slots
+    const int64_t trash = L.slots - 1;
+    const auto& n = D.evict.get(pass.n, c.device, {B, 1});
+    const auto new_len = len.sub(n);  // [B, 1]
+    if (columns == 1) {
+      // At most one token per row: the last live slot moves into the evicted one (onto itself
+      // when it is the evicted one); rows that evict nothing move the trash slot onto itself.
+      pass.dst_t = uniform ? chosen : at::where(n.gt(0), chosen, trash_value(c, trash));
+      pass.src_t = uniform ? new_len : at::where(n.gt(0), new_len, trash_value(c, trash));
+      pass.tail_t = pass.src_t;
+    } else {
+      const auto col = iota(c, columns);
+      const auto valid = uniform ? at::Tensor() : col.lt(n);
+      auto evicted = uniform ? chosen : at::where(valid, chosen, trash_value(c, trash));
+      evicted = std::get<0>(at::sort(evicted, /*dim=*/1));  // ascending: holes first, the trash last
+      pass.dst_t = at::where(evicted.lt(new_len), evicted, trash_value(c, trash));
+      auto tail = new_len.add(col);  // slots new_len .. len - 1
+      if (!uniform) tail.masked_fill_(valid.logical_not(), trash);
+      // A tail slot is kept unless it is among the evicted (sorted: one binary search).
+      const auto at_or_after = at::searchsorted(evicted, tail).clamp_max_(columns - 1);
+      const auto is_evicted = evicted.gather(1, at_or_after).eq(tail);
+      pass.src_t = std::get<0>(at::sort(tail.masked_fill(is_evicted, trash), /*dim=*/1));  // kept, ascending
+      pass.tail_t = tail;
+    }
+    pass.new_len_t = new_len;
+  }
+
+  /// Moves the state rows (and pending sums) of a pass and marks the freed tail dead; L.len
+  /// still holds the lengths before it. \throws only on an allocation failure, before anything
+  /// changed.
+  void commit(const Core& c, LayerState& L, int64_t layer, Pass& pass) {
+    if (pass.columns == 0) return;
+    auto& D = scratch_[layer];
+    const SlotMoves m = pass.to_moves(c.device);
+    const auto r = rows_index(c);
+    auto gp = L.position.index({r, m.src});  // every allocation before the first write
+    auto gs = L.state.index({r, m.src});
+    at::Tensor gd, new_len, dead;
+    if (L.pending_terms > 0) gd = L.pending.index({r, m.src});
+    if (!pass.tail_t.defined()) {  // built on the host (truncate(), which syncs anyway)
+      new_len = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).view({c.batch_size(), 1}).to(c.device);
+      dead = iota(c, L.slots).ge(new_len).logical_and_(L.position.ge(0));
+    } else {
+      new_len = pass.new_len_t;
+    }
+    L.position.index_put_({r, m.dst}, gp);
+    L.state.index_put_({r, m.dst}, gs);
+    if (dead.defined()) {
+      L.position.masked_fill_(dead, -1);
+    } else {
+      L.position.scatter_(1, pass.tail_t, -1);
+    }
+    if (gd.defined()) {
+      L.pending.index_put_({r, m.dst}, gd);
+      L.pending.masked_fill_(iota(c, L.slots).ge(new_len).unsqueeze(2), 0.0);
+    }
+    D.counters.narrow(1, 0, 1).copy_(new_len);
+  }
+
+  /// Truncate: seen tokens (and the recent window's start) of `row` go back by k.
+  void rewind(const Core& /*c*/, LayerState& /*L*/, int64_t layer, int64_t row, int64_t k) {
+    scratch_[layer].counters.select(0, row).narrow(0, 1, 2).sub_(k);
+  }
+
+ private:
+  /// Whether every row appends the whole chunk of T columns (no pad, no idle row).
+  static bool whole_chunk(const Core& c, const int64_t* counts, int64_t T) {
+    for (int64_t b = 0; b < c.batch_size(); ++b) {
+      if (counts[b] != T) return false;
+    }
+    return true;
+  }
+
+  /// [B, T] int64 offset of each column in its row's new tokens (negative: a pad).
+  at::Tensor offsets(const Core& c, int64_t layer, const int64_t* counts, int64_t T) {
+    std::vector<int64_t> start(static_cast<size_t>(c.batch_size()));
+    for (int64_t b = 0; b < c.batch_size(); ++b) start[b] = T - counts[b];
+    return iota(c, T).sub(scratch_[layer].start.get(start, c.device, {c.batch_size(), 1}));
+  }
+
+  /// [1, n] int64 0 .. n - 1 on the device: a view of one tensor made once (and when a longer
+  /// one is needed).
+  const at::Tensor iota(const Core& c, int64_t n) {
+    if (!iota_.defined() || iota_.size(1) < n) {
+      iota_ = at::arange(std::max<int64_t>(n, 2 * (iota_.defined() ? iota_.size(1) : 0)),
+                         at::TensorOptions().dtype(at::kLong).device(c.device))
+                  .unsqueeze(0);
+    }
+    return iota_.narrow(1, 0, n);
+  }
+
+  /// [B, 1] int64 row indices 0 .. B - 1 (made once).
+  const at::Tensor& rows_index(const Core& c) {
+    if (!rows_.defined()) rows_ = at::arange(c.batch_size(), at::TensorOptions().dtype(at::kLong).device(c.device)).unsqueeze(1);
+    return rows_;
+  }
+
+  /// A 0-d fp32 zero on the device (made once).
+  const at::Tensor& zero(const Core& c) {
+    if (!zero_.defined()) zero_ = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(c.device));
+    return zero_;
+  }
+
+  /// A 0-d int64 tensor holding the trash slot (made when the slots change).
+  const at::Tensor& trash_value(const Core& c, int64_t trash) {
+    if (!trash_.defined() || trash_held_ != trash) {
+      trash_ = at::full({}, trash, at::TensorOptions().dtype(at::kLong).device(c.device));
+      trash_held_ = trash;
+    }
+    return trash_;
+  }
+
+  /// [1] fp32 tensor holding divisor_heads() * 2^32, on the device (see from_fixed()).
+  const at::Tensor& heads_divisor(const Core& c) {
+    if (!heads_t_.defined()) {
+      heads_t_ = at::full({1}, static_cast<float>(c.divisor_heads()) * static_cast<float>(kFixedOne),
+                          at::TensorOptions().dtype(at::kFloat).device(c.device));
+    }
+    return heads_t_;
+  }
+
+  /// Whether every query column of Q counts in every row (no pad, no idle row, the scorer
+  /// counts all Q).
+  static bool all_counted(const Core& c, const LayerState& L, int64_t Q) {
+    for (int64_t b = 0; b < c.batch_size(); ++b) {
+      if (c.first_counted(L, b, Q) != 0) return false;
+    }
+    return true;
+  }
+
+  /// [B, Qc] bool: the counted columns among [q_begin, q_begin + Qc) of the open observation
+  /// (a view of a mirror, uploaded when it changes); undefined when all count.
+  at::Tensor counted_mask(const Core& c, const LayerState& L, int64_t layer, int64_t Q, int64_t q_begin, int64_t Qc) {
+    if (all_counted(c, L, Q)) return at::Tensor();
+    const int64_t B = c.batch_size();
+    std::vector<int64_t> mask(static_cast<size_t>(B * Q), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t q = c.first_counted(L, b, Q); q < Q; ++q) mask[b * Q + q] = 1;
+    }
+    return scratch_[layer].counted.get(mask, c.device, {B, Q}).narrow(1, q_begin, Qc).gt(0);
+  }
+
+  /// [B, S] fp64 fixed-point sums of probs [B, Hc, Qc, S] over heads and the counted columns.
+  at::Tensor fixed_sums(const Core& c, const LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin) {
+    const int64_t B = c.batch_size(), Qc = in.size(2);
+    auto term = fixed_terms(in);  // [B, Hc, Qc, S] fp32 integers
+    const auto counted = counted_mask(c, L, layer, L.open_q, q_begin, Qc);
+    if (counted.defined()) term.masked_fill_(counted.logical_not().view({B, 1, Qc, 1}), 0.0);
+    return term.sum({1, 2}, /*keepdim=*/false, at::kDouble);
+  }
+
+  /// Checks probs [B, Hc, Qc, S] (checks on; syncs at the end of the observation): in [0, 1]
+  /// and causal on the live slots of the counted columns. Records the verdict in open_bad.
+  void check_probs(const Core& c, const LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin) {
+    auto& D = scratch_[layer];
+    const int64_t B = c.batch_size(), Q = L.open_q, Qc = in.size(2), S = max_of(L.len);
+    const auto pos = L.position.narrow(1, 0, S);
+    const auto live = pos.ge(0);
+    auto counted = counted_mask(c, L, layer, Q, q_begin, Qc);
+    if (!counted.defined()) counted = at::ones({B, Qc}, live.options());
+    const auto qpos = D.counters.narrow(1, 1, 1).sub(Q).add(iota(c, Qc).add(q_begin));  // [B, Qc]
+    const auto x = in.to(at::kFloat);
+    const auto real = counted.view({B, 1, Qc, 1}).logical_and(live.view({B, 1, 1, S}));
+    const auto out_of_range = x.lt(0).logical_or(x.gt(1)).logical_or(x.isnan());
+    const auto future = pos.view({B, 1, 1, S}).gt(qpos.view({B, 1, Qc, 1})).logical_and(x.ne(0));
+    const auto bad = out_of_range.logical_or(future).logical_and(real).any();
+    D.open_bad = D.open_bad.defined() ? D.open_bad.logical_or(bad) : bad;
+  }
+
+  /// [B, S] bool: live slots of the rows whose `flags` are set; undefined when every row is set
+  /// (then dead slots may take the update too: an append resets their state).
+  at::Tensor keep_mask(const Core& c, const LayerState& L, int64_t layer, const std::vector<uint8_t>& flags) {
+    const int64_t B = c.batch_size(), S = max_of(L.len);
+    bool all = true;
+    for (int64_t b = 0; b < B; ++b) all = all && flags[b];
+    if (all && !c.check && !c.options.lazy_reduction()) return at::Tensor();
+    std::vector<int64_t> f(flags.begin(), flags.end());
+    return scratch_[layer].rows.get(f, c.device, {B, 1}).gt(0).logical_and(L.position.narrow(1, 0, S).ge(0));
+  }
+
+  /// Applies an observation's fp64 sums [B, S]: the reducer, contributions, observers, then the
+  /// scorer (or pending, with lazy_reduction).
+  void apply_observation(const Core& c, LayerState& L, int64_t layer, at::Tensor sum, const at::Tensor& bad) {
+    const int64_t B = c.batch_size(), Q = L.open_q, S = max_of(L.len);
+    if (c.options.reduce_contributions() && !c.options.lazy_reduction()) c.options.reduce_contributions()(layer, sum);
+    // Rows with no real query contribute nothing, and a scorer that replaces (LatestAttention)
+    // must not see them at all.
+    std::vector<uint8_t> observed(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) observed[b] = c.first_real(L, b, Q) < Q ? 1 : 0;
+    const auto keep = keep_mask(c, L, layer, observed);
+    at::Tensor observers;
+    if (UsesObservers<Scorer>::value || c.options.lazy_reduction()) {
+      const int64_t q0 = Q - counted_queries(c.scorer, Q);  // counted columns [q0, Q) (pads: not counted)
+      const auto pos = L.position.narrow(1, 0, S);
+      const auto qpos = query_positions(c, L, layer, Q).narrow(1, q0, Q - q0);  // [B, Qn], -1 pads
+      observers = qpos.unsqueeze(1).ge(pos.unsqueeze(2)).sum(2).to(at::kFloat);  // [B, S]
+    }
+    if (c.options.lazy_reduction()) {
+      defer(c, L, layer, sum, observers, keep, bad);
+      return;
+    }
+    apply(c, L, S, from_fixed(sum, heads_divisor(c)), observers, keep, bad);
+  }
+
+  /// Checks the open observation's probabilities (checks on), then adds its sums [B, S] fp64 and
+  /// observers [B, S] fp32 to pending where `keep` [B, S].
+  void defer(const Core& c, LayerState& L, int64_t layer, const at::Tensor& sum, const at::Tensor& observers,
+             const at::Tensor& keep, const at::Tensor& bad) {
+    if (c.check && bad.defined()) {
+      KVEVICT_CHECK(!bad.template item<bool>(),
+                    "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
+                    "non-finite, out-of-range or non-causal value; the state is unchanged",
+                    kChecksHint);
+    }
+    const int64_t terms = c.observation_terms(L.open_q);
+    if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) {
+      flush(c, L, layer);
+      L.pending_terms = 0;
+    }
+    const auto pend = L.pending.narrow(1, 0, keep.size(1));
+    const auto zero = at::zeros({}, pend.options());
+    pend.select(2, 0).add_(at::where(keep, sum, zero));
+    pend.select(2, 1).add_(at::where(keep, observers.to(at::kDouble), zero));
+    L.pending_terms += terms;
+  }
+
+  /// Applies contribution/observers [B, S] to the slots `keep` [B, S] (all when undefined); with
+  /// checks, computes the next state apart and throws (changing nothing) if `bad` or any next
+  /// rank is non-finite.
+  void apply(const Core& c, LayerState& L, int64_t S, const at::Tensor& contribution, const at::Tensor& observers,
+             const at::Tensor& keep, const at::Tensor& bad) {
+    const auto state = L.state.narrow(1, 0, S);
+    if (!keep.defined()) {  // every row, checks off: in place
+      c.scorer.apply(state, contribution, observers);
+      return;
+    }
+    const auto next = state.clone();
+    c.scorer.apply(next, contribution, observers);
+    const auto merged = at::where(keep.unsqueeze(2), next, state);
+    if (c.check) {
+      auto fail = at::isfinite(c.scorer.rank(merged)).logical_not().logical_and(keep).any();
+      if (bad.defined()) {
+        KVEVICT_CHECK(!bad.template item<bool>(),
+                      "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
+                      "non-finite, out-of-range or non-causal value; the state is unchanged",
+                      kChecksHint);
+      }
+      KVEVICT_CHECK(!fail.template item<bool>(),
+                    "the observation gives a non-finite rank (NaN, inf, or an fp32 overflow); the state is unchanged",
+                    kChecksHint);
+    }
+    state.copy_(merged);
+  }
+
+  std::vector<Scratch> scratch_;  // per layer
+  at::Tensor iota_, rows_, zero_, trash_, heads_t_;
+  int64_t trash_held_ = -1;
+};
+
+}  // namespace detail
+}  // namespace kvevict
