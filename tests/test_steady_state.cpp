@@ -5,6 +5,7 @@
 
 #include <kvevict/kvevict.hpp>
 
+#include <ATen/record_function.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <catch2/catch.hpp>
