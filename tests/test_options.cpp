@@ -89,6 +89,27 @@ TEST_CASE("Sizes too large to allocate throw c10::Error naming every size, not s
                     Contains("num_layers x batch_size must be <= 2^40"));
 }
 
+TEST_CASE("With layer_budgets set, the base budget is ignored, so its capacity may be 0", "[options][cpu]") {
+  // n_sink and n_recent stay shared; each layer's capacity comes from its own budget.
+  const auto base = kvevict::EvictionOptions(0).n_sink(0).n_recent(0);
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(2, 2).qk_dim(4).v_dim(4).layer_budgets({3, 5}), base);
+  CHECK(cache.capacity(0) == 3);
+  CHECK(cache.capacity(1) == 5);
+  kvevict::EvictionPolicy<> policy(kvevict::EvictionPolicyOptions(2, 2).layer_budgets({1, 2}), base);
+  CHECK(policy.capacity(0) == 1);
+  CHECK(policy.capacity(1) == 2);
+  kvevict::MlaLatentCache latent(kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(8).qk_rope_dim(4).layer_budgets({4}),
+                                 base);
+  CHECK(latent.capacity(0) == 4);
+  // The other counts are still checked, and a layer's own capacity must still be >= 1.
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2).layer_budgets({3}), kvevict::EvictionOptions(base).n_sink(-1)),
+                    Contains("n_sink must be in [0, 2^40], got -1"));
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(2, 2).layer_budgets({3, 0}), base),
+                    Contains("layer 1: capacity = n_sink + budget + n_recent must be >= 1"));
+  // Without layer_budgets the base capacity is every layer's, and 0 is still rejected.
+  CHECK_THROWS_WITH(kvevict::MlaCache(kvevict::MlaCacheOptions(1, 2), base), Contains("n_sink=0, budget=0, n_recent=0"));
+}
+
 TEST_CASE("A device kvevict cannot run on (meta, or anything but CPU and CUDA) is rejected when built, naming it",
           "[options][errors][cpu]") {
   const at::Device meta(at::kMeta);

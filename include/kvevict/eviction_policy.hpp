@@ -86,11 +86,14 @@ class EvictionPolicy {
   static_assert(Scorer::kStateWidth >= 1, "Scorer::kStateWidth must be >= 1");
 
   /// Builds empty state for every layer and row, with capacity + evict_every slots per row.
+  /// With layer_budgets set, `eviction`'s budget is ignored (its capacity may be 0).
   /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value;
   ///         c10::Error naming the sizes if the state cannot be allocated or `device` is unusable.
   explicit EvictionPolicy(const EvictionPolicyOptions& options, const EvictionOptions& eviction = EvictionOptions(),
                           Scorer scorer = Scorer())
-      : core_{(options.validate(), eviction.validate(), options), eviction, {}, {}, std::move(scorer),
+      : core_{(options.validate(),
+               options.layer_budgets().empty() ? eviction.validate() : eviction.validate_counts(), options),
+              eviction, {}, {}, std::move(scorer),
               detail::resolved_device(options.device()), false, {}},
         host_(core_.device.is_cpu() && !detail::force_tensor_path()) {
     core_.check = options.checks_observations(core_.device);

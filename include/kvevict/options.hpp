@@ -36,6 +36,16 @@ struct EvictionOptions {
   /// Throws c10::ValueError naming the offending value(s): any count < 0 or > 2^40,
   /// evict_every < 1, or capacity < 1.
   void validate() const {
+    validate_counts();
+    KVEVICT_CHECK_VALUE(capacity() >= 1,
+                        "EvictionOptions: capacity = n_sink + budget + n_recent must be >= 1, got n_sink=",
+                        n_sink_, ", budget=", budget_, ", n_recent=", n_recent_);
+  }
+
+  /// validate() without the capacity check: what a policy checks of these options when
+  /// EvictionPolicyOptions::layer_budgets replace the budget (it checks each layer's capacity).
+  /// Throws c10::ValueError naming the offending value: any count < 0 or > 2^40, evict_every < 1.
+  void validate_counts() const {
     KVEVICT_CHECK_VALUE(budget_ >= 0 && budget_ <= kMaxTokens, "EvictionOptions: budget must be in [0, 2^40], got ",
                         budget_);
     KVEVICT_CHECK_VALUE(n_sink_ >= 0 && n_sink_ <= kMaxTokens, "EvictionOptions: n_sink must be in [0, 2^40], got ",
@@ -44,9 +54,6 @@ struct EvictionOptions {
                         "EvictionOptions: n_recent must be in [0, 2^40], got ", n_recent_);
     KVEVICT_CHECK_VALUE(evict_every_ >= 1 && evict_every_ <= kMaxTokens,
                         "EvictionOptions: evict_every must be in [1, 2^40], got ", evict_every_);
-    KVEVICT_CHECK_VALUE(capacity() >= 1,
-                        "EvictionOptions: capacity = n_sink + budget + n_recent must be >= 1, got n_sink=",
-                        n_sink_, ", budget=", budget_, ", n_recent=", n_recent_);
   }
 
   /// Heavy hitters kept per row by a pass. Default: 64.
@@ -143,8 +150,9 @@ struct EvictionPolicyOptions {
   KVEVICT_ARG(c10::optional<bool>, check_observations) = c10::nullopt;
   /// Heavy hitters kept per layer (per-layer capacities, e.g. a pyramid: PyramidKV, Cai et al.
   /// 2024, Sec. 3), one entry per layer; n_sink and n_recent stay shared. Empty (the default):
-  /// every layer keeps EvictionOptions::budget. Checked when the policy is built: every layer's
-  /// capacity n_sink + budget + n_recent must be >= 1; a bad entry is named by its layer.
+  /// every layer keeps EvictionOptions::budget. Set, they replace that budget, which is then
+  /// ignored (its capacity may be 0). Checked when the policy is built: every layer's capacity
+  /// n_sink + budget + n_recent must be >= 1; a bad entry is named by its layer.
   KVEVICT_ARG(std::vector<int64_t>, layer_budgets) = {};
   /// Heads the contributions are averaged over (the divisor H in scorers.hpp). 0 (the default):
   /// num_heads. Tensor parallelism: the model's total heads, while num_heads counts this
