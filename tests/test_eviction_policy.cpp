@@ -318,3 +318,80 @@ TEST_CASE("apply_moves and write_rows name a bad argument and change nothing", "
 }
 
 }  // namespace
+
+// =============================================================================================
+// Observations in pieces and checked observations: what is rejected, and what the message says.
+// =============================================================================================
+
+namespace {
+
+/// Causal probabilities [B, H, Q, Q] of Q queries over the Q tokens of an empty-started policy:
+/// query q gives 1 / (q + 1) to each key s <= q.
+at::Tensor causal_uniform(int64_t B, int64_t H, int64_t Q) {
+  auto p = at::zeros({B, H, Q, Q});
+  for (int64_t q = 0; q < Q; ++q) p.select(2, q).narrow(2, 0, q + 1).fill_(1.0 / static_cast<double>(q + 1));
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("observe_add rejects a (head, query column) sent twice; observe_end names one never sent",
+          "[policy][errors][cpu]") {
+  using Catch::Matchers::Contains;
+  kvevict_test::on_both_paths([] {
+    const int64_t B = 2, H = 2, Q = 3;
+    kvevict::EvictionPolicy<> p(kvevict::EvictionPolicyOptions(1, H).batch_size(B), kvevict::EvictionOptions(8));
+    p.append(0, std::vector<int64_t>{Q, Q}, Q);
+    const auto probs = causal_uniform(B, H, Q);
+    const auto before = p.scores(0);
+    // Head 0 twice and head 1 never: as many cells as H x Q, but not the right ones.
+    p.observe_begin(0, Q);
+    p.observe_add(0, probs.narrow(1, 0, 1), 0, 0);
+    CHECK_THROWS_WITH(p.observe_add(0, probs.narrow(1, 0, 1), 0, 0),
+                      Contains("observe_add") && Contains("(head 0, query column 0)") && Contains("already"));
+    CHECK_FALSE(p.observing(0));  // the observation is discarded, the state unchanged
+    CHECK(same_bits(p.scores(0), before));
+    // A piece that overlaps an earlier one in one column only: column 1 of head 1.
+    p.observe_begin(0, Q);
+    p.observe_add(0, probs.narrow(1, 1, 1).narrow(2, 0, 2), 0, 1);
+    CHECK_THROWS_WITH(p.observe_add(0, probs.narrow(1, 1, 1).narrow(2, 1, 2), 1, 1),
+                      Contains("(head 1, query column 1)") && Contains("already"));
+    CHECK(same_bits(p.scores(0), before));
+    // One cell never sent (head 1, column 2): named at observe_end.
+    p.observe_begin(0, Q);
+    p.observe_add(0, probs.narrow(1, 0, 1), 0, 0);
+    p.observe_add(0, probs.narrow(1, 1, 1).narrow(2, 0, 2), 0, 1);
+    CHECK_THROWS_WITH(p.observe_end(0), Contains("observe_end") && Contains("(head 1, query column 2)"));
+    CHECK_FALSE(p.observing(0));
+    CHECK(same_bits(p.scores(0), before));
+    // Every cell once, in any order: key s gets sum over q >= s of 1 / (q + 1), the same from
+    // every head (hand-worked: 11/6, 5/6, 1/3).
+    p.observe_begin(0, Q);
+    p.observe_add(0, probs.narrow(1, 1, 1).narrow(2, 2, 1), 2, 1);
+    p.observe_add(0, probs.narrow(1, 0, 1), 0, 0);
+    p.observe_add(0, probs.narrow(1, 1, 1).narrow(2, 0, 2), 0, 1);
+    p.observe_end(0);
+    for (int64_t b = 0; b < B; ++b) {
+      const auto s = to_vec<float>(p.scores(0)[b]);
+      CHECK(s[0] == Approx(11.0 / 6.0).epsilon(1e-6));
+      CHECK(s[1] == Approx(5.0 / 6.0).epsilon(1e-6));
+      CHECK(s[2] == Approx(1.0 / 3.0).epsilon(1e-6));
+    }
+    // LatestAttention counts only the newest column: the others may be left out, but no cell
+    // may come twice, and the newest column of every head must come.
+    kvevict::EvictionPolicy<kvevict::LatestAttention> latest(kvevict::EvictionPolicyOptions(1, H).batch_size(B),
+                                                             kvevict::EvictionOptions(8));
+    latest.append(0, std::vector<int64_t>{Q, Q}, Q);
+    latest.observe_begin(0, Q);
+    latest.observe_add(0, probs.narrow(2, Q - 1, 1).narrow(1, 0, 1), Q - 1, 0);
+    CHECK_THROWS_WITH(latest.observe_end(0), Contains("(head 1, query column 2)"));
+    latest.observe_begin(0, Q);
+    latest.observe_add(0, probs.narrow(2, Q - 1, 1), Q - 1, 0);
+    CHECK_THROWS_WITH(latest.observe_add(0, probs.narrow(2, Q - 1, 1).narrow(1, 1, 1), Q - 1, 1),
+                      Contains("(head 1, query column 2)") && Contains("already"));
+    latest.observe_begin(0, Q);
+    latest.observe_add(0, probs.narrow(2, Q - 1, 1), Q - 1, 0);
+    latest.observe_end(0);
+    CHECK(to_vec<float>(latest.scores(0)[0]) == std::vector<float>(3, 1.f / 3.f));
+  });
+}

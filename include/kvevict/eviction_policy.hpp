@@ -377,7 +377,6 @@ class EvictionPolicy {
     at::NoGradGuard no_grad;
     const int64_t Q = probs.size(2);
     L.open_q = Q;  // one piece: the path's observe() is begin + add + end
-    L.open_cells = 0;
     try {
       on_path([&](auto& p) { p.observe(core_, L, layer, probs); });
     } catch (...) {
@@ -398,7 +397,8 @@ class EvictionPolicy {
   /// \param Q  query columns of the whole observation, right-aligned on the newest append as
   ///           in observe(); 1 <= Q <= seen_tokens(layer).
   /// \throws c10::Error on a bad layer or Q, or if the layer holds no token.
-  /// \note Host path: no allocation. Tensor path: one [B, S] fp64 buffer until observe_end().
+  /// \note An H x Q bit map of the cells added (allocated only when it grows). Tensor path: also
+  ///       one [B, S] fp64 buffer until observe_end().
   void observe_begin(int64_t layer, int64_t Q) {
     auto& L = at(layer);
     L.open_q = 0;
@@ -406,6 +406,7 @@ class EvictionPolicy {
     KVEVICT_CHECK_VALUE(Q >= 1 && Q <= detail::max_of(L.seen), "observe_begin: Q must be in [1, ", detail::max_of(L.seen), "], got ",
                         Q, " (at most the seen tokens)");
     at::NoGradGuard no_grad;
+    L.open_cover.assign(static_cast<size_t>(num_heads() * Q), false);
     begin_observation(L, layer, Q);
   }
 
@@ -416,9 +417,9 @@ class EvictionPolicy {
   ///
   /// \param probs  [B, Hc, Qc, S] probabilities, any floating dtype, the policy's device,
   ///               S = size(layer), slot order; pads and dead slots may hold anything.
-  /// \throws c10::Error if no observation is open, on a bad shape, range, dtype or device, or
-  ///         (checks on) as observe(); the open observation is discarded then and the state is
-  ///         unchanged.
+  /// \throws c10::Error if no observation is open, on a bad shape, range, dtype or device, if a
+  ///         (head, query column) of the piece was already added (named), or (checks on) as
+  ///         observe(); the open observation is discarded then and the state is unchanged.
   void observe_add(int64_t layer, const at::Tensor& probs, int64_t q_begin, int64_t h_begin) {
     auto& L = at(layer);
     KVEVICT_CHECK(L.open_q > 0, "observe_add: no observation is open on layer ", layer,
@@ -435,8 +436,17 @@ class EvictionPolicy {
                           ", ", h_begin + Hc, ") must lie in [0, H = ", num_heads(), ")");
       KVEVICT_CHECK_VALUE(q_begin >= 0 && Qc >= 1 && q_begin + Qc <= Q, "observe_add: query columns [", q_begin, ", ",
                           q_begin + Qc, ") must lie in [0, Q = ", Q, ")");
+      for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
+        for (int64_t q = q_begin; q < q_begin + Qc; ++q) {
+          KVEVICT_CHECK(!L.open_cover[h * Q + q], "observe_add: (head ", h, ", query column ", q,
+                        ") was already added to this observation; each (head, query column) must come once");
+        }
+      }
       at::NoGradGuard no_grad;
       add_observation(L, layer, probs, q_begin, h_begin);
+      for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
+        for (int64_t q = q_begin; q < q_begin + Qc; ++q) L.open_cover[h * Q + q] = true;
+      }
     } catch (...) {
       L.open_q = 0;
       throw;
@@ -444,17 +454,28 @@ class EvictionPolicy {
   }
 
   /// Applies the observation opened by observe_begin() to the scorer, as observe() does.
-  /// \throws c10::Error if no observation is open, if the pieces did not cover every counted
-  ///         (head, query column) exactly as often as H x counted columns, or (checks on) on a
-  ///         non-finite resulting rank; the observation is closed and the state unchanged then.
+  /// \throws c10::Error if no observation is open, if a counted (head, query column) never came
+  ///         (named), or (checks on) as observe(); the observation is closed and the state
+  ///         unchanged then.
   void observe_end(int64_t layer) {
     auto& L = at(layer);
     KVEVICT_CHECK(L.open_q > 0, "observe_end: no observation is open on layer ", layer,
                   " (observe_begin() first; an append, pass or reset in between discards it)");
     try {
-      const int64_t expected = num_heads() * detail::counted_queries(core_.scorer, L.open_q);
-      KVEVICT_CHECK(L.open_cells == expected, "observe_end: the pieces covered ", L.open_cells,
-                    " (head, counted query column) cells, expected H x counted columns = ", expected,
+      const int64_t Q = L.open_q, from = Q - detail::counted_queries(core_.scorer, Q);
+      int64_t covered = 0, missing = -1;  // counted cells added; the first missing one (h * Q + q)
+      for (int64_t h = 0; h < num_heads(); ++h) {
+        for (int64_t q = from; q < Q; ++q) {
+          if (L.open_cover[h * Q + q]) {
+            ++covered;
+          } else if (missing < 0) {
+            missing = h * Q + q;
+          }
+        }
+      }
+      KVEVICT_CHECK(missing < 0, "observe_end: (head ", missing / Q, ", query column ", missing % Q,
+                    ") was never added: the pieces covered ", covered,
+                    " (head, counted query column) cells, expected H x counted columns = ", num_heads() * (Q - from),
                     "; the state is unchanged");
       at::NoGradGuard no_grad;
       end_observation(L, layer);
@@ -757,16 +778,12 @@ class EvictionPolicy {
   void begin_observation(detail::LayerState& L, int64_t layer, int64_t Q) {
     on_path([&](auto& p) { p.begin_observation(core_, L, layer, Q); });
     L.open_q = Q;
-    L.open_cells = 0;
   }
 
   /// Adds the fixed-point terms of probs [B, Hc, Qc, S] (query columns from q_begin, heads from
   /// h_begin) to the open observation, checking them on the way when checks are on.
   void add_observation(detail::LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin, int64_t h_begin) {
-    const int64_t Q = L.open_q, Hc = in.size(1), Qc = in.size(2);
-    const int64_t from = Q - detail::counted_queries(core_.scorer, Q);
     on_path([&](auto& p) { p.add_observation(core_, L, layer, in, q_begin, h_begin); });
-    L.open_cells += Hc * std::max<int64_t>(0, std::min(q_begin + Qc, Q) - std::max(q_begin, from));
   }
 
   /// Applies the open observation (reducer, observers, rank check, scorer) and closes it.

@@ -33,7 +33,8 @@ struct LayerState {
   std::vector<int64_t> len, seen, last_new;  // [B] live tokens, tokens ever appended, latest append
   std::vector<int64_t> appends;              // [B] appends with tokens since the row's last pass
   int64_t last_T = 0, events = 0, evicted = 0;
-  int64_t open_q = 0, open_cells = 0;  // an observation in pieces: its Q (0: none), cells added
+  int64_t open_q = 0;             // an open observation's Q (0: none)
+  std::vector<bool> open_cover;   // observe_begin(): [H, Q], the (head, query column) cells added
 };
 
 inline int64_t max_of(const std::vector<int64_t>& v) {
