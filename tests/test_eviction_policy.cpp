@@ -395,3 +395,62 @@ TEST_CASE("observe_add rejects a (head, query column) sent twice; observe_end na
     CHECK(to_vec<float>(latest.scores(0)[0]) == std::vector<float>(3, 1.f / 3.f));
   });
 }
+
+TEST_CASE("A rejected observation names the bad value and its [b, h, q, s] on both paths", "[policy][errors][cpu]") {
+  using Catch::Matchers::Contains;
+  const int64_t B = 2, H = 2, Q = 3;
+  for (const bool lazy : {false, true}) {
+    INFO("lazy_reduction " << lazy);
+    std::vector<std::string> messages[2];  // per path: every message, in order
+    for (const bool tensor_path : {false, true}) {
+      kvevict_test::ForceTensorPath force(tensor_path);
+      INFO("tensor path " << tensor_path);
+      kvevict::EvictionPolicy<> p(kvevict::EvictionPolicyOptions(1, H).batch_size(B).lazy_reduction(lazy),
+                                  kvevict::EvictionOptions(8));
+      REQUIRE(p.checks_observations());
+      p.append(0, std::vector<int64_t>{Q, Q}, Q);
+      const auto good = causal_uniform(B, H, Q);
+      p.observe(0, good);
+      p.flush(0);
+      const auto before = p.scores(0);
+      auto& m = messages[tensor_path];
+      // Out of range: the first bad value in [b, h, q, s] order is named, not the later one.
+      auto range = good.clone();
+      range[1][1][2][0] = 1.5f;
+      range[1][1][2][1] = 2.f;
+      m.push_back(kvevict_test::message_of([&] { p.observe(0, range); }));
+      CHECK_THAT(m.back(), Contains("1.5 at [1, 1, 2, 0]"));
+      auto nan = good.clone();
+      nan[0][1][1][1] = std::numeric_limits<float>::quiet_NaN();
+      m.push_back(kvevict_test::message_of([&] { p.observe(0, nan); }));
+      CHECK_THAT(m.back(), Contains("nan at [0, 1, 1, 1]"));
+      // Not causal: query column 0 (position 0) gives 0.25 to the key at position 2.
+      auto future = good.clone();
+      future[0][1][0][2] = 0.25f;
+      m.push_back(kvevict_test::message_of([&] { p.observe(0, future); }));
+      CHECK_THAT(m.back(), Contains("key at position 2 is newer than its query at position 0") &&
+                               Contains("0.25 at [0, 1, 0, 2]"));
+      // In pieces, the index is the whole observation's: head 1, query column 2.
+      m.push_back(kvevict_test::message_of([&] {
+        p.observe_begin(0, Q);
+        p.observe_add(0, range.narrow(1, 0, 1), 0, 0);
+        p.observe_add(0, range.narrow(1, 1, 1).narrow(2, 1, 2), 1, 1);
+        p.observe_add(0, range.narrow(1, 1, 1).narrow(2, 0, 1), 0, 1);
+        p.observe_end(0);
+      }));
+      CHECK_THAT(m.back(), Contains("1.5 at [1, 1, 2, 0]"));
+      p.flush(0);
+      CHECK(same_bits(p.scores(0), before));
+      CHECK_FALSE(p.observing(0));
+      if (!lazy) {
+        // A non-finite rank: named by row and slot, with the contribution and the rank.
+        auto scores = at::zeros({B, Q});
+        scores[1][2] = std::numeric_limits<float>::infinity();
+        m.push_back(kvevict_test::message_of([&] { p.add_scores(0, scores); }));
+        CHECK_THAT(m.back(), Contains("at row 1, slot 2 (contribution inf, rank inf)"));
+        CHECK(same_bits(p.scores(0), before));
+      }
+    }
+    CHECK(messages[0] == messages[1]);  // the same words on both paths
+  }
+}

@@ -67,6 +67,13 @@ class TensorPath {
   using Core = PolicyCore<Scorer>;
   static constexpr int64_t W = Scorer::kStateWidth;
 
+  /// Checks on: where the first bad probability of one piece of an observation is, found with
+  /// no host sync (read only when the observation is rejected).
+  struct PieceCheck {
+    int64_t q_begin, h_begin, Hc, Qc, S;
+    at::Tensor first;  // [3] fp64: any bad (0/1), flat [b, h, q, s] index of the first, its value
+  };
+
   /// Per-layer device state next to LayerState.
   struct Scratch {
     at::Tensor counters;            // [B, 3] int64: length, seen tokens, seen - n_recent
@@ -77,6 +84,7 @@ class TensorPath {
     DeviceMirror evict;             // [B, 1] tokens a pass evicts per row
     DeviceMirror counted;           // [B, Q] 1 where a query column counts (when some do not)
     DeviceMirror rows;              // [B, 1] 1 for the rows an observation applies to (when some do not)
+    std::vector<PieceCheck> open_checks;  // checks on: per piece of the open observation
   };
 
   /// The scratch of `layer` (nothing in it depends on the slots: a resize keeps it).
@@ -151,14 +159,15 @@ class TensorPath {
     auto& D = scratch_[layer];
     D.open_sum = at::zeros({c.batch_size(), max_of(L.len)}, L.position.options().dtype(at::kDouble));
     D.open_bad = at::Tensor();
+    D.open_checks.clear();
   }
 
   /// Adds the fixed-point sums of probs [B, Hc, Qc, S] (query columns from q_begin) to the open
   /// observation: exact integers, so pieces add up to the whole in any order.
   void add_observation(const Core& c, LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin,
-                       int64_t /*h_begin*/) {
+                       int64_t h_begin) {
     auto& D = scratch_[layer];
-    if (c.check) check_probs(c, L, layer, in, q_begin);
+    if (c.check) check_probs(c, L, layer, in, q_begin, h_begin);
     D.open_sum.add_(fixed_sums(c, L, layer, in, q_begin));
   }
 
@@ -171,24 +180,27 @@ class TensorPath {
     D.open_sum = at::Tensor();
     D.open_bad = at::Tensor();
     apply_observation(c, L, layer, sum, bad);
+    D.open_checks.clear();
   }
 
   /// observe(probs) in one piece: begin + add + end without the open [B, S] buffer.
   void observe(const Core& c, LayerState& L, int64_t layer, const at::Tensor& probs) {
     at::Tensor bad;
     if (c.check) {
-      check_probs(c, L, layer, probs, 0);
+      scratch_[layer].open_checks.clear();
+      check_probs(c, L, layer, probs, 0, 0);
       bad = std::move(scratch_[layer].open_bad);
       scratch_[layer].open_bad = at::Tensor();
     }
     apply_observation(c, L, layer, fixed_sums(c, L, layer, probs, 0), bad);
+    scratch_[layer].open_checks.clear();
   }
 
   void add_scores(const Core& c, LayerState& L, int64_t layer, const at::Tensor& in) {
     const int64_t B = c.batch_size(), S = max_of(L.len);
     const auto contribution = in.to(at::kFloat);
     const auto observers = at::ones({B, S}, contribution.options());
-    apply(c, L, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
+    apply(c, L, layer, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
   }
 
   void flush(const Core& c, LayerState& L, int64_t layer) {
@@ -199,7 +211,7 @@ class TensorPath {
       if (c.options.reduce_contributions()) c.options.reduce_contributions()(layer, sum);
       const auto contribution = from_fixed(sum, heads_divisor(c));
       const auto observers = pend.select(2, 1).to(at::kFloat);
-      apply(c, L, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
+      apply(c, L, layer, S, contribution, observers, keep_mask(c, L, layer, c.active), at::Tensor());
     }
     L.pending.zero_();
   }
@@ -372,8 +384,10 @@ class TensorPath {
   }
 
   /// Checks probs [B, Hc, Qc, S] (checks on; syncs at the end of the observation): in [0, 1]
-  /// and causal on the live slots of the counted columns. Records the verdict in open_bad.
-  void check_probs(const Core& c, const LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin) {
+  /// and causal on the live slots of the counted columns. Records the verdict in open_bad, and
+  /// where the piece's first bad value is in open_checks (no sync).
+  void check_probs(const Core& c, const LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin,
+                   int64_t h_begin) {
     auto& D = scratch_[layer];
     const int64_t B = c.batch_size(), Q = L.open_q, Qc = in.size(2), S = max_of(L.len);
     const auto pos = L.position.narrow(1, 0, S);
@@ -385,8 +399,30 @@ class TensorPath {
     const auto real = counted.view({B, 1, Qc, 1}).logical_and(live.view({B, 1, 1, S}));
     const auto out_of_range = x.lt(0).logical_or(x.gt(1)).logical_or(x.isnan());
     const auto future = pos.view({B, 1, 1, S}).gt(qpos.view({B, 1, Qc, 1})).logical_and(x.ne(0));
-    const auto bad = out_of_range.logical_or(future).logical_and(real).any();
+    const auto flat = out_of_range.logical_or(future).logical_and(real).reshape({-1});  // [b, h, q, s] order
+    const auto bad = flat.any();
     D.open_bad = D.open_bad.defined() ? D.open_bad.logical_or(bad) : bad;
+    const auto first = flat.to(at::kByte).argmax().view({1});  // the first bad value (0 if none)
+    const auto value = x.reshape({-1}).index_select(0, first).to(at::kDouble);
+    D.open_checks.push_back({q_begin, h_begin, x.size(1), Qc, S,
+                             at::cat({bad.to(at::kDouble).view({1}), first.to(at::kDouble), value})});
+  }
+
+  /// Checks on: if `bad` ([] bool on the device; undefined: none) says a piece of the open
+  /// observation held a bad probability, throws naming the first one (pieces in the order they
+  /// came, each in [b, h, q, s] order) as the host path does. One host sync; a few more on failure.
+  void check_pieces(const LayerState& L, int64_t layer, const at::Tensor& bad) const {
+    if (!bad.defined() || !bad.template item<bool>()) return;
+    for (const auto& p : scratch_[layer].open_checks) {
+      const auto f = p.first.to(at::kCPU);
+      const double* d = f.template data_ptr<double>();
+      if (d[0] == 0) continue;
+      const auto i = static_cast<int64_t>(d[1]);
+      const int64_t s = i % p.S, q = i / p.S % p.Qc, h = i / (p.S * p.Qc) % p.Hc, b = i / (p.S * p.Qc * p.Hc);
+      fail_probability(static_cast<float>(d[2]), L.position[b][s].template item<int64_t>(),
+                       L.seen[b] - L.open_q + p.q_begin + q, b, p.h_begin + h, p.q_begin + q, s);
+    }
+    TORCH_INTERNAL_ASSERT(false, "kvevict: a bad probability was flagged but not found");
   }
 
   /// [B, S] bool: live slots of the rows whose `flags` are set; undefined when every row is set
@@ -421,19 +457,14 @@ class TensorPath {
       defer(c, L, layer, sum, observers, keep, bad);
       return;
     }
-    apply(c, L, S, from_fixed(sum, heads_divisor(c)), observers, keep, bad);
+    apply(c, L, layer, S, from_fixed(sum, heads_divisor(c)), observers, keep, bad);
   }
 
   /// Checks the open observation's probabilities (checks on), then adds its sums [B, S] fp64 and
   /// observers [B, S] fp32 to pending where `keep` [B, S].
   void defer(const Core& c, LayerState& L, int64_t layer, const at::Tensor& sum, const at::Tensor& observers,
              const at::Tensor& keep, const at::Tensor& bad) {
-    if (c.check && bad.defined()) {
-      KVEVICT_CHECK(!bad.template item<bool>(),
-                    "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
-                    "non-finite, out-of-range or non-causal value; the state is unchanged",
-                    kChecksHint);
-    }
+    if (c.check) check_pieces(L, layer, bad);
     const int64_t terms = c.observation_terms(L.open_q);
     if (L.pending_terms > 0 && L.pending_terms + terms > kMaxPendingTerms) {
       flush(c, L, layer);
@@ -449,8 +480,8 @@ class TensorPath {
   /// Applies contribution/observers [B, S] to the slots `keep` [B, S] (all when undefined); with
   /// checks, computes the next state apart and throws (changing nothing) if `bad` or any next
   /// rank is non-finite.
-  void apply(const Core& c, LayerState& L, int64_t S, const at::Tensor& contribution, const at::Tensor& observers,
-             const at::Tensor& keep, const at::Tensor& bad) {
+  void apply(const Core& c, LayerState& L, int64_t layer, int64_t S, const at::Tensor& contribution,
+             const at::Tensor& observers, const at::Tensor& keep, const at::Tensor& bad) {
     const auto state = L.state.narrow(1, 0, S);
     if (!keep.defined()) {  // every row, checks off: in place
       c.scorer.apply(state, contribution, observers);
@@ -460,16 +491,15 @@ class TensorPath {
     c.scorer.apply(next, contribution, observers);
     const auto merged = at::where(keep.unsqueeze(2), next, state);
     if (c.check) {
-      auto fail = at::isfinite(c.scorer.rank(merged)).logical_not().logical_and(keep).any();
-      if (bad.defined()) {
-        KVEVICT_CHECK(!bad.template item<bool>(),
-                      "attention probs must be in [0, 1] and causal (0 for keys newer than their query), got a "
-                      "non-finite, out-of-range or non-causal value; the state is unchanged",
-                      kChecksHint);
+      const auto rank = c.scorer.rank(merged);
+      const auto fail = at::isfinite(rank).logical_not().logical_and(keep);
+      const auto any = fail.any();
+      check_pieces(L, layer, bad);
+      if (any.template item<bool>()) {  // name the first such slot, as the host path does
+        const auto where = fail.nonzero();  // [n, 2] (row, slot), row-major
+        const int64_t b = where[0][0].template item<int64_t>(), s = where[0][1].template item<int64_t>();
+        check_rank(rank[b][s].template item<float>(), b, s, contribution[b][s].template item<float>());
       }
-      KVEVICT_CHECK(!fail.template item<bool>(),
-                    "the observation gives a non-finite rank (NaN, inf, or an fp32 overflow); the state is unchanged",
-                    kChecksHint);
     }
     state.copy_(merged);
   }
