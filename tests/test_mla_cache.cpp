@@ -5,7 +5,6 @@
 
 #include <kvevict/kvevict.hpp>
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Optional.h>
 
@@ -1400,41 +1399,6 @@ TEST_CASE("update and keys return real views: autograd sees a later in-place evi
   });
 }
 
-namespace {
-
-/// A CPU allocator that fails (throws c10::Error) on its `fail_at`-th allocation while installed.
-class FailingCpuAllocator final : public c10::Allocator {
- public:
-  explicit FailingCpuAllocator(int64_t fail_at) : inner_(c10::GetCPUAllocator()), fail_at_(fail_at) {
-    c10::SetCPUAllocator(this, kPriority);
-  }
-  ~FailingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
-  FailingCpuAllocator(const FailingCpuAllocator&) = delete;
-  FailingCpuAllocator& operator=(const FailingCpuAllocator&) = delete;
-  bool failed() const { return failed_; }
-  // LibTorch 1.13 declares `allocate(size_t) const`, 2.x `allocate(size_t)`: define both.
-  c10::DataPtr allocate(size_t n) const { return counted(n); }
-  c10::DataPtr allocate(size_t n) { return counted(n); }
-  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
-
- private:
-  static constexpr uint8_t kPriority = 255;
-  c10::DataPtr counted(size_t n) const {
-    if (++count_ == fail_at_) {
-      failed_ = true;
-      TORCH_CHECK(false, "injected allocation failure");
-    }
-    return inner_->allocate(n);
-  }
-  c10::Allocator* inner_;
-  int64_t fail_at_;
-  mutable int64_t count_ = 0;
-  mutable bool failed_ = false;
-};
-
-}  // namespace
-
 TEST_CASE("An allocation failure at any point of a tensor-path pass leaves the cache as it was", "[mla_cache][cpu]") {
   ForceTensorPath guard(true);
   bool completed = false;
@@ -1448,7 +1412,8 @@ TEST_CASE("An allocation failure at any point of a tensor-path pass leaves the c
     int64_t evicted = -1;
     bool failed = false;
     {
-      FailingCpuAllocator failing(fail_at);
+      kvevict_test::CountingCpuAllocator failing;
+      failing.fail_at(fail_at);
       try {
         evicted = cache.evict(0);
       } catch (const c10::Error&) {
@@ -1533,7 +1498,8 @@ TEST_CASE("reserve is all or nothing: an allocation failure in any layer changes
       const auto before = snapshot(cache);
       bool failed = false;
       {
-        FailingCpuAllocator failing(fail_at);
+        kvevict_test::CountingCpuAllocator failing;
+        failing.fail_at(fail_at);
         try {
           cache.reserve(64);
         } catch (const c10::Error&) {

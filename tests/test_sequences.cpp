@@ -265,3 +265,60 @@ TEST_CASE("truncate moves rows when a rolled-back token sits below the tail", "[
     CHECK(cache.seen_tokens(0, 0) == 6);
   });
 }
+
+TEST_CASE("truncate is all or nothing: an allocation failure at any point changes no layer", "[sequences][cpu]") {
+  // Two layers with the same history; rolling back 1 token of row 0 moves a row in each (see
+  // the test above). Every allocation truncate makes is failed in turn: each failure must leave
+  // every layer's positions, seen tokens and K/V rows as they were.
+  on_both_paths([] {
+    bool completed = false;
+    for (int64_t fail_at = 1; fail_at < 200 && !completed; ++fail_at) {
+      INFO("failing allocation " << fail_at);
+      MlaCache cache(options(2, 2, /*layers=*/2), EvictionOptions(2).n_sink(1).n_recent(2));  // capacity 5
+      for (int64_t l = 0; l < 2; ++l) {
+        cache.update(l, key_rows(2, 2, 7, 1, 0, kQk), key_rows(2, 2, 7, 1, 0, kV));
+        cache.add_scores(l, at::tensor({0.f, 5.f, 1.f, 0.5f, 4.f, 0.f, 0.f}).expand({2, 7}).contiguous());
+        REQUIRE(cache.evict(l) == 2 * 2);  // keeps 0, 1, 4, 5, 6: slots 2, 3 take the tail rows 5, 6
+      }
+      std::vector<at::Tensor> positions, keys, values;
+      for (int64_t l = 0; l < 2; ++l) {
+        positions.push_back(cache.positions(l).clone());
+        keys.push_back(cache.keys(l).clone());
+        values.push_back(cache.values(l).clone());
+      }
+      bool failed = false;
+      {
+        kvevict_test::CountingCpuAllocator failing;
+        failing.fail_at(fail_at);
+        try {
+          cache.truncate(0, 1);
+        } catch (const c10::Error&) {
+          failed = true;
+        }
+      }
+      for (int64_t l = 0; l < 2; ++l) {
+        INFO("layer " << l);
+        if (failed) {
+          CHECK(cache.seen_tokens(l, 0) == 7);
+          CHECK(cache.size(l, 0) == 5);
+          CHECK(bit_equal(cache.positions(l), positions[l]));
+          CHECK(bit_equal(cache.keys(l), keys[l]));
+          CHECK(bit_equal(cache.values(l), values[l]));
+        } else {
+          CHECK(cache.seen_tokens(l, 0) == 6);
+          CHECK(kept_positions(cache, l, 0) == std::vector<int64_t>{0, 1, 4, 5});
+          // Every live slot holds its own position's rows: key = value = 100 + position.
+          const auto k = cache.keys(l).cpu(), v = cache.values(l).cpu();
+          const auto p = to_vec<int64_t>(cache.positions(l)[0]);
+          for (int64_t s = 0; s < cache.size(l, 0); ++s) {
+            INFO("slot " << s);
+            CHECK(k[0][1][s][0].item<float>() == 100.f + static_cast<float>(p[s]));
+            CHECK(v[0][1][s][0].item<float>() == 100.f + static_cast<float>(p[s]));
+          }
+        }
+      }
+      completed = !failed;
+    }
+    CHECK(completed);
+  });
+}

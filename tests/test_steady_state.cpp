@@ -10,7 +10,6 @@
 
 #include <catch2/catch.hpp>
 
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -33,41 +32,7 @@
 
 namespace {
 
-/// Counts the allocations of the CPU allocator it wraps while installed (c10::SetCPUAllocator);
-/// restores the previous allocator when destroyed. Tensor storage on CPU comes from here; views
-/// share their base's storage and do not.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  /// Counts allocations of at least `min_bytes` (0: all).
-  explicit CountingCpuAllocator(size_t min_bytes = 0) : inner_(c10::GetCPUAllocator()), min_bytes_(min_bytes) {
-    c10::SetCPUAllocator(this, kPriority);
-  }
-  ~CountingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
-  CountingCpuAllocator(const CountingCpuAllocator&) = delete;
-  CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
-
-  /// Allocations since construction or the last reset().
-  int64_t count() const { return count_.load(); }
-  void reset() { count_ = 0; }
-
-  // LibTorch 1.13 declares `allocate(size_t) const`, 2.3+ `allocate(size_t)`: define both, no
-  // `override`, so whichever the base declares is overridden and the other is a plain overload.
-  c10::DataPtr allocate(size_t n) const { return counted(n); }
-  c10::DataPtr allocate(size_t n) { return counted(n); }
-  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
-  // Pure virtual in LibTorch 2.x only: no `override`, so it compiles against 1.13 too.
-  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
-
- private:
-  static constexpr uint8_t kPriority = 255;  // above the default allocator's registration
-  c10::DataPtr counted(size_t n) const {
-    if (n >= min_bytes_) ++count_;
-    return inner_->allocate(n);
-  }
-  c10::Allocator* inner_;
-  size_t min_bytes_;
-  mutable std::atomic<int64_t> count_{0};
-};
+using kvevict_test::CountingCpuAllocator;
 
 /// Drives one layer of `Cache` (MlaCache or MlaLatentCache shapes) in the decode steady state:
 /// full at capacity, each step appends 1 token, observes [B, H, 1, capacity + 1] and evicts 1.

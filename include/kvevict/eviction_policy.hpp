@@ -192,41 +192,13 @@ class EvictionPolicy {
   ///
   /// \return one SlotMoves per layer, to apply to that layer's buffers (apply_moves).
   /// \throws c10::Error if k < 0, k exceeds a layer's seen tokens, the row is free, or one of
-  ///         the k tokens was already evicted in some layer; nothing changes then.
+  ///         the k tokens was already evicted in some layer, or on an allocation failure;
+  ///         nothing changes then, in any layer.
   /// \note Syncs with the host on the tensor path (it reads positions back).
   std::vector<SlotMoves> truncate(int64_t row, int64_t k) {
-    KVEVICT_CHECK(active(row), "truncate: row ", row, " holds no sequence");
-    KVEVICT_CHECK_VALUE(k >= 0, "truncate: k must be >= 0, got ", k);
-    std::vector<std::vector<int64_t>> slots_of(layers_.size());  // per layer: slots of the k tokens
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      const auto& L = layers_[l];
-      KVEVICT_CHECK_VALUE(k <= L.seen[row], "truncate: k must be <= seen tokens of row ", row, " in layer ", l,
-                          " (", L.seen[row], "), got ", k);
-      const auto pos = L.position.select(0, row).narrow(0, 0, L.len[row]).to(at::kCPU).contiguous();
-      const int64_t* p = pos.template data_ptr<int64_t>();
-      for (int64_t s = 0; s < L.len[row]; ++s) {
-        if (p[s] >= L.seen[row] - k) slots_of[l].push_back(s);
-      }
-      KVEVICT_CHECK(static_cast<int64_t>(slots_of[l].size()) == k, "truncate: ", k - static_cast<int64_t>(slots_of[l].size()),
-                    " of the ", k, " newest tokens of row ", row, " were already evicted in layer ", l,
-                    "; only tokens still cached can be rolled back");
-    }
-    std::vector<SlotMoves> out;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      auto& L = layers_[l];
-      detail::Pass pass;
-      detail::reset_pass(L, pass);
-      pass.n[row] = k;
-      pass.new_len[row] = L.len[row] - k;
-      std::vector<uint8_t> tail_flags;
-      detail::fill_moves_host(pass, row, slots_of[l].data(), k, tail_flags);
-      detail::pad_moves(pass);
-      out.push_back(pass.to_moves(core_.device));
-      commit_state(L, static_cast<int64_t>(l), pass);
-      L.seen[row] -= k;
-      on_path([&](auto& p) { p.rewind(core_, L, static_cast<int64_t>(l), row, k); });
-    }
-    return out;
+    auto t = plan_truncate(row, k);
+    commit_truncate(t);
+    return std::move(t.moves);
   }
 
   // -------------------------------------------------------------------------------------------
@@ -536,15 +508,17 @@ class EvictionPolicy {
   /// candidates back to capacity() tokens, and its kept tail rows move into the freed slots.
   ///
   /// \return the moves to apply to every buffer of the layer (empty if no pass ran).
-  /// \throws c10::IndexError for a bad layer.
+  /// \throws c10::IndexError for a bad layer; c10::Error on an allocation failure (or what
+  ///         flush() throws), before anything changed.
   /// \note Host path: no allocation but the returned tensors. Tensor path: static shapes in the
   ///       steady state, no host sync.
   SlotMoves evict(int64_t layer) {
     if (!due(layer)) return {};
     detail::Pass pass;
     plan(layer, pass);
+    auto moves = pass.to_moves(core_.device);  // allocates: before the state changes
     commit(layer, pass);
-    return pass.to_moves(core_.device);
+    return moves;
   }
 
   /// Gives `layer` `slots` slots per row (growing or shrinking), keeping its tokens; buffers of
@@ -609,6 +583,73 @@ class EvictionPolicy {
     return host_ ? f(host_path_) : f(tensor_path_);
   }
 
+  /// A rollback planned by plan_truncate(): per layer its pass, its moves and what the tensor
+  /// path's commit writes, all allocated; commit_truncate() then writes every layer.
+  struct Truncation {
+    int64_t row = 0, k = 0;
+    std::vector<detail::Pass> passes;
+    std::vector<SlotMoves> moves;  // per layer, for its buffers (apply_moves)
+    std::vector<typename detail::TensorPath<Scorer>::Commit> writes;  // tensor path, per layer
+    at::Tensor k_device;  // tensor path: k, taken off the seen counters without allocating
+  };
+
+  /// truncate(), first half: checks every layer and allocates everything the rollback needs;
+  /// changes nothing. \throws as truncate().
+  Truncation plan_truncate(int64_t row, int64_t k) {
+    KVEVICT_CHECK(active(row), "truncate: row ", row, " holds no sequence");
+    KVEVICT_CHECK_VALUE(k >= 0, "truncate: k must be >= 0, got ", k);
+    std::vector<std::vector<int64_t>> slots_of(layers_.size());  // per layer: slots of the k tokens
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      KVEVICT_CHECK_VALUE(k <= L.seen[row], "truncate: k must be <= seen tokens of row ", row, " in layer ", l,
+                          " (", L.seen[row], "), got ", k);
+      const auto pos = L.position.select(0, row).narrow(0, 0, L.len[row]).to(at::kCPU).contiguous();
+      const int64_t* p = pos.template data_ptr<int64_t>();
+      for (int64_t s = 0; s < L.len[row]; ++s) {
+        if (p[s] >= L.seen[row] - k) slots_of[l].push_back(s);
+      }
+      KVEVICT_CHECK(static_cast<int64_t>(slots_of[l].size()) == k, "truncate: ", k - static_cast<int64_t>(slots_of[l].size()),
+                    " of the ", k, " newest tokens of row ", row, " were already evicted in layer ", l,
+                    "; only tokens still cached can be rolled back");
+    }
+    Truncation t;
+    t.row = row;
+    t.k = k;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      detail::Pass pass;
+      detail::reset_pass(L, pass);
+      pass.n[row] = k;
+      pass.new_len[row] = L.len[row] - k;
+      std::vector<uint8_t> tail_flags;
+      detail::fill_moves_host(pass, row, slots_of[l].data(), k, tail_flags);
+      detail::pad_moves(pass);
+      t.moves.push_back(pass.to_moves(core_.device));
+      if (!host_) t.writes.push_back(tensor_path_.prepare_commit(core_, L, static_cast<int64_t>(l), pass));
+      t.passes.push_back(std::move(pass));
+    }
+    if (!host_) t.k_device = at::full({}, k, at::TensorOptions().dtype(at::kLong).device(core_.device));
+    return t;
+  }
+
+  /// truncate(), second half: applies a plan_truncate() to every layer. Allocates nothing and
+  /// does not throw.
+  void commit_truncate(Truncation& t) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      const auto layer = static_cast<int64_t>(l);
+      L.open_q = 0;  // slots move: an observation in pieces no longer matches them
+      if (host_) {
+        host_path_.commit(core_, L, layer, t.passes[l]);
+      } else {
+        tensor_path_.commit(core_, L, layer, t.passes[l], t.writes[l]);
+        tensor_path_.rewind(core_, L, layer, t.row, t.k_device);
+      }
+      for (int64_t b = 0; b < batch_size(); ++b) L.len[b] = t.passes[l].new_len[b];
+      L.seen[t.row] -= t.k;
+    }
+  }
+
   /// Plans a pass on `layer` into `pass` (the caller checked due()), reusing its vectors' room;
   /// changes nothing but, with lazy_reduction, first applies the pending observations (flush():
   /// may throw as it does).
@@ -638,9 +679,16 @@ class EvictionPolicy {
   }
 
   /// Moves the state rows of a pass, marks the freed tail dead and sets the new lengths.
+  /// \throws only on an allocation failure of the tensor path, before anything changed.
   void commit_state(detail::LayerState& L, int64_t layer, detail::Pass& pass) {
-    L.open_q = 0;  // slots move: an observation in pieces no longer matches them
-    on_path([&](auto& p) { p.commit(core_, L, layer, pass); });
+    if (host_) {
+      L.open_q = 0;  // slots move: an observation in pieces no longer matches them
+      host_path_.commit(core_, L, layer, pass);
+    } else {
+      auto w = tensor_path_.prepare_commit(core_, L, layer, pass);  // every allocation first
+      L.open_q = 0;
+      tensor_path_.commit(core_, L, layer, pass, w);
+    }
     for (int64_t b = 0; b < batch_size(); ++b) L.len[b] = pass.new_len[b];
   }
 

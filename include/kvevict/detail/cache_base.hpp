@@ -185,11 +185,33 @@ class CacheBase {
   /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
   /// rejected drafts of speculative decoding) and moves the rows to match.
   /// \throws c10::Error if a dropped token was already evicted, k is out of range or the row is
-  ///         free; the cache is unchanged then.
+  ///         free, or on an allocation failure; the cache (every layer) is unchanged then.
   void truncate(int64_t row, int64_t k) {
-    auto moves = policy_.truncate(row, k);
+    auto t = policy_.plan_truncate(row, k);  // every check, every allocation of the state
+    // The rows a buffer moves, gathered before anything changes where the moves allocate (not a
+    // contiguous CPU buffer: that one moves with memcpy).
+    std::vector<std::vector<at::Tensor>> gathered(static_cast<size_t>(num_layers()), std::vector<at::Tensor>(specs_.size()));
+    std::vector<at::Tensor> move_rows_of(static_cast<size_t>(num_layers()));
     for (int64_t l = 0; l < num_layers(); ++l) {
-      for (size_t i = 0; i < specs_.size(); ++i) apply_moves(moves[l], buffers_[l][i], token_dim(i));
+      const auto& m = t.moves[l];
+      for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
+        const auto& buf = buffers_[l][i];
+        if (buf.is_cpu() && buf.is_contiguous()) continue;
+        if (!move_rows_of[l].defined()) move_rows_of[l] = move_rows(m);
+        gathered[l][i] = gather_moves(m, buf, token_dim(i), move_rows_of[l]);
+      }
+    }
+    policy_.commit_truncate(t);  // from here on nothing allocates or throws
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const auto& m = t.moves[l];
+      for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
+        if (gathered[l][i].defined()) {
+          scatter_moves(m, buffers_[l][i], token_dim(i), gathered[l][i], move_rows_of[l]);
+        } else {
+          apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(), m.size(),
+                           buffers_[l][i], token_dim(i));
+        }
+      }
     }
   }
 

@@ -288,9 +288,6 @@ class HostPath {
     }
   }
 
-  /// Truncate: the host counters are the whole state of seen tokens here.
-  void rewind(const Core& /*c*/, LayerState& /*L*/, int64_t /*layer*/, int64_t /*row*/, int64_t /*k*/) {}
-
  private:
   /// Observers of the token at position `p`: counted queries (positions first_q_pos .. seen - 1,
   /// `counted` of them) at or after it.

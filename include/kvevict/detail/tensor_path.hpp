@@ -74,6 +74,13 @@ class TensorPath {
     at::Tensor first;  // [3] fp64: any bad (0/1), flat [b, h, q, s] index of the first, its value
   };
 
+  /// What commit() writes, made by prepare_commit() before any write.
+  struct Commit {
+    at::Tensor position, state, pending;  // the moved rows, gathered
+    at::Tensor new_len;                   // [B, 1]
+    at::Tensor dead, pending_dead;        // a host-built pass: [B, slots] slots left dead; pending: [B, slots, 1]
+  };
+
   /// Per-layer device state next to LayerState.
   struct Scratch {
     at::Tensor counters;            // [B, 3] int64: length, seen tokens, seen - n_recent
@@ -259,40 +266,49 @@ class TensorPath {
     pass.new_len_t = new_len;
   }
 
-  /// Moves the state rows (and pending sums) of a pass and marks the freed tail dead; L.len
-  /// still holds the lengths before it. \throws only on an allocation failure, before anything
-  /// changed.
-  void commit(const Core& c, LayerState& L, int64_t layer, Pass& pass) {
-    if (pass.columns == 0) return;
-    auto& D = scratch_[layer];
+  /// commit(), first half: everything it allocates (the moved rows, gathered; the new lengths
+  /// and dead slots of a host-built pass); changes nothing.
+  Commit prepare_commit(const Core& c, const LayerState& L, int64_t /*layer*/, Pass& pass) {
+    Commit w;
+    if (pass.columns == 0) return w;
     const SlotMoves m = pass.to_moves(c.device);
-    const auto r = rows_index(c);
-    auto gp = L.position.index({r, m.src});  // every allocation before the first write
-    auto gs = L.state.index({r, m.src});
-    at::Tensor gd, new_len, dead;
-    if (L.pending_terms > 0) gd = L.pending.index({r, m.src});
+    const auto& r = rows_index(c);
+    w.position = L.position.index({r, m.src});
+    w.state = L.state.index({r, m.src});
+    if (L.pending_terms > 0) w.pending = L.pending.index({r, m.src});
     if (!pass.tail_t.defined()) {  // built on the host (truncate(), which syncs anyway)
-      new_len = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).view({c.batch_size(), 1}).to(c.device);
-      dead = iota(c, L.slots).ge(new_len).logical_and_(L.position.ge(0));
+      w.new_len = at::tensor(pass.new_len, at::TensorOptions().dtype(at::kLong)).view({c.batch_size(), 1}).to(c.device);
+      w.dead = iota(c, L.slots).ge(w.new_len).logical_and_(L.position.ge(0));
     } else {
-      new_len = pass.new_len_t;
+      w.new_len = pass.new_len_t;
     }
-    L.position.index_put_({r, m.dst}, gp);
-    L.state.index_put_({r, m.dst}, gs);
-    if (dead.defined()) {
-      L.position.masked_fill_(dead, -1);
+    if (w.pending.defined()) w.pending_dead = iota(c, L.slots).ge(w.new_len).unsqueeze(2);
+    return w;
+  }
+
+  /// Moves the state rows (and pending sums) of a pass and marks the freed tail dead, with what
+  /// prepare_commit() made; L.len still holds the lengths before it. Allocates nothing.
+  void commit(const Core& c, LayerState& L, int64_t layer, Pass& pass, const Commit& w) {
+    if (pass.columns == 0) return;
+    const SlotMoves m = pass.to_moves(c.device);  // the pass's tensors: nothing to make
+    const auto& r = rows_index(c);
+    L.position.index_put_({r, m.dst}, w.position);
+    L.state.index_put_({r, m.dst}, w.state);
+    if (w.dead.defined()) {
+      L.position.masked_fill_(w.dead, -1);
     } else {
       L.position.scatter_(1, pass.tail_t, -1);
     }
-    if (gd.defined()) {
-      L.pending.index_put_({r, m.dst}, gd);
-      L.pending.masked_fill_(iota(c, L.slots).ge(new_len).unsqueeze(2), 0.0);
+    if (w.pending.defined()) {
+      L.pending.index_put_({r, m.dst}, w.pending);
+      L.pending.masked_fill_(w.pending_dead, 0.0);
     }
-    D.counters.narrow(1, 0, 1).copy_(new_len);
+    scratch_[layer].counters.narrow(1, 0, 1).copy_(w.new_len);
   }
 
-  /// Truncate: seen tokens (and the recent window's start) of `row` go back by k.
-  void rewind(const Core& /*c*/, LayerState& /*L*/, int64_t layer, int64_t row, int64_t k) {
+  /// Truncate: seen tokens (and the recent window's start) of `row` go back by `k` (a 0-d int64
+  /// on the device, made beforehand: no allocation).
+  void rewind(const Core& /*c*/, LayerState& /*L*/, int64_t layer, int64_t row, const at::Tensor& k) {
     scratch_[layer].counters.select(0, row).narrow(0, 1, 2).sub_(k);
   }
 
