@@ -1528,3 +1528,60 @@ TEST_CASE("An update that throws does not grow the buffers first", "[mla_cache][
     CHECK(cache.slots(0) == 6);
   });
 }
+
+TEST_CASE("An allocation failure at any point of an update leaves the cache as it was", "[mla_cache][errors][cpu]") {
+  // Three updates, each with every one of its allocations failed in turn: a long one that
+  // grows the buffers (6 slots to 33: room for 32 tokens and the trash slot), a ragged one that
+  // grows them, and a ragged one that fits (rows of unequal lengths, so a slot written past a
+  // shorter row's length would show).
+  struct Case {
+    const char* name;
+    std::vector<int64_t> before_counts;  // an update before, T = max (empty: none)
+    std::vector<int64_t> counts;         // the update under test, T = max
+    int64_t slots_after;
+  };
+  const std::vector<Case> cases = {{"growing", {}, {32, 32}, 33},
+                                   {"growing, ragged", {}, {32, 7}, 33},
+                                   {"ragged, fits", {4, 2}, {0, 1}, 6}};
+  kvevict_test::on_both_paths([&] {
+    for (const auto& c : cases) {
+      INFO(c.name);
+      bool completed = false;
+      for (int64_t fail_at = 1; fail_at < 400 && !completed; ++fail_at) {
+        INFO("failing allocation " << fail_at);
+        at::manual_seed(12);
+        MlaCache cache(small_options(1, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));  // capacity 4, 6 slots
+        if (!c.before_counts.empty()) {
+          const int64_t T = *std::max_element(c.before_counts.begin(), c.before_counts.end());
+          cache.update(0, at::randn({2, 2, T, kQk}), at::randn({2, 2, T, kV}), c.before_counts);
+        }
+        const int64_t T = *std::max_element(c.counts.begin(), c.counts.end());
+        const auto k = at::randn({2, 2, T, kQk}), v = at::randn({2, 2, T, kV});
+        const auto before = snapshot(cache);
+        REQUIRE(cache.slots(0) == 6);
+        bool failed = false;
+        {
+          kvevict_test::CountingCpuAllocator failing;
+          failing.fail_at(fail_at);
+          try {
+            cache.update(0, k, v, c.counts);
+          } catch (const c10::Error&) {
+            failed = true;
+          }
+        }
+        if (failed) {
+          CHECK(same_state(before, snapshot(cache)));
+          CHECK(cache.slots(0) == 6);
+        } else {
+          completed = true;
+          CHECK(cache.slots(0) == c.slots_after);
+          for (int64_t b = 0; b < 2; ++b) {
+            const int64_t had = c.before_counts.empty() ? 0 : c.before_counts[b];
+            CHECK(cache.size(0, b) == had + c.counts[b]);
+          }
+        }
+      }
+      CHECK(completed);
+    }
+  });
+}

@@ -289,7 +289,9 @@ class EvictionPolicy {
     auto& L = at(layer);
     if (!host_) {
       auto map = tensor_path_.slot_map(core_, L, layer, counts.data(), T, -1).clone();  // the counters move on
-      append_unchecked(layer, counts.data(), T, map.masked_fill(map.lt(0), L.slots - 1));
+      const auto pads_on_trash = map.masked_fill(map.lt(0), L.slots - 1);
+      prepare_append(layer, counts.data(), T, pads_on_trash);  // every allocation before any write
+      append_prepared(layer, counts.data(), T, pads_on_trash);
       return map;
     }
     auto map = at::full({batch_size(), T}, -1, at::TensorOptions().dtype(at::kLong));
@@ -297,7 +299,8 @@ class EvictionPolicy {
     for (int64_t b = 0; b < batch_size(); ++b) {
       for (int64_t j = 0; j < counts[b]; ++j) m[b * T + T - counts[b] + j] = L.len[b] + j;
     }
-    append_unchecked(layer, counts.data(), T, at::Tensor());
+    prepare_append(layer, counts.data(), T, at::Tensor());
+    append_prepared(layer, counts.data(), T, at::Tensor());
     return map;
   }
 
@@ -692,9 +695,18 @@ class EvictionPolicy {
     for (int64_t b = 0; b < batch_size(); ++b) L.len[b] = pass.new_len[b];
   }
 
-  /// Appends without checks (the caller ran check_append()); the caches write their rows from
-  /// the lengths before the append. `map`: tensor path, slot_map() with pads on the trash slot.
-  void append_unchecked(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+  /// An append without checks (the caller ran check_append()) in two halves, so that a cache
+  /// can allocate everything, then grow, then write: prepare_append() makes the tensor path's
+  /// device tensors (throws only on an allocation failure; changes nothing), append_prepared()
+  /// writes them and advances the counters (allocates nothing, does not throw). The same
+  /// counts, T and map to both; a resize_slots() in between is allowed. The caches write their
+  /// rows from the lengths before the append. `map`: tensor path, slot_map() with pads on the
+  /// trash slot (of the slots when append_prepared() runs).
+  void prepare_append(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+    auto& L = at(layer);
+    if (!host_) tensor_path_.prepare_append(core_, L, layer, counts, T, map);
+  }
+  void append_prepared(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
     auto& L = at(layer);
     if (host_) {
       host_path_.append(core_, L, layer, counts, T);
@@ -711,11 +723,11 @@ class EvictionPolicy {
     L.open_q = 0;
   }
 
-  /// Tensor path: the [B, T] slot of each column of an append (before it), pads on the trash
-  /// slot (TensorPath::slot_map).
-  at::Tensor slot_map(int64_t layer, const int64_t* counts, int64_t T) {
+  /// Tensor path: the [B, T] slot of each column of an append (before it), pads on slot `trash`
+  /// (the trash slot of the slots the append will have: TensorPath::slot_map).
+  at::Tensor slot_map(int64_t layer, const int64_t* counts, int64_t T, int64_t trash) {
     auto& L = at(layer);
-    return tensor_path_.slot_map(core_, L, layer, counts, T, L.slots - 1);
+    return tensor_path_.slot_map(core_, L, layer, counts, T, trash);
   }
 
   /// A layer's state and its path's scratch, made apart before they replace the layer's.

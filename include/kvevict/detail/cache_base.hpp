@@ -311,24 +311,35 @@ class CacheBase {
                           counts_[b]);
       needed = std::max(needed, policy_.size(layer, b) + counts_[b]);
     }
-    if (needed > slots(layer) - 1) {  // the last slot is the trash slot
-      KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
-      policy_.check_append(layer, counts_, T, /*check_room=*/false);  // everything else, before growing
-      resize(layer, std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1)));
-    }
-    policy_.check_append(layer, counts_, T);
+    const bool grow = needed > slots(layer) - 1;  // the last slot is the trash slot
+    if (grow) KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
+    policy_.check_append(layer, counts_, T, /*check_room=*/!grow);  // everything else, before growing
+    const int64_t new_slots =
+        grow ? std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1)) : slots(layer);
+    // Everything that allocates comes next, the growth last: a throw there changes nothing, and
+    // the writes after it allocate nothing, so they do not throw.
     auto& bufs = buffers_[layer];
+    const bool host = policy_.host_path();
+    std::vector<at::Tensor> src(specs_.size());  // what the writes read
+    at::Tensor map;  // tensor path: [B, T] slots on the device, pads on the (new) trash slot
+    {
+      for (size_t i = 0; i < specs_.size(); ++i) {
+        if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
+        const int64_t tdim = token_dim(i);
+        src[i] = !host || rows[i].stride(tdim + 1) == 1 ? rows[i] : rows[i].contiguous();  // host: read in place
+      }
+      if (!host) map = policy_.slot_map(layer, counts_.data(), T, new_slots - 1);
+      policy_.prepare_append(layer, counts_.data(), T, map);
+    }
+    if (grow) resize(layer, new_slots);
     for (size_t i = 0; i < specs_.size(); ++i) {
-      if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
+      if (host) {
+        copy_rows_host(layer, i, src[i], T);
+      } else {
+        scatter_rows(bufs[i], token_dim(i), src[i], map);
+      }
     }
-    at::Tensor map;
-    if (policy_.host_path()) {
-      for (size_t i = 0; i < specs_.size(); ++i) copy_rows_host(layer, i, rows[i], T);
-    } else {
-      map = policy_.slot_map(layer, counts_.data(), T);  // [B, T] on the device, pads on the trash slot
-      for (size_t i = 0; i < specs_.size(); ++i) scatter_rows(bufs[i], token_dim(i), rows[i], map);
-    }
-    policy_.append_unchecked(layer, counts_.data(), T, map);
+    policy_.append_prepared(layer, counts_.data(), T, map);
     return live(layer);
   }
 
@@ -424,12 +435,11 @@ class CacheBase {
   }
 
   /// Host path: copies row b's last counts[b] columns of buffer `i` into slots
-  /// [size(layer, b), + counts[b]) of every [b, outer...] group. Rows are read in place whenever
-  /// each is contiguous (stride 1 in the last dim), so a narrowed or transposed input costs no
-  /// temporary copy.
-  void copy_rows_host(int64_t layer, size_t i, const at::Tensor& rows, int64_t T) {
+  /// [size(layer, b), + counts[b]) of every [b, outer...] group; `src` has stride 1 in its last
+  /// dim (append() reads rows in place when each is contiguous, so a narrowed or transposed
+  /// input costs no temporary copy). Allocates nothing.
+  void copy_rows_host(int64_t layer, size_t i, const at::Tensor& src, int64_t T) {
     const int64_t tdim = token_dim(i);
-    const auto src = rows.stride(tdim + 1) == 1 ? rows : rows.contiguous();
     const auto sizes = src.sizes();
     const auto strides = src.strides();
     const int64_t elem = src.element_size(), row_bytes = specs_[i].inner * elem;

@@ -92,6 +92,7 @@ class TensorPath {
     DeviceMirror counted;           // [B, Q] 1 where a query column counts (when some do not)
     DeviceMirror rows;              // [B, 1] 1 for the rows an observation applies to (when some do not)
     std::vector<PieceCheck> open_checks;  // checks on: per piece of the open observation
+    at::Tensor next_position, next_step;  // prepare_append() -> append(): positions to write, counter step
   };
 
   /// The scratch of `layer` (nothing in it depends on the slots: a resize keeps it).
@@ -127,9 +128,10 @@ class TensorPath {
     return len.add(off).masked_fill_(off.lt(0), pad);
   }
 
-  /// Writes the new tokens' state (positions from the device's seen counter, scorer state 0)
-  /// and advances the counters. `map` from slot_map() with pads on the trash slot.
-  void append(const Core& c, LayerState& L, int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+  /// append(), first half: the new tokens' positions (from the device's seen counter) and the
+  /// counters' step, made before anything changes (allocates; changes nothing).
+  void prepare_append(const Core& c, LayerState& /*L*/, int64_t layer, const int64_t* counts, int64_t T,
+                      const at::Tensor& /*map*/) {
     auto& D = scratch_[layer];
     const int64_t B = c.batch_size();
     const auto seen = D.counters.narrow(1, 1, 1);  // [B, 1]
@@ -140,12 +142,25 @@ class TensorPath {
       const auto off = offsets(c, layer, counts, T);
       position = seen.add(off).masked_fill_(off.lt(0), -1);  // the trash slot stays dead
     }
-    const auto r = rows_index(c);
-    L.position.index_put_({r, map}, position);
-    L.state.index_put_({r, map}, zero(c));
+    rows_index(c);  // made once: before any write
+    zero(c);
     std::vector<int64_t> step(static_cast<size_t>(3 * B));
     for (int64_t b = 0; b < B; ++b) step[3 * b] = step[3 * b + 1] = step[3 * b + 2] = counts[b];
-    D.counters.add_(D.step.get(step, c.device, {B, 3}));
+    D.next_step = D.step.get(step, c.device, {B, 3});
+    D.next_position = std::move(position);
+  }
+
+  /// Writes the new tokens' state (what prepare_append() made; scorer state 0) and advances the
+  /// counters. `map` from slot_map() with pads on the trash slot. Allocates nothing.
+  void append(const Core& c, LayerState& L, int64_t layer, const int64_t* /*counts*/, int64_t /*T*/,
+              const at::Tensor& map) {
+    auto& D = scratch_[layer];
+    const auto& r = rows_index(c);
+    L.position.index_put_({r, map}, D.next_position);
+    L.state.index_put_({r, map}, zero(c));
+    D.counters.add_(D.next_step);
+    D.next_position = at::Tensor();
+    D.next_step = at::Tensor();
   }
 
   /// [B, Q] int64 query positions (see EvictionPolicy::query_positions), a new device tensor
