@@ -1585,3 +1585,63 @@ TEST_CASE("An allocation failure at any point of an update leaves the cache as i
     }
   });
 }
+
+TEST_CASE("An allocation failure in reserve() or in growth names the call and the sizes", "[mla_cache][errors][cpu]") {
+  kvevict_test::on_both_paths([] {
+    // reserve: every allocation it makes, failed in turn, gives a message naming reserve and
+    // the slots asked for (room for 64 tokens and the trash slot).
+    bool completed = false;
+    for (int64_t fail_at = 1; fail_at < 200 && !completed; ++fail_at) {
+      INFO("failing allocation " << fail_at);
+      MlaCache cache(small_options(2, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+      std::string what;
+      {
+        kvevict_test::CountingCpuAllocator failing;
+        failing.fail_at(fail_at);
+        try {
+          cache.reserve(64);
+        } catch (const c10::Error& e) {
+          what = e.what_without_backtrace();
+        }
+      }
+      completed = what.empty();
+      if (!completed) {
+        CHECK_THAT(what, Contains("reserve") && Contains("to 65 slots per row") && Contains("layer") &&
+                             Contains("injected allocation failure"));
+      }
+    }
+    CHECK(completed);
+    // Too large for any machine (2^40 slots of 64 heads x 320 floats: 2^56 bytes, past the
+    // address space): the allocator's own failure.
+    MlaCache cache(MlaCacheOptions(1, 64), EvictionOptions(2).n_sink(1).n_recent(1));
+    CHECK_THROWS_WITH(cache.reserve(int64_t{1} << 40),
+                      Contains("reserve") && Contains("1099511627777 slots per row") && Contains("num_heads=64"));
+    CHECK(cache.slots(0) == 6);
+    // Growth by a long update (6 slots to 33): every failure names update, the layer and, for the
+    // growth itself, the slots.
+    completed = false;
+    bool growth_named = false;
+    for (int64_t fail_at = 1; fail_at < 200 && !completed; ++fail_at) {
+      INFO("failing allocation " << fail_at);
+      MlaCache c(small_options(1, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+      const auto k = at::randn({2, 2, 32, kQk}), v = at::randn({2, 2, 32, kV});
+      std::string what;
+      {
+        kvevict_test::CountingCpuAllocator failing;
+        failing.fail_at(fail_at);
+        try {
+          c.update(0, k, v);
+        } catch (const c10::Error& e) {
+          what = e.what_without_backtrace();
+        }
+      }
+      completed = what.empty();
+      if (!completed) {
+        CHECK_THAT(what, Contains("update") && Contains("layer 0") && Contains("injected allocation failure"));
+        growth_named = growth_named || what.find("from 6 to 33 slots per row") != std::string::npos;
+      }
+    }
+    CHECK(completed);
+    CHECK(growth_named);
+  });
+}

@@ -107,7 +107,7 @@ class EvictionPolicy {
       core_.layer_eviction = core_.options.layer_eviction(core_.eviction);
       for (const auto& e : core_.layer_eviction) core_.selections.emplace_back(e);
       core_.active.assign(static_cast<size_t>(B), 1);
-      layers_ = fresh_layers();
+      layers_ = fresh_layers(nullptr);
     }, [&](const std::string& why) { fail_allocation(why); });
   }
 
@@ -178,9 +178,10 @@ class EvictionPolicy {
 
   /// Empties every row of every layer, makes every row active, and gives back the slots grown
   /// by long appends (slots return to max(capacity + evict_every, reserved)).
-  /// \throws c10::Error only if the smaller state cannot be allocated; nothing changes then.
+  /// \throws c10::Error naming reset, the layer and the sizes only if the smaller state cannot be
+  ///         allocated; nothing changes then.
   void reset() {
-    layers_ = fresh_layers();
+    layers_ = fresh_layers("reset");
     std::fill(core_.active.begin(), core_.active.end(), 1);
   }
 
@@ -525,12 +526,13 @@ class EvictionPolicy {
   }
 
   /// Gives `layer` `slots` slots per row (growing or shrinking), keeping its tokens; buffers of
-  /// the layer must then hold that many. Caches call it as their buffers change.
-  /// \throws c10::Error if slots < size(layer) + 1 (the trash slot) or the state cannot be
-  ///         allocated; nothing changes then.
-  void resize_slots(int64_t layer, int64_t slots) {
+  /// the layer must then hold that many. Caches call it as their buffers change, with `what`
+  /// naming their public call (e.g. "update") in the messages.
+  /// \throws c10::ValueError if slots < size(layer) + 1 (the trash slot); c10::Error naming
+  ///         `what`, the layer and the sizes if the state cannot be allocated. Nothing changes then.
+  void resize_slots(int64_t layer, int64_t slots, const char* what = "resize_slots") {
     auto& L = at(layer);
-    Grown N = resized(L, layer, slots);
+    Grown N = resized(L, layer, slots, what);
     swap_in(L, layer, N);
   }
 
@@ -544,14 +546,15 @@ class EvictionPolicy {
 
   /// Makes room for `tokens` tokens per row: raises base_slots() to tokens + 1 (the trash slot)
   /// and never lowers it; layers with fewer slots are resized.
-  /// \throws c10::Error if tokens is out of range or the state cannot be allocated.
+  /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
+  ///         the sizes if the state cannot be allocated. Nothing changes then.
   void reserve(int64_t tokens) {
     KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
                         tokens);
     const int64_t slots = tokens + 1;
     std::vector<Grown> grown(layers_.size());  // every allocation first: all layers or none
     for (size_t l = 0; l < layers_.size(); ++l) {
-      if (layers_[l].slots < slots) grown[l] = resized(layers_[l], static_cast<int64_t>(l), slots);
+      if (layers_[l].slots < slots) grown[l] = resized(layers_[l], static_cast<int64_t>(l), slots, "reserve");
     }
     for (size_t l = 0; l < layers_.size(); ++l) {
       if (layers_[l].slots < slots) swap_in(layers_[l], static_cast<int64_t>(l), grown[l]);
@@ -738,19 +741,36 @@ class EvictionPolicy {
   };
 
   /// A copy of L's state with `slots` slots per row, its tokens kept (allocates; changes
-  /// nothing). \throws c10::Error if slots < the longest row or on an allocation failure.
-  Grown resized(const detail::LayerState& L, int64_t layer, int64_t slots) const {
+  /// nothing). \throws c10::ValueError if slots < the longest row + 1; c10::Error naming `what`,
+  /// the layer and the sizes on an allocation failure.
+  Grown resized(const detail::LayerState& L, int64_t layer, int64_t slots, const char* what) const {
     KVEVICT_CHECK_VALUE(slots >= detail::max_of(L.len) + 1 && slots >= 2 && slots <= EvictionOptions::kMaxTokens + 1,
-                        "resize_slots: slots must be in [max(2, size(layer) + 1 = ", detail::max_of(L.len) + 1,
+                        what, ": slots must be in [max(2, size(layer) + 1 = ", detail::max_of(L.len) + 1,
                         ") (the tokens and the trash slot), 2^40 + 1], got ", slots);
     Grown N;
-    N.state = detail::resized_layer(core_, L, slots);
-    if (host_) {
-      N.host = host_path_.resized(core_, layer, slots);
-    } else {
-      N.tensor = tensor_path_.resized(core_, layer, slots);
-    }
+    named_allocation(layer, L.slots, slots, what, [&] {
+      N.state = detail::resized_layer(core_, L, slots);
+      if (host_) {
+        N.host = host_path_.resized(core_, layer, slots);
+      } else {
+        N.tensor = tensor_path_.resized(core_, layer, slots);
+      }
+    });
     return N;
+  }
+
+  /// Runs `allocate()`; an allocation failure becomes a c10::Error "<what>: could not allocate
+  /// the eviction state of layer <layer> resized from <from> to <slots> slots per row (sizes)".
+  /// A null `what`: no renaming (the constructor names its own).
+  template <class F>
+  void named_allocation(int64_t layer, int64_t from, int64_t slots, const char* what, F&& allocate) const {
+    if (!what) return allocate();
+    detail::allocating(allocate, [&](const std::string& why) {
+      const int64_t bytes = 8 + 4 * W + (core_.options.lazy_reduction() ? 16 : 0);  // per slot and row
+      KVEVICT_CHECK(false, what, ": could not allocate the eviction state of layer ", layer, " resized from ", from,
+                    " to ", slots, " slots per row (batch_size=", batch_size(), ", ", bytes,
+                    " bytes per slot and row on ", core_.device, "): ", why);
+    });
   }
 
   /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
@@ -772,8 +792,9 @@ class EvictionPolicy {
   }
 
   /// Empty state for every layer at base_slots(), with its path's scratch (allocates; changes
-  /// nothing but the paths' scratch, which only a successful return makes current).
-  std::vector<detail::LayerState> fresh_layers() {
+  /// nothing but the paths' scratch, which only a successful return makes current). `what`
+  /// names the public call in an allocation failure's message (null: not renamed).
+  std::vector<detail::LayerState> fresh_layers(const char* what) {
     const int64_t B = batch_size();
     std::vector<detail::LayerState> fresh(static_cast<size_t>(core_.options.num_layers()));
     std::vector<Grown> grown(fresh.size());
@@ -784,12 +805,15 @@ class EvictionPolicy {
       L.seen.assign(B, 0);
       L.last_new.assign(B, 0);
       const int64_t slots = base_slots_unchecked(static_cast<int64_t>(l));
-      detail::allocate_layer(core_, L, slots);
-      if (host_) {
-        grown[l].host = HostPath().resized(core_, static_cast<int64_t>(l), slots);
-      } else {
-        grown[l].tensor = TensorPath().resized(core_, static_cast<int64_t>(l), slots);
-      }
+      const int64_t from = l < layers_.size() ? layers_[l].slots : 0;
+      named_allocation(static_cast<int64_t>(l), from, slots, what, [&] {
+        detail::allocate_layer(core_, L, slots);
+        if (host_) {
+          grown[l].host = HostPath().resized(core_, static_cast<int64_t>(l), slots);
+        } else {
+          grown[l].tensor = TensorPath().resized(core_, static_cast<int64_t>(l), slots);
+        }
+      });
     }
     host_path_ = HostPath();
     tensor_path_ = TensorPath();

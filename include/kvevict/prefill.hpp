@@ -270,7 +270,8 @@ void prefill_chunked(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tens
   detail::check_shape(v, "v", {B, H, T, cache.options().v_dim()}, {"B", "H", "T", "v_dim"}, "[B, H, T, v_dim] as k");
   if (out) *out = at::empty({k.size(0), k.size(1), T, v.size(-1)}, v.options());
   // The buffers grow once, to what the chunks between passes need; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk));
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk),
+                                                     "prefill_chunked");
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, k.narrow(2, t0, n), v.narrow(2, t0, n));
@@ -307,7 +308,8 @@ void prefill_chunked_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer,
                       "[B, H, T, qk_rope_dim] as ckv");
   if (out) *out = at::empty({q_absorbed.size(0), q_absorbed.size(1), T, ckv.size(2)}, ckv.options());
   // The buffers grow once, to what the chunks between passes need; back to base at the end.
-  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk));
+  detail::GrowthHold<detail::CacheBase<Policy>> hold(cache, layer, detail::chunked_slots(cache, layer, T, chunk),
+                                                     "prefill_chunked_absorbed");
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t n = std::min(chunk, T - t0);
     cache.update(layer, ckv.narrow(1, t0, n), kpe.narrow(1, t0, n));

@@ -171,11 +171,13 @@ class CacheBase {
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
   /// active, and gives back the slots grown by long appends.
-  /// \throws c10::Error if the smaller buffers cannot be allocated; the cache is unchanged then.
+  /// \throws c10::Error naming reset, the layer and the sizes if the smaller buffers cannot be
+  ///         allocated; the cache is unchanged then.
   void reset() {
     std::vector<std::vector<at::Tensor>> fresh;
     for (int64_t l = 0; l < num_layers(); ++l) {
-      fresh.push_back(slots(l) == policy_.base_slots(l) ? buffers_[l] : allocate(policy_.base_slots(l)));
+      const int64_t base = policy_.base_slots(l);
+      fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
     }
     policy_.reset();
     buffers_ = std::move(fresh);
@@ -218,13 +220,14 @@ class CacheBase {
   /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
   /// trash slot), and never shrinks below that afterwards: appends that fit never move the
   /// buffers, so CUDA graphs captured after this call stay valid.
-  /// \throws c10::Error if tokens is out of range or cannot be allocated; nothing changes then.
+  /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
+  ///         the sizes if they cannot be allocated. Nothing changes then.
   void reserve(int64_t tokens) {
     KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
                         tokens);
     std::vector<std::vector<at::Tensor>> grown(buffers_.size());  // every allocation first
     for (int64_t l = 0; l < num_layers(); ++l) {
-      if (slots(l) < tokens + 1) grown[l] = resized_buffers(l, tokens + 1);
+      if (slots(l) < tokens + 1) grown[l] = resized_buffers(l, tokens + 1, "reserve");
     }
     policy_.reserve(tokens);  // all layers or none
     for (int64_t l = 0; l < num_layers(); ++l) {
@@ -322,7 +325,7 @@ class CacheBase {
     const bool host = policy_.host_path();
     std::vector<at::Tensor> src(specs_.size());  // what the writes read
     at::Tensor map;  // tensor path: [B, T] slots on the device, pads on the (new) trash slot
-    {
+    allocating([&] {
       for (size_t i = 0; i < specs_.size(); ++i) {
         if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
         const int64_t tdim = token_dim(i);
@@ -330,8 +333,11 @@ class CacheBase {
       }
       if (!host) map = policy_.slot_map(layer, counts_.data(), T, new_slots - 1);
       policy_.prepare_append(layer, counts_.data(), T, map);
-    }
-    if (grow) resize(layer, new_slots);
+    }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
+                    sizes_str(), "): ", why);
+    });
+    if (grow) resize(layer, new_slots, "update");
     for (size_t i = 0; i < specs_.size(); ++i) {
       if (host) {
         copy_rows_host(layer, i, src[i], T);
@@ -412,10 +418,33 @@ class CacheBase {
     return out;
   }
 
+  /// "batch_size=B, num_heads=H, <bytes> bytes per slot and row, dtype D on device", for messages.
+  std::string sizes_str() const {
+    int64_t bytes = 0;  // per slot and row, every buffer
+    for (const auto& spec : specs_) {
+      int64_t n = spec.inner;
+      for (const auto o : spec.outer) n *= o;
+      bytes += n * static_cast<int64_t>(c10::elementSize(dtype_));
+    }
+    return c10::str("batch_size=", batch_size(), ", num_heads=", num_heads(), ", ", bytes,
+                    " bytes per slot and row, dtype ", dtype_, " on ", device());
+  }
+
+  /// allocate(), an allocation failure named: "<what>: could not allocate the buffers of layer
+  /// <layer> ... from <slots(layer)> to <slots> slots per row (sizes)".
+  std::vector<at::Tensor> allocate_named(int64_t layer, int64_t slots, const char* what) const {
+    std::vector<at::Tensor> out;
+    allocating([&] { out = allocate(slots); }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, what, ": could not allocate the buffers of layer ", layer, " resized from ",
+                    this->slots(layer), " to ", slots, " slots per row (", sizes_str(), "): ", why);
+    });
+    return out;
+  }
+
   /// New buffers of `layer` with `slots` slots per row holding its live rows (allocates; changes
-  /// nothing).
-  std::vector<at::Tensor> resized_buffers(int64_t layer, int64_t slots) const {
-    auto fresh = allocate(slots);
+  /// nothing). `what` names the public call in an allocation failure's message.
+  std::vector<at::Tensor> resized_buffers(int64_t layer, int64_t slots, const char* what) const {
+    auto fresh = allocate_named(layer, slots, what);
     const int64_t S = size(layer);
     if (S > 0) {
       c10::InferenceMode normal_tensors(false);
@@ -426,10 +455,11 @@ class CacheBase {
     return fresh;
   }
 
-  /// Gives `layer` `slots` slots per row, keeping the live rows; all or nothing.
-  void resize(int64_t layer, int64_t slots) {
-    auto fresh = resized_buffers(layer, slots);
-    policy_.resize_slots(layer, slots);  // may throw: then the fresh buffers are dropped
+  /// Gives `layer` `slots` slots per row, keeping the live rows; all or nothing. `what` names
+  /// the public call in an allocation failure's message.
+  void resize(int64_t layer, int64_t slots, const char* what) {
+    auto fresh = resized_buffers(layer, slots, what);
+    policy_.resize_slots(layer, slots, what);  // may throw: then the fresh buffers are dropped
     buffers_[layer] = std::move(fresh);
     live_views_[layer] = LiveViews{};
   }
@@ -482,7 +512,7 @@ class CacheBase {
     const int64_t floor = std::max(base, hold_.empty() ? int64_t{0} : hold_[layer]);
     if (slots(layer) > floor && size(layer) <= base - 1) {  // rows fit next to the trash slot
       try {
-        resize(layer, floor);
+        resize(layer, floor, "evict");
       } catch (const c10::Error&) {
       }
     }
@@ -509,12 +539,14 @@ class CacheBase {
 /// `chunk` > evict_every tokens per pass (chunked prefill: slots from chunked_slots()) then never
 /// moves the buffers, and never grows them geometrically past what it needs. On destruction the
 /// hold ends and the layer shrinks back to base_slots if every row fits (never throws).
-/// \throws c10::Error if the growth cannot be allocated; nothing changed then.
+/// \throws c10::Error naming `what`, the layer and the sizes if the growth cannot be allocated;
+///         nothing changed then.
 template <class Cache>
 class GrowthHold {
  public:
-  GrowthHold(Cache& cache, int64_t layer, int64_t slots) : cache_(cache), layer_(layer) {
-    if (cache_.slots(layer) < slots) cache_.resize(layer, slots);  // all or nothing
+  /// `what` names the public call (e.g. "prefill_chunked") in an allocation failure's message.
+  GrowthHold(Cache& cache, int64_t layer, int64_t slots, const char* what) : cache_(cache), layer_(layer) {
+    if (cache_.slots(layer) < slots) cache_.resize(layer, slots, what);  // all or nothing
     if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
     cache_.hold_.at(static_cast<size_t>(layer)) = slots;
   }
