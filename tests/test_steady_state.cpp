@@ -346,6 +346,7 @@ class AddressRecordingAllocator final : public c10::Allocator {
 /// their data lives.
 struct Call {
   std::string name;
+  bool transfer = false;  // a to() or copy_() that names or crosses a device: a copy on CUDA
   std::vector<std::vector<int64_t>> shapes;
   std::vector<const void*> data;
 };
@@ -377,8 +378,11 @@ class CallRecorder {
   }
   static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
     if (depth()++ == 0 && current() != nullptr) {
-      Call c{fn.name(), {}, {}};
+      Call c{fn.name(), false, {}, {}};
+      std::vector<at::Device> devices;
       for (const auto& v : fn.inputs()) {
+        if (v.isDevice()) c.transfer = c.name == "aten::to" || c.name == "aten::_to_copy";
+        if (v.isTensor() && v.toTensor().defined()) devices.push_back(v.toTensor().device());
         if (v.isTensor() && v.toTensor().defined()) {
           c.shapes.push_back(v.toTensor().sizes().vec());
           c.data.push_back(v.toTensor().data_ptr());
@@ -396,6 +400,7 @@ class CallRecorder {
           c.data.push_back(nullptr);
         }
       }
+      if (c.name == "aten::copy_" && devices.size() == 2 && devices[0] != devices[1]) c.transfer = true;
       current()->calls.push_back(std::move(c));
     }
     return nullptr;
@@ -436,8 +441,7 @@ void require_replayable(const RecordedStep& a, const RecordedStep& b) {
     CHECK(x.name != "aten::item");
     CHECK(x.name != "aten::_local_scalar_dense");
     CHECK(x.name != "aten::nonzero");
-    CHECK(x.name != "aten::to");  // a copy to a device (the mirrors upload through it)
-    CHECK(x.name != "aten::_to_copy");
+    CHECK_FALSE(x.transfer);  // a copy to or from a device (the mirrors upload through it)
     REQUIRE(x.data.size() == y.data.size());
     for (size_t j = 0; j < x.data.size(); ++j) {
       if (x.data[j] == y.data[j]) continue;
@@ -484,40 +488,38 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   }
   std::vector<int64_t> counts(B, 1);
   if (ragged) counts[2] = 0;
-  int64_t step_index = 0;
-  std::vector<at::Tensor> ckv, kpe, probs;  // per step, made before it
-  const auto make_inputs = [&](int64_t steps) {
-    for (int64_t i = 0; i < steps; ++i) {
-      ckv.push_back(at::randn({B, 1, rank}));
-      kpe.push_back(at::randn({B, 1, rope}));
-    }
+  // A graph reads its inputs from static tensors: each step's values are copied into them first.
+  // One probability tensor per place in the pass schedule (the width S differs between them).
+  const auto ckv_in = at::zeros({B, 1, rank}), kpe_in = at::zeros({B, 1, rope});
+  std::vector<at::Tensor> probs_in;
+  for (int64_t i = 0; i < ee; ++i) probs_in.push_back(at::zeros({B, H, 1, cap + 1 + i}));
+  const auto next_inputs = [&] {
+    ckv_in.copy_(at::randn({B, 1, rank}));
+    kpe_in.copy_(at::randn({B, 1, rope}));
+    const int64_t S = host.size(0) + 1;  // after the coming update
+    auto& p = probs_in.at(static_cast<size_t>(S - cap - 1));
+    p.copy_(at::softmax(at::randn({B, H, 1, S}), -1));
+    return p;
   };
   const auto step = [&](kvevict::MlaLatentCache& c, const at::Tensor& p) {
-    c.update(0, ckv[step_index], kpe[step_index], counts);
+    c.update(0, ckv_in, kpe_in, counts);
     c.observe(0, p);
     c.evict(0);
   };
-  make_inputs(200);
-  const auto probs_for = [&](const kvevict::MlaLatentCache& c) {
-    return at::softmax(at::randn({B, H, 1, c.size(0) + 1}), -1);  // after the coming update
-  };
   const auto both = [&] {
-    const auto p = probs_for(host);
+    const auto p = next_inputs();
     step(cache, p);
     step(host, p);
-    ++step_index;
   };
   for (int i = 0; i < 3 * ee + 2; ++i) both();  // warm-up: passes have run, scratch is made
   // Two steps at the same place in the pass schedule: ee steps apart.
-  const auto p0 = probs_for(host);
+  const auto p0 = next_inputs();
   auto a = record_step([&] { step(cache, p0); });
   step(host, p0);
-  ++step_index;
   for (int64_t i = 1; i < ee; ++i) both();
-  const auto p1 = probs_for(host);
+  const auto p1 = next_inputs();
   auto b = record_step([&] { step(cache, p1); });
   step(host, p1);
-  ++step_index;
   require_replayable(a, b);
   // The same tokens in the same slots, with the same scores, as the host path.
   CHECK(at::equal(cache.positions(0), host.positions(0)));
