@@ -100,14 +100,16 @@ Scorer scorer_of(const P& p) {
   return Scorer(p.scorer());
 }
 
+/// A device option from a str ("cpu", "cuda:0") or a torch.device.
 at::Device to_device(const py::handle& h) {
-  if (py::isinstance<py::str>(h)) return at::Device(h.cast<std::string>());
-  return h.cast<at::Device>();
+  if (py::isinstance<py::str>(h)) return at::Device(h.cast<std::string>());  // c10::Error for a bad name
+  try {
+    return h.cast<at::Device>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("kvevict: device must be a str or a torch.device, got " +
+                         std::string(py::str(h.get_type().attr("__name__"))));
+  }
 }
-
-std::string dtype_name(at::ScalarType t) { return std::string("torch.") + c10::toString(t); }
-
-std::string optional_bool(const c10::optional<bool>& b) { return b ? (*b ? "True" : "False") : "None"; }
 
 /// The eviction state of a policy, or of a cache (read-only: a cache changes it itself, moving
 /// its rows too).

@@ -356,6 +356,8 @@ def test_errors_name_the_argument_and_change_nothing():
     with pytest.raises(IndexError):
         cache.finish(3)
     assert torch.equal(cache.positions(0), before) and cache.seen_tokens(0) == 3
+    with pytest.raises(TypeError, match="device must be a str or a torch.device, got int"):
+        kvevict.MlaCacheOptions(1, 1, device=3)
     with pytest.raises(TypeError):  # not a tensor: pybind11's own argument check
         cache.update(0, "k", "v")
     with pytest.raises(TypeError, match="scorer"):
