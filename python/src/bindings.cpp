@@ -168,7 +168,9 @@ void def_state_common(py::class_<Py>& c) {
           "of any row. Raises IndexError.")
       .def(
           "slots", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.slots(layer); }); },
-          py::arg("layer"), "Slots per row of `layer` (buffers hold this many; see reserve()).")
+          py::arg("layer"),
+          "Slots per row of `layer` (buffers hold this many): room for slots - 1 tokens and the trash slot (the "
+          "last, where the tensor path writes pads; it never holds a token). See reserve().")
       .def(
           "positions", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.positions(layer); }); },
           py::arg("layer"),
@@ -257,9 +259,11 @@ void def_state_common(py::class_<Py>& c) {
           "reset(row): empties one row for a new sequence (positions restart at 0). reset(): empties every layer "
           "and row, makes every row active and gives back slots grown by long appends.")
       .def(
-          "reserve", [](Py& s, int64_t slots) { with(s, [&](auto& x) { x.reserve(slots); }); }, py::arg("slots"),
-          "Pre-sizes every layer to at least `slots` slots per row and never shrinks below: appends that fit "
-          "never move the buffers (CUDA graphs). Raises ValueError / RuntimeError; nothing changes then.");
+          "reserve", [](Py& s, int64_t tokens) { with(s, [&](auto& x) { x.reserve(tokens); }); },
+          py::arg("tokens"),
+          "Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the trash slot) "
+          "and never shrinks below: appends that fit never move the buffers (CUDA graphs). Raises ValueError / "
+          "RuntimeError; nothing changes then.");
 }
 
 /// What both cache layouts add: the pass moves the rows, rollback, summed stats.
@@ -310,7 +314,9 @@ void def_policy(py::module_& m) {
           py::arg("layer"), py::arg("row"), "Tokens `row` appended to `layer` in its latest append.")
       .def(
           "base_slots", [](Policy& s, int64_t layer) { return with(s, [&](auto& x) { return x.base_slots(layer); }); },
-          py::arg("layer"), "The slots per row `layer` returns to: max(capacity + evict_every, reserved).")
+          py::arg("layer"),
+          "The slots per row `layer` returns to after a pass or reset(): max(capacity + evict_every, reserved) + "
+          "1, the trash slot.")
       .def(
           "dense",
           [](Policy& s, int64_t layer, int64_t Q) { return with(s, [&](auto& x) { return x.dense(layer, Q); }); },
@@ -326,8 +332,8 @@ void def_policy(py::module_& m) {
           },
           py::arg("layer"), py::arg("counts"), py::arg("T"),
           "Appends counts[b] tokens to row b of `layer` (row b's tokens are its last counts[b] of T columns). "
-          "Returns the [B, T] int64 slot mapping (CPU): the slot of each new token, -1 for a pad; write the "
-          "rows with write_rows(). Raises RuntimeError / ValueError on a bad count or T, or if a row would "
+          "Returns the [B, T] int64 slot mapping on the policy's device: the slot of each new token, -1 for a "
+          "pad (slots < slots(layer) - 1); write the rows with write_rows(). Raises RuntimeError / ValueError on a bad count or T, or if a row would "
           "exceed slots(layer) (reserve() first); nothing changes then.")
       .def(
           "evict", [](Policy& s, int64_t layer) { return with(s, [&](auto& x) { return x.evict(layer); }); },
@@ -848,8 +854,9 @@ void def_tools(py::module_& m) {
   m.def("write_rows", &kv::write_rows, py::arg("buffer"), py::arg("token_dim"), py::arg("rows"),
         py::arg("slot_mapping"),
         "Writes the new rows [B, ..., T, ...] of an append into `buffer` in place, where the slot mapping [B, T] "
-        "int64 of EvictionPolicy.append() says (-1: a pad, not written), as vLLM's reshape_and_cache. Raises on a "
-        "shape, dtype or device mismatch; nothing is written then.");
+        "int64 of EvictionPolicy.append() says (-1: a pad, not written; on the buffer's device or the CPU), as "
+        "vLLM's reshape_and_cache. Raises on a shape, dtype or device mismatch, or (a CPU mapping) a slot "
+        "outside [-1, slots - 1); nothing is written then. A contiguous CPU buffer is written with memcpy.");
 
   py::class_<kv::Selection>(m, "Selection",
                             "The stateless selection of the contract: per row keep every sink, the recent window and "
