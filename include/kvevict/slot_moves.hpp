@@ -16,8 +16,10 @@ namespace kvevict {
 
 /// The row moves of one pass on one layer, the same for every buffer of that layer: for each
 /// batch row b and column j, slot `dst[b, j]` receives slot `src[b, j]`. All reads happen
-/// before any write. Columns beyond a row's own moves repeat one of its moves (or copy slot 0
-/// onto itself), so every row has the same number of columns (static shapes on CUDA).
+/// before any write. Columns beyond a row's own moves, so that every row has the same number
+/// of columns (static shapes on CUDA), write only slots that hold no token afterwards: on the
+/// host path they repeat one of the row's moves (or copy slot 0 onto itself); on the tensor path
+/// they copy the trash slot (the last) into a slot the pass freed, or onto itself.
 struct SlotMoves {
   at::Tensor src;  // [B, n] int64 source slots, on the policy's device
   at::Tensor dst;  // [B, n] int64 destination slots, distinct per row but for repeats

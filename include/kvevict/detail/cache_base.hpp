@@ -128,7 +128,8 @@ class CacheBase {
       std::vector<at::Tensor> gathered;
       at::Tensor rows;
       if (!moves.empty()) {
-        rows = move_rows(moves);
+        if (!move_rows_.defined()) move_rows_ = move_rows(moves);  // made once: no kernel per pass
+        rows = move_rows_;
         for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i), rows));
       }
       policy_.commit(layer, pass);  // throws before changing anything, or not at all
@@ -530,6 +531,7 @@ class CacheBase {
   };
   mutable std::vector<LiveViews> live_views_;
   std::vector<int64_t> hold_;                     // per layer: shrink no lower (GrowthHold); empty: none
+  at::Tensor move_rows_;                          // tensor path: [B, 1] row indices of the moves (made once)
   Pass pass_;                                     // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
 };

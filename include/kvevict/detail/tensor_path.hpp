@@ -43,10 +43,11 @@ inline bool& force_tensor_path() {
 struct DeviceMirror {
   std::vector<int64_t> host;
   at::Tensor device;
-  const at::Tensor& get(const std::vector<int64_t>& values, const at::Device& dev, at::IntArrayRef shape) {
-    if (!device.defined() || values != host || device.sizes() != shape) {
+  const at::Tensor& get(const std::vector<int64_t>& values, const at::Device& dev, at::IntArrayRef shape,
+                        at::ScalarType dtype = at::kLong) {
+    if (!device.defined() || values != host || device.sizes() != shape || device.scalar_type() != dtype) {
       // A copy even to the CPU, so that an op counter sees every upload (aten::to with a device).
-      auto t = at::tensor(values, at::TensorOptions().dtype(at::kLong)).view(shape).to(dev, false, /*copy=*/true);
+      auto t = at::tensor(values, at::TensorOptions().dtype(at::kLong)).view(shape).to(dev, dtype, false, /*copy=*/true);
       host = values;  // after the copy: a throw above leaves the mirror as it was
       device = std::move(t);
     }
@@ -88,7 +89,9 @@ class TensorPath {
     DeviceMirror step;              // [B, 3] what an append adds to counters: counts x 3
     DeviceMirror start;             // [B, 1] T - counts: each row's first real column of an append
     DeviceMirror first;             // [B, 1] each row's first real query column (query_positions)
-    DeviceMirror evict;             // [B, 1] tokens a pass evicts per row
+    DeviceMirror tail;              // [B, 1 + columns] a pass's offsets from the lengths (plan())
+    DeviceMirror past;              // [B, columns] bool: a pass's columns past a row's own n
+    at::Tensor marks;               // [B, slots] bool scratch of plan()
     DeviceMirror counted;           // [B, Q] 1 where a query column counts (when some do not)
     DeviceMirror rows;              // [B, 1] 1 for the rows an observation applies to (when some do not)
     std::vector<PieceCheck> open_checks;  // checks on: per piece of the open observation
@@ -256,28 +259,47 @@ class TensorPath {
     const auto chosen = lowest_candidates(c.scorer.rank(L.state.narrow(1, 0, S)), pos, eviction.n_sink(), recent_from,
                                           columns, max_of(L.seen), /*ordered=*/!uniform);  // [B, columns] slots
     const int64_t trash = L.slots - 1;
-    const auto& n = D.evict.get(pass.n, c.device, {B, 1});
-    const auto new_len = len.sub(n);  // [B, 1]
-    if (columns == 1) {
-      // At most one token per row: the last live slot moves into the evicted one (onto itself
-      // when it is the evicted one); rows that evict nothing move the trash slot onto itself.
-      pass.dst_t = uniform ? chosen : at::where(n.gt(0), chosen, trash_value(c, trash));
-      pass.src_t = uniform ? new_len : at::where(n.gt(0), new_len, trash_value(c, trash));
-      pass.tail_t = pass.src_t;
-    } else {
-      const auto col = iota(c, columns);
-      const auto valid = uniform ? at::Tensor() : col.lt(n);
-      auto evicted = uniform ? chosen : at::where(valid, chosen, trash_value(c, trash));
-      evicted = std::get<0>(at::sort(evicted, /*dim=*/1));  // ascending: holes first, the trash last
-      pass.dst_t = at::where(evicted.lt(new_len), evicted, trash_value(c, trash));
-      auto tail = new_len.add(col);  // slots new_len .. len - 1
-      if (!uniform) tail.masked_fill_(valid.logical_not(), trash);
-      // A tail slot is kept unless it is among the evicted (sorted: one binary search).
-      const auto at_or_after = at::searchsorted(evicted, tail).clamp_max_(columns - 1);
-      const auto is_evicted = evicted.gather(1, at_or_after).eq(tail);
-      pass.src_t = std::get<0>(at::sort(tail.masked_fill(is_evicted, trash), /*dim=*/1));  // kept, ascending
-      pass.tail_t = tail;
+    // One add from a mirror gives the new lengths and the tail slots: column 0 holds -n, column
+    // 1 + j holds j - n for j < n (slot new_len + j), and a huge offset past a row's n (clamped
+    // to the trash slot).
+    std::vector<int64_t> offsets(static_cast<size_t>(B * (columns + 1)));
+    for (int64_t b = 0; b < B; ++b) {
+      offsets[b * (columns + 1)] = -pass.n[b];
+      for (int64_t j = 0; j < columns; ++j) offsets[b * (columns + 1) + 1 + j] = j < pass.n[b] ? j - pass.n[b] : kFar;
     }
+    const auto ends = len.add(D.tail.get(offsets, c.device, {B, columns + 1}));
+    const auto new_len = ends.narrow(1, 0, 1);  // [B, 1]
+    auto tail = ends.narrow(1, 1, columns);     // [B, columns]
+    auto evicted = chosen;
+    if (!uniform) {
+      tail.clamp_max_(trash);
+      std::vector<int64_t> past(static_cast<size_t>(B * columns));
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < columns; ++j) past[b * columns + j] = j >= pass.n[b];
+      }
+      evicted = chosen.masked_fill(D.past.get(past, c.device, {B, columns}, at::kBool), trash);
+    }
+    if (columns == 1) {
+      // At most one token per row: the last live slot (the tail) moves into the evicted one,
+      // onto itself when it is the evicted one; rows that evict nothing move the trash slot
+      // onto itself.
+      pass.dst_t = evicted;
+      pass.src_t = tail;
+    } else {
+      // Ascending: the holes (below the new length) first, then the evicted tail slots, then the
+      // trash. Column k < holes moves the k-th kept tail slot into the k-th hole; the columns
+      // after it move the trash slot into an evicted tail slot (or onto itself): they write only
+      // slots that hold no token after the pass, and every read comes before every write.
+      evicted = std::get<0>(at::sort(evicted, /*dim=*/1));
+      pass.dst_t = evicted;
+      // A tail slot moves unless it is evicted itself: mark the evicted slots, look the tail up.
+      auto& mark = marks(c, L, layer);
+      mark.zero_();
+      mark.scatter_(1, evicted, true);
+      pass.src_t = std::get<0>(at::sort(tail.masked_fill(mark.gather(1, tail), trash), /*dim=*/1));  // kept, ascending
+    }
+    pass.tail_t = tail;
+    pass.slot_bound = L.slots;  // the moves name the trash slot
     pass.new_len_t = new_len;
   }
 
@@ -366,13 +388,16 @@ class TensorPath {
     return zero_;
   }
 
-  /// A 0-d int64 tensor holding the trash slot (made when the slots change).
-  const at::Tensor& trash_value(const Core& c, int64_t trash) {
-    if (!trash_.defined() || trash_held_ != trash) {
-      trash_ = at::full({}, trash, at::TensorOptions().dtype(at::kLong).device(c.device));
-      trash_held_ = trash;
+  /// An offset past any slot (plan()'s mirror of a pass's columns past a row's own n).
+  static constexpr int64_t kFar = int64_t{1} << 60;
+
+  /// [B, slots] bool scratch of layer `layer`'s slots (made when its slots change).
+  at::Tensor& marks(const Core& c, const LayerState& L, int64_t layer) {
+    auto& m = scratch_[layer].marks;
+    if (!m.defined() || m.size(1) != L.slots) {
+      m = at::zeros({c.batch_size(), L.slots}, at::TensorOptions().dtype(at::kBool).device(c.device));
     }
-    return trash_;
+    return m;
   }
 
   /// [1] fp32 tensor holding divisor_heads() * 2^32, on the device (see from_fixed()).
@@ -536,8 +561,7 @@ class TensorPath {
   }
 
   std::vector<Scratch> scratch_;  // per layer
-  at::Tensor iota_, rows_, zero_, trash_, heads_t_;
-  int64_t trash_held_ = -1;
+  at::Tensor iota_, rows_, zero_, heads_t_;
 };
 
 }  // namespace detail
