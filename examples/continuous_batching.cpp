@@ -6,11 +6,14 @@
 //
 // The check: each request is also run alone, in its own batch-1 cache, with the same inputs
 // (q/k/v drawn per request, layer and position, so they do not depend on the batch). After
-// every step and layer, the request's row of the shared cache must be bit-identical to its solo
-// cache: kept positions (slot order), scores, K/V rows (ckv/kpe for the latent layout) and
-// attention outputs; pad query columns must give zero output. Both layouts (MlaCache with
-// attend, MlaLatentCache with attend_absorbed), both paths (CPU host loops and the tensor-op
-// path that CUDA runs, forced on CPU), and the two paths must keep the same tokens.
+// every step and layer, the request's row of the shared cache must match its solo cache: kept
+// positions (slot order) and K/V rows (ckv/kpe for the latent layout) bit for bit, scores and
+// attention outputs bit for bit on the CPU host path (attention runs row by row, each row with
+// its own shapes) and to fp32 rounding on the tensor-op path that CUDA runs (one batched
+// product over the padded batch, whose reductions round differently: relative 1e-5); pad
+// query columns must give zero output. Both layouts (MlaCache with attend, MlaLatentCache with
+// attend_absorbed), both paths (the tensor path forced on CPU), and the two paths must keep
+// the same tokens.
 //
 // `--device cuda` adds a run of the tensor path on that device (its kept tokens must match the
 // CPU host path's too). Prints one line per request and run, then PASS (exit 0) or FAIL (exit 1).
@@ -62,6 +65,13 @@ bool bits_equal(const at::Tensor& a, const at::Tensor& b) {
   const auto x = a.contiguous(), y = b.contiguous();
   if (x.scalar_type() == at::kFloat) return at::equal(x.view(at::kInt), y.view(at::kInt));
   return at::equal(x, y);
+}
+
+/// What the path promises for scores and attention outputs: bit-identical on the host path,
+/// equal to fp32 rounding (relative 1e-5, absolute 1e-6) on the tensor path.
+bool path_equal(const at::Tensor& a, const at::Tensor& b, bool host_path) {
+  if (host_path) return bits_equal(a, b);
+  return a.sizes() == b.sizes() && at::allclose(a.to(at::kCPU), b.to(at::kCPU), 1e-5, 1e-6);
 }
 
 /// A layout: how to build its cache, the per-token inputs of a request, update, attend.
@@ -164,6 +174,7 @@ std::map<int, Outcome> run() {
     qs[r.id] = Layout::queries(r.tokens());
   }
   auto shared = Layout::make(kBatch);
+  const bool host_path = shared->policy().host_path();
   std::map<int, std::unique_ptr<Cache>> solo;  // per running request: its own batch-1 cache
   std::map<int, Outcome> out;
   std::vector<int> in_row(kBatch, -1);       // request id per row, -1 when free
@@ -277,7 +288,7 @@ std::map<int, Outcome> run() {
           }
           if (shared->seen_tokens(l, b) != mine.seen_tokens(l, 0)) fail("seen tokens differ");
           if (!bits_equal(shared->positions(l)[b].narrow(0, 0, n), mine.positions(l)[0])) fail("positions differ");
-          if (!bits_equal(shared->scores(l)[b].narrow(0, 0, n), mine.scores(l)[0])) fail("scores differ");
+          if (!path_equal(shared->scores(l)[b].narrow(0, 0, n), mine.scores(l)[0], host_path)) fail("scores differ");
           const auto bufs = Layout::buffers(*shared, l), own = Layout::buffers(mine, l);
           for (size_t i = 0; i < bufs.size(); ++i) {
             const int64_t tdim = Layout::token_dim(i) - 1;  // in a row, without the batch dim
@@ -291,7 +302,7 @@ std::map<int, Outcome> run() {
         if (id < 0) continue;
         const auto row = attn[b];  // [H, T, w]
         const int64_t c = counts[b];
-        if (c > 0 && !bits_equal(row.narrow(1, T - c, c), solo_attn[b][0])) {
+        if (c > 0 && !path_equal(row.narrow(1, T - c, c), solo_attn[b][0], host_path)) {
           out[id].failures.push_back(fmt::format("step {} layer {}: attention output differs", step, l));
         }
         if (c < T && !at::equal(row.narrow(1, 0, T - c), at::zeros_like(row.narrow(1, 0, T - c)))) {

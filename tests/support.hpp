@@ -117,6 +117,8 @@ class CountingCpuAllocator final : public c10::Allocator {
   }
   /// Whether the allocation fail_at() names was asked for (and failed).
   bool failed() const { return failed_.load(); }
+  /// Bytes of the largest allocation since construction (counted or not).
+  size_t largest() const { return largest_.load(); }
 
   // LibTorch 1.13 declares `allocate(size_t) const`, 2.3+ `allocate(size_t)`: define both, no
   // `override`, so whichever the base declares is overridden and the other is a plain overload.
@@ -129,6 +131,7 @@ class CountingCpuAllocator final : public c10::Allocator {
  private:
   static constexpr uint8_t kPriority = 255;  // above the default allocator's registration
   c10::DataPtr counted(size_t n) const {
+    if (n > largest_.load()) largest_ = n;
     if (n >= min_bytes_ && ++count_ == fail_at_) {
       failed_ = true;
       TORCH_CHECK(false, "injected allocation failure (allocation ", fail_at_, ", ", n, " bytes)");
@@ -140,6 +143,7 @@ class CountingCpuAllocator final : public c10::Allocator {
   int64_t fail_at_ = 0;
   mutable std::atomic<int64_t> count_{0};
   mutable std::atomic<bool> failed_{false};
+  mutable std::atomic<size_t> largest_{0};
 };
 
 /// The message (without the backtrace) of the c10::Error that `f` throws; empty if it throws none.

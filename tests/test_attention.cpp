@@ -432,15 +432,19 @@ bool same_bits_f32(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("attend and attend_absorbed give each row of a ragged batch, bit for bit, what it gets alone",
+TEST_CASE("attend and attend_absorbed give each row of a ragged batch what it gets alone: bit for bit on the "
+          "host path, to fp32 rounding on the tensor path",
           "[attention][cpu]") {
-  // Batched matmuls and softmaxes round differently for other shapes (T, S), so attention over
-  // a padded [B, H, T, S] would make a row's output and scores depend on the other rows. Rows:
-  // a long prompt, a short left-padded one, a row that joins later, and one left free.
+  // Batched matmuls and softmaxes round differently for other shapes (T, S): the host path runs
+  // row by row (each row's own shapes, bit-identical to the row alone); the tensor path runs one
+  // masked product over the padded [B, H, T, S] (no host loop), equal to fp32 rounding, with
+  // the same kept tokens. Rows: a long prompt, a short left-padded one, a row that joins later,
+  // and one left free.
   const int64_t B = 4, H = 3;
   const auto ev = EvictionOptions(/*budget=*/3).n_sink(1).n_recent(2);
   const std::vector<std::vector<int64_t>> steps = {{9, 4, 0, 0}, {1, 1, 6, 0}, {1, 0, 1, 0}, {1, 1, 1, 0}};
   kvevict_test::on_both_paths([&] {
+    const bool tensor_path = kvevict::detail::force_tensor_path();
     for (const bool latent : {false, true}) {
       INFO("latent " << latent);
       const int64_t Dk = latent ? 40 : 24, Dr = 8, Dv = 16;
@@ -485,15 +489,32 @@ TEST_CASE("attend and attend_absorbed give each row of a ragged batch, bit for b
               own_out = kvevict::attend(cols(q, 2), alone[b].first, 0, c10::nullopt, &own_probs);
             }
             const int64_t len = own_probs.size(3);
-            CHECK(same_bits_f32(out[b].narrow(1, T - c, c), own_out[0]));
-            CHECK(same_bits_f32(probs[b].narrow(1, T - c, c).narrow(2, 0, len), own_probs[0]));
+            const auto mine_out = out[b].narrow(1, T - c, c), mine_probs = probs[b].narrow(1, T - c, c);
+            if (tensor_path) {
+              CHECK(at::allclose(mine_out, own_out[0], 1e-5, 1e-6));
+              CHECK(at::allclose(mine_probs.narrow(2, 0, len), own_probs[0], 1e-5, 1e-7));
+            } else {
+              CHECK(same_bits_f32(mine_out, own_out[0]));
+              CHECK(same_bits_f32(mine_probs.narrow(2, 0, len), own_probs[0]));
+            }
+            // Slots past the row's own length: probability 0 exactly.
+            CHECK(at::equal(mine_probs.narrow(2, len, probs.size(3) - len), at::zeros({H, c, probs.size(3) - len})));
           }
-          // Pad columns and idle rows: zero output.
+          // Pad columns and idle rows: zero output and probabilities.
           CHECK(at::equal(out[b].narrow(1, 0, T - c), at::zeros({H, T - c, out.size(3)})));
+          CHECK(at::equal(probs[b].narrow(1, 0, T - c), at::zeros({H, T - c, probs.size(3)})));
           const auto& mine = latent ? shared.second.scores(0) : shared.first.scores(0);
           const auto& own = latent ? alone[b].second.scores(0) : alone[b].first.scores(0);
-          CHECK(same_bits_f32(mine[b].narrow(0, 0, own.size(1)), own[0]));
+          if (tensor_path) {
+            CHECK(at::allclose(mine[b].narrow(0, 0, own.size(1)), own[0], 1e-5, 1e-7));
+            const auto& cache_pos = latent ? shared.second.positions(0) : shared.first.positions(0);
+            const auto& own_pos = latent ? alone[b].second.positions(0) : alone[b].first.positions(0);
+            CHECK(at::equal(cache_pos[b].narrow(0, 0, own_pos.size(1)), own_pos[0]));  // the same kept tokens
+          } else {
+            CHECK(same_bits_f32(mine[b].narrow(0, 0, own.size(1)), own[0]));
+          }
         }
+        CHECK(at::equal(probs[B - 1], at::zeros_like(probs[B - 1])));  // the free row
         CHECK(at::equal(out[B - 1], at::zeros_like(out[B - 1])));  // the free row
         for (int64_t b = 0; b < B - 1; ++b) {
           if (latent) {
@@ -510,4 +531,176 @@ TEST_CASE("attend and attend_absorbed give each row of a ragged batch, bit for b
       }
     }
   });
+}
+
+namespace {
+
+using kvevict::MlaLatentCache;
+using kvevict::MlaLatentCacheOptions;
+using kvevict_test::CountingCpuAllocator;
+
+/// Calls `call(cache)` on fresh caches from `make()` with the n-th allocation failing, for every
+/// n until a call completes: a call that throws must leave the scores as they were (nothing
+/// observed), and a retry must then end where one call without a failure ends (observed once).
+template <class Make, class Call>
+void throws_before_observing(Make&& make, Call&& call) {
+  auto twin = make();
+  call(twin);
+  const auto once = twin.scores(0);
+  bool completed = false;
+  int64_t failures = 0;
+  for (int64_t fail_at = 1; fail_at < 300 && !completed; ++fail_at) {
+    INFO("failing allocation " << fail_at);
+    auto cache = make();
+    const auto before = cache.scores(0);
+    bool failed = false;
+    {
+      CountingCpuAllocator failing;
+      failing.fail_at(fail_at);
+      try {
+        call(cache);
+      } catch (const c10::Error&) {
+        failed = true;
+      }
+    }
+    if (!failed) {
+      completed = true;
+      CHECK(same_bits_f32(cache.scores(0), once));
+      continue;
+    }
+    ++failures;
+    REQUIRE(same_bits_f32(cache.scores(0), before));  // a throw observed nothing
+    call(cache);
+    CHECK(same_bits_f32(cache.scores(0), once));  // the retry observes once
+  }
+  CHECK(completed);
+  CHECK(failures >= 5);
+}
+
+/// The ragged chunk of the tests below: row b appends counts[b] of T = 3 columns (3, 2, 1, 3, ...).
+std::vector<int64_t> ragged_counts(int64_t B) {
+  std::vector<int64_t> c;
+  for (int64_t b = 0; b < B; ++b) c.push_back(3 - b % 3);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("attend and attend_absorbed throw before they observe: an allocation failure changes no score",
+          "[attention][errors][cpu]") {
+  const int64_t B = 3, H = 2, W = 16, R = 4;
+  const auto ev = EvictionOptions(4).n_sink(1).n_recent(2);  // capacity 7
+  kvevict_test::on_both_paths([&] {
+    for (const bool ragged : {false, true}) {
+      INFO("ragged " << ragged);
+      const int64_t T = ragged ? 3 : 1;
+      const auto counts = ragged ? ragged_counts(B) : std::vector<int64_t>(B, 1);
+      at::manual_seed(51);
+      const auto k0 = at::randn({B, H, 9, kQk}), v0 = at::randn({B, H, 9, kV}), k1 = at::randn({B, H, T, kQk}),
+                 v1 = at::randn({B, H, T, kV}), q = at::randn({B, H, T, kQk});
+      const auto c0 = at::randn({B, 9, W}), r0 = at::randn({B, 9, R}), c1 = at::randn({B, T, W}),
+                 r1 = at::randn({B, T, R}), qa = at::randn({B, H, T, W}), qr = at::randn({B, H, T, R});
+      throws_before_observing(
+          [&] {
+            MlaCache c(options(B, H), ev);
+            c.update(0, k0, v0);
+            c.evict(0);
+            c.update(0, k1, v1, counts);
+            return c;
+          },
+          [&](MlaCache& c) { kvevict::attend(q, c, 0); });
+      throws_before_observing(
+          [&] {
+            MlaLatentCache c(MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R), ev);
+            c.update(0, c0, r0);
+            c.evict(0);
+            c.update(0, c1, r1, counts);
+            return c;
+          },
+          [&](MlaLatentCache& c) { kvevict::attend_absorbed(qa, qr, c, 0); });
+    }
+  });
+}
+
+TEST_CASE("a query whose every visible key was evicted gets zero probabilities and a zero output row",
+          "[attention][cpu]") {
+  // Budget 0, no sinks, recent window 1: a pass keeps only the newest token (position 1). Then
+  // T = 2 queries (positions 0 and 1): query 0 sees no key (position 0 is gone, 1 is newer).
+  // Hand-worked: query 0 gets probabilities 0 and output 0; query 1 sees one key, probability 1,
+  // output that key's value; CumulativeAttention adds (0 + 1) x H / H = 1 to the kept token.
+  const int64_t B = 2, H = 3, W = 16, R = 4;
+  const auto ev = EvictionOptions(0).n_sink(0).n_recent(1);
+  kvevict_test::on_both_paths([&] {
+    for (const bool latent : {false, true}) {
+      INFO("latent " << latent);
+      at::manual_seed(52);
+      at::Tensor out, probs, value;
+      double score = -1;
+      if (latent) {
+        MlaLatentCache c(MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R), ev);
+        c.update(0, at::randn({B, 2, W}), at::randn({B, 2, R}));
+        REQUIRE(c.evict(0) == B);
+        REQUIRE(c.policy().checks_observations());
+        out = kvevict::attend_absorbed(at::randn({B, H, 2, W}), at::randn({B, H, 2, R}), c, 0, c10::nullopt, &probs);
+        value = c.ckv(0).unsqueeze(1).expand({B, H, 1, W});
+        score = c.scores(0)[1][0].item<float>();
+      } else {
+        MlaCache c(options(B, H), ev);
+        c.update(0, at::randn({B, H, 2, kQk}), at::randn({B, H, 2, kV}));
+        REQUIRE(c.evict(0) == B);
+        out = kvevict::attend(at::randn({B, H, 2, kQk}), c, 0, c10::nullopt, &probs);
+        value = c.values(0);
+        score = c.scores(0)[1][0].item<float>();
+      }
+      REQUIRE(probs.sizes() == at::IntArrayRef{B, H, 2, 1});
+      CHECK(at::equal(probs.select(2, 0), at::zeros({B, H, 1})));
+      CHECK(at::equal(out.select(2, 0), at::zeros({B, H, out.size(3)})));
+      CHECK(at::equal(probs.select(2, 1), at::ones({B, H, 1})));
+      CHECK(at::equal(out.narrow(2, 1, 1), value));
+      CHECK(score == 1.0);
+    }
+  });
+}
+
+TEST_CASE("attend_absorbed reads the latent rows in place: no per-head copy of the cache", "[attention][cpu]") {
+  // A per-head copy of ckv would be B x H x S x W fp32 (here 3 x 16 x 100 x 64 x 4 = 1.2 MB);
+  // the temporaries of attention (observed apart) are the scaled queries, logits,
+  // probabilities and output: at most 4 x B x H x T x max(S, W) bytes.
+  const int64_t B = 3, H = 16, W = 64, R = 16;
+  kvevict_test::on_both_paths([&] {
+    MlaLatentCache c(MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R), EvictionOptions(200));
+    c.update(0, at::randn({B, 99, W}), at::randn({B, 99, R}));
+    for (const int64_t T : {1, 3}) {
+      INFO("T " << T);
+      c.update(0, at::randn({B, T, W}), at::randn({B, T, R}));
+      const int64_t S = c.size(0);
+      const auto qa = at::randn({B, H, T, W}), qr = at::randn({B, H, T, R});
+      CountingCpuAllocator recording;
+      kvevict::attend_absorbed(qa, qr, c, 0, c10::nullopt, nullptr, /*observe=*/false);
+      CHECK(recording.largest() <= static_cast<size_t>(4 * B * H * T * std::max(S, W)));
+      CHECK(recording.largest() < static_cast<size_t>(4 * B * H * S * W));
+    }
+  });
+}
+
+TEST_CASE("tensor path: a ragged batch is one batched product, no per-row loop (allocations do not grow with B)",
+          "[attention][cpu]") {
+  ForceTensorPath guard(true);
+  const int64_t H = 2, W = 16, R = 4;
+  std::vector<int64_t> allocations;
+  for (const int64_t B : {2, 5}) {
+    INFO("B " << B);
+    at::manual_seed(53);
+    MlaCache expanded(options(B, H), EvictionOptions(64));
+    MlaLatentCache latent(MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R), EvictionOptions(64));
+    expanded.update(0, at::randn({B, H, 3, kQk}), at::randn({B, H, 3, kV}), ragged_counts(B));
+    latent.update(0, at::randn({B, 3, W}), at::randn({B, 3, R}), ragged_counts(B));
+    REQUIRE_FALSE(expanded.policy().dense(0, 3));
+    const auto q = at::randn({B, H, 3, kQk}), qa = at::randn({B, H, 3, W}), qr = at::randn({B, H, 3, R});
+    CountingCpuAllocator counting;
+    kvevict::attend(q, expanded, 0, c10::nullopt, nullptr, /*observe=*/false);
+    kvevict::attend_absorbed(qa, qr, latent, 0, c10::nullopt, nullptr, /*observe=*/false);
+    allocations.push_back(counting.count());
+  }
+  CHECK(allocations[0] == allocations[1]);
 }
