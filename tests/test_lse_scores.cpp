@@ -384,7 +384,7 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
     const auto e = EvictionOptions(24).n_sink(2).n_recent(4).evict_every(4);
     kvevict::MlaCache step(o, e), ring_cache(o, e);
     kvevict::LseRing<kvevict::MlaCache> ring(ring_cache);
-    CHECK(ring.capacity() == 4);
+    CHECK(ring.ring_size() == 4);
     const double scale = 1.0 / std::sqrt(static_cast<double>(kQk));
     for (int64_t t = 0; t < 50; ++t) {
       const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV}), q = at::randn({kB, kH, 1, kQk});
@@ -394,15 +394,15 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
       const auto orc = oracle(logits, step.positions(0), seen_rows(step), {1, 1});
       kvevict::observe_lse(q, step, 0, orc.lse);
       ring.push(0, q, orc.lse);
-      CHECK(ring.pending(0) < 4);
-      if (ring.pending(0) == 0) check_close(ring_cache.scores(0), step.scores(0), 50 / 4294967296.0);
+      CHECK(ring.buffered(0) < 4);
+      if (ring.buffered(0) == 0) check_close(ring_cache.scores(0), step.scores(0), 50 / 4294967296.0);
       step.evict(0);
       ring.evict(0);
       check_same_positions(step, ring_cache);
     }
     // A ragged update with queries buffered is refused.
     ring.flush(0);
-    CHECK(ring.pending(0) == 0);
+    CHECK(ring.buffered(0) == 0);
     const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV});
     ring_cache.update(0, k, v);
     ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0));
@@ -421,11 +421,11 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
   const auto step = [&] { cache.update(0, at::randn({kB, kH, 1, kQk}), at::randn({kB, kH, 1, kV})); };
   const auto push = [&] { ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)); };
   for (int i = 0; i < 3; ++i) step(), push();
-  REQUIRE(ring.pending(0) == 3);
+  REQUIRE(ring.buffered(0) == 3);
   // A draft rolled back with queries buffered: the flush names the row and drops the columns.
   cache.truncate(1, 1);
   CHECK_THROWS_WITH(ring.flush(0), Contains("LseRing::flush: layer 0 row 1 has 2 seen tokens, expected 3"));
-  CHECK(ring.pending(0) == 0);
+  CHECK(ring.buffered(0) == 0);
   ring.flush(0);  // nothing left to replay
   // An update without its push: the next push names the row and leaves the ring as it was.
   step(), push();
@@ -433,7 +433,7 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
   step();
   CHECK_THROWS_WITH(ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)),
                     Contains("LseRing::push: layer 0 row 0 has 6 seen tokens, expected 5"));
-  CHECK(ring.pending(0) == 1);
+  CHECK(ring.buffered(0) == 1);
   // A row reset with queries buffered.
   cache.reset(0);
   CHECK_THROWS_WITH(ring.flush(0), Contains("row 0 has 0 seen tokens, expected 4"));
@@ -444,7 +444,7 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
     const auto up = [&](int64_t T) { one.update(0, at::randn({kB, kH, T, kQk}), at::randn({kB, kH, T, kV})); };
     const auto lse = [](int64_t T) { return at::zeros({kB, kH, T}).add(10.0); };
     up(1), r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1));
-    CHECK(r1.pending(0) == 0);
+    CHECK(r1.buffered(0) == 0);
     up(1), up(1);
     CHECK_THROWS_WITH(r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1)),
                       Contains("LseRing::push: layer 0 row 0 has 3 seen tokens, expected 2"));
@@ -456,7 +456,7 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
     CHECK_THROWS_WITH(r1.push(0, at::randn({kB, 1, 1, kQk}), lse(1)), Contains("q") && Contains("H"));
     CHECK_THROWS_WITH(r1.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, 1, 1})), Contains("lse"));
     CHECK_THROWS_AS(r1.push(3, at::randn({kB, kH, 1, kQk}), lse(1)), c10::IndexError);
-    CHECK_THROWS_AS(r1.pending(-1), c10::IndexError);
+    CHECK_THROWS_AS(r1.buffered(-1), c10::IndexError);
     r1.push(0, at::randn({kB, kH, 1, kQk}), lse(1));  // the right push still goes through
   }
   // Used as documented, the same sequence of calls goes through.
@@ -465,7 +465,7 @@ TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset 
   cache.truncate(1, 1);
   step(), push();
   ring.flush(0);
-  CHECK(ring.pending(0) == 0);
+  CHECK(ring.buffered(0) == 0);
 }
 
 TEST_CASE("per-layer capacities: a pyramid keeps each layer's own budget, a bad layer is named", "[lse][options][cpu]") {
@@ -605,5 +605,103 @@ TEST_CASE("A prompt of 0 tokens is rejected naming the prompt, by every prompt f
     CHECK(c.seen_tokens(0) == 0);
     CHECK(c.slots(0) == slots);
     CHECK(lc.seen_tokens(0) == 0);
+  });
+}
+
+TEST_CASE("observe_lse and observe_lse_absorbed leave no observation open when they throw", "[lse][errors][cpu]") {
+  using kvevict_test::CountingCpuAllocator;
+  kvevict_test::on_both_paths([] {
+    at::manual_seed(61);
+    const auto e = EvictionOptions(8).n_sink(1).n_recent(1);
+    kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV), e);
+    kvevict::MlaLatentCache latent(kvevict::MlaLatentCacheOptions(1, kH).batch_size(kB).kv_lora_rank(kLora).qk_rope_dim(kRope), e);
+    cache.update(0, at::randn({kB, kH, 6, kQk}), at::randn({kB, kH, 6, kV}));
+    latent.update(0, at::randn({kB, 6, kLora}), at::randn({kB, 6, kRope}));
+    const auto q = at::randn({kB, kH, 6, kQk}), qa = at::randn({kB, kH, 6, kLora}), qr = at::randn({kB, kH, 6, kRope});
+    const double scale = 0.25;
+    // The matching LSEs, from double logits (an oracle independent of the code under test).
+    const auto lk = at::matmul(q.to(at::kDouble), cache.keys(0).to(at::kDouble).transpose(-2, -1)).mul(scale);
+    const auto ll = at::matmul(qa.to(at::kDouble), latent.ckv(0).to(at::kDouble).unsqueeze(1).transpose(-2, -1))
+                        .add(at::matmul(qr.to(at::kDouble), latent.kpe(0).to(at::kDouble).unsqueeze(1).transpose(-2, -1)))
+                        .mul(scale);
+    const std::vector<int64_t> six(kB, 6);
+    const auto lse = oracle(lk, cache.positions(0), six, six).lse, lse_latent = oracle(ll, latent.positions(0), six, six).lse;
+    const auto wrong = at::zeros({kB, kH, 6}).sub(5.0);  // far below the logits: probabilities above 1
+    const auto before = cache.scores(0), before_latent = latent.scores(0);
+    CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, wrong, scale), Contains("lse does not match the logits"));
+    CHECK_FALSE(cache.policy().observing(0));
+    CHECK(at::equal(cache.scores(0), before));
+    CHECK_THROWS_WITH(kvevict::observe_lse_absorbed(qa, qr, latent, 0, wrong, scale), Contains("lse does not match"));
+    CHECK_FALSE(latent.policy().observing(0));
+    CHECK(at::equal(latent.scores(0), before_latent));
+    // An allocation failure at any point: the same.
+    for (const bool is_latent : {false, true}) {
+      INFO("latent " << is_latent);
+      bool completed = false;
+      for (int64_t fail_at = 1; fail_at < 200 && !completed; ++fail_at) {
+        INFO("failing allocation " << fail_at);
+        bool failed = false;
+        {
+          CountingCpuAllocator failing;
+          failing.fail_at(fail_at);
+          try {
+            if (is_latent) {
+              kvevict::observe_lse_absorbed(qa, qr, latent, 0, lse_latent, scale);
+            } else {
+              kvevict::observe_lse(q, cache, 0, lse, scale);
+            }
+          } catch (const c10::Error&) {
+            failed = true;
+          }
+        }
+        completed = !failed;
+        CHECK_FALSE((is_latent ? latent.policy().observing(0) : cache.policy().observing(0)));
+        if (failed) CHECK(at::equal(is_latent ? latent.scores(0) : cache.scores(0), is_latent ? before_latent : before));
+      }
+      CHECK(completed);
+    }
+  });
+}
+
+TEST_CASE("LseOptions: by default a chunk holds every head that fits in chunk_bytes", "[lse][options][cpu]") {
+  const kvevict::LseOptions o;
+  CHECK(o.head_chunk() == 0);
+  CHECK(o.chunk_bytes() == 64 * 1024 * 1024);
+  // Decode scoring, 8 buffered queries over 4,612 keys: 4 x 8 x 4,612 = 147,584 bytes a head,
+  // 454 heads fit in 64 MiB: all 64 (or 128) in one chunk.
+  CHECK(o.heads_per_chunk(1, 64, 8, 4612) == 64);
+  CHECK(o.heads_per_chunk(1, 128, 16, 4612) == 128);  // 16 queries: 295,168 bytes a head, 227 fit
+  CHECK(o.heads_per_chunk(8, 128, 16, 4612) == 28);   // batch 8: 67,108,864 / 2,361,344 = 28.4
+  // A 32K-token prompt in chunks of 64 queries: 8 MiB a head, 8 heads.
+  CHECK(o.heads_per_chunk(1, 64, 64, 32768) == 8);
+  CHECK(o.heads_per_chunk(2, 64, 64, 1 << 20) == 1);  // at least one head
+  CHECK(kvevict::LseOptions().head_chunk(3).heads_per_chunk(1, 64, 8, 4612) == 3);
+  CHECK(kvevict::LseOptions().head_chunk(100).heads_per_chunk(1, 64, 8, 4612) == 64);
+  CHECK(kvevict::LseOptions().chunk_bytes(1).heads_per_chunk(1, 64, 8, 4612) == 1);
+  CHECK_THROWS_WITH(kvevict::LseOptions().head_chunk(-1).validate(), Contains("head_chunk must be >= 0"));
+  CHECK_THROWS_WITH(kvevict::LseOptions().chunk_bytes(0).validate(), Contains("chunk_bytes must be >= 1, got 0"));
+}
+
+TEST_CASE("observe_lse_absorbed reads the latent rows in place: its largest temporary is one chunk",
+          "[lse][cpu]") {
+  // Per-head copies of ckv would be B x H x W x S fp32 (2 x 16 x 64 x 100 x 4 = 819,200 bytes);
+  // one chunk of probabilities is 4 x B x heads x Q x S bytes (the tensor path's reduction
+  // turns it into fixed-point terms in fp64: twice that).
+  using kvevict_test::CountingCpuAllocator;
+  const int64_t B = 2, H = 16, W = 64, R = 8, Q = 4;
+  kvevict_test::on_both_paths([&] {
+    at::manual_seed(62);
+    kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R),
+                              EvictionOptions(200));
+    c.update(0, at::randn({B, 100, W}), at::randn({B, 100, R}));
+    const int64_t S = c.size(0);
+    const auto qa = at::randn({B, H, Q, W}).div(8), qr = at::randn({B, H, Q, R}).div(8);
+    const auto lse = at::full({B, H, Q}, 50.0);  // above every logit: a valid (if not exact) LSE
+    for (const int64_t heads : {H, int64_t{1}}) {
+      INFO("heads per chunk " << heads);
+      CountingCpuAllocator recording;
+      kvevict::observe_lse_absorbed(qa, qr, c, 0, lse, 1.0, kvevict::LseOptions().head_chunk(heads == H ? 0 : 1));
+      CHECK(recording.largest() <= static_cast<size_t>((kvevict::detail::force_tensor_path() ? 8 : 4) * B * heads * Q * S));
+    }
   });
 }

@@ -463,6 +463,10 @@ class EvictionPolicy {
 
   /// True while an observation opened by observe_begin() on `layer` waits for observe_end().
   bool observing(int64_t layer) const { return at(layer).open_q > 0; }
+  /// Discards the observation opened by observe_begin() on `layer`, if any (e.g. after a
+  /// throw while computing its pieces): the scorer state is unchanged, observing(layer) is
+  /// false after it. No sync. \throws c10::IndexError for a bad layer.
+  void observe_discard(int64_t layer) { at(layer).open_q = 0; }
 
   /// Adds caller-computed per-token scores, as one observation with contribution `scores` and
   /// one observer (CumulativeAttention adds them, LatestAttention replaces, ...). Every live

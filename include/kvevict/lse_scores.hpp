@@ -37,28 +37,46 @@ enum class LseBase { kE, k2 };
 
 /// How observe_lse() and friends chunk their work and read the LSE.
 ///
-/// Peak extra memory of one call, S keys: up to three fp32 buffers of B x head_chunk x
-/// query_chunk x S (the logits, turned into probabilities in place; on CPU the LSE check's
-/// masked copy; the zero padding of prompt_scores()) plus two bool masks of B x query_chunk x S,
-/// i.e. about 12 x B x head_chunk x query_chunk x S bytes; the tensor path adds [B, S] fp64
-/// sums. Defaults (8 heads x 64 queries): about 6 MiB per 1,000 keys and row; measured 49.6 MiB
-/// for a 8,192-token prompt (kvevict_lse_bench --mode prompt --heads 8 --tokens 8192).
+/// Work is done per chunk of [B, head_chunk, query_chunk, S] probabilities (S keys), each a
+/// few large tensor ops (the product, exp, clamp, mask, the scorer's reduction); by default a
+/// chunk holds as many heads as fit in `chunk_bytes`, so a decode-time scoring (LseRing: up to
+/// evict_every queries) is one chunk of all heads.
+///
+/// Peak extra memory of one call: one chunk's fp32 probabilities (at most chunk_bytes with the
+/// default head_chunk, else 4 x B x head_chunk x query_chunk x S bytes), as much again for its
+/// logits where the compute dtype is not fp32 and for the zero padding of prompt_scores(),
+/// plus bool masks of B x query_chunk x S; the tensor path adds [B, S] fp64 sums. Defaults:
+/// at most about 2 x 64 MiB; measured 49.6 MiB for an 8,192-token prompt
+/// (kvevict_lse_bench --mode prompt --heads 8 --tokens 8192: all 8 heads in one chunk, as
+/// before).
 ///
 /// Example:
 /// \code
 ///   auto o = kvevict::LseOptions().head_chunk(16).query_chunk(128).base(kvevict::LseBase::k2);
 /// \endcode
 struct LseOptions {
-  /// Throws c10::ValueError naming a chunk below 1.
+  /// Throws c10::ValueError naming a chunk below its minimum.
   void validate() const {
     KVEVICT_CHECK_VALUE(query_chunk_ >= 1, "LseOptions: query_chunk must be >= 1, got ", query_chunk_);
-    KVEVICT_CHECK_VALUE(head_chunk_ >= 1, "LseOptions: head_chunk must be >= 1, got ", head_chunk_);
+    KVEVICT_CHECK_VALUE(head_chunk_ >= 0, "LseOptions: head_chunk must be >= 0 (0: from chunk_bytes), got ",
+                        head_chunk_);
+    KVEVICT_CHECK_VALUE(chunk_bytes_ >= 1, "LseOptions: chunk_bytes must be >= 1, got ", chunk_bytes_);
+  }
+
+  /// Heads of a chunk for `B` rows, `H` heads, `Q` query columns per chunk and `S` keys: head_chunk,
+  /// or with head_chunk 0 the most heads (at least 1, at most H) whose fp32 chunk fits chunk_bytes.
+  int64_t heads_per_chunk(int64_t B, int64_t H, int64_t Q, int64_t S) const {
+    if (head_chunk_ > 0) return std::min(head_chunk_, H);
+    const int64_t per_head = std::max<int64_t>(1, 4 * B * Q * S);
+    return std::max<int64_t>(1, std::min(H, chunk_bytes_ / per_head));
   }
 
   /// Query columns per chunk. Default: 64.
   KVEVICT_ARG(int64_t, query_chunk) = 64;
-  /// Heads per chunk. Default: 8.
-  KVEVICT_ARG(int64_t, head_chunk) = 8;
+  /// Heads per chunk; 0: as many as fit in chunk_bytes. Default: 0.
+  KVEVICT_ARG(int64_t, head_chunk) = 0;
+  /// With head_chunk 0: the most bytes of one chunk's fp32 probabilities. Default: 64 MiB.
+  KVEVICT_ARG(int64_t, chunk_bytes) = int64_t{64} << 20;
   /// Base of the given LSE. Default: LseBase::kE (natural log, FlashMLA / FlashAttention).
   KVEVICT_ARG(LseBase, base) = LseBase::kE;
 };
@@ -66,44 +84,52 @@ struct LseOptions {
 namespace detail {
 
 /// The chunked observation from LSE over any target with observe_begin / observe_add /
-/// observe_end (a cache or an EvictionPolicy), layer `layer`:
+/// observe_end / observe_discard (a cache or an EvictionPolicy), layer `layer`:
 ///   pos      [B, S] int64 slot positions (-1 dead),
 ///   qpos     [B, Q] int64 query positions (-1 pad),
 ///   lse      [B, H, Q] (natural log after `base`),
-///   logits(h0, hc, q0, qc) -> [B, hc, qc, S'] scaled logits of keys [0, S'), S' <= S (keys past
-///   S' are treated as unseen: prompt_scores() uses it to skip keys newer than the chunk).
-/// Only the query columns the scorer counts (the last `counted`) are computed.
+///   logits(h0, hc, q0, qc) -> [B, hc, qc, S'] fp32 scaled logits (fresh: changed in place) of
+///   keys [0, S'), S' <= S (keys past S' are treated as unseen: prompt_scores() uses it to
+///   skip keys newer than the chunk).
+/// Only the query columns the scorer counts (the last `counted`) are computed. With `check`,
+/// one host read per chunk (the largest probability; a sync on CUDA). A throw discards the
+/// open observation: the target is as it was.
 template <class Target, class LogitsFn>
 void observe_lse_chunks(Target& target, int64_t layer, const at::Tensor& pos, const at::Tensor& qpos,
                         const at::Tensor& lse, int64_t H, int64_t counted, bool check, const LseOptions& o,
                         LogitsFn&& logits) {
-  const int64_t B = pos.size(0), S = pos.size(1), Q = qpos.size(1);
-  auto l = lse.to(at::kFloat);
+  const int64_t B = pos.size(0), S = pos.size(1), Q = qpos.size(1), first = Q - counted;
+  const int64_t qc_max = std::min(o.query_chunk(), counted), hc_max = o.heads_per_chunk(B, H, qc_max, S);
+  auto l = lse.narrow(2, first, counted).to(at::kFloat);  // [B, H, counted], natural log
   if (o.base() == LseBase::k2) l = l.mul(0.69314718055994530942);  // ln 2
-  const auto live = pos.ge(0);  // [B, S]
+  l = l.unsqueeze(-1);
   target.observe_begin(layer, Q);
-  for (int64_t h0 = 0; h0 < H; h0 += o.head_chunk()) {
-    const int64_t hc = std::min(o.head_chunk(), H - h0);
-    for (int64_t q0 = Q - counted; q0 < Q; q0 += o.query_chunk()) {
-      const int64_t qc = std::min(o.query_chunk(), Q - q0);
-      auto p = logits(h0, hc, q0, qc);  // [B, hc, qc, S'] fp32, fresh
-      const int64_t Sp = p.size(3);
-      const auto qp = qpos.narrow(1, q0, qc).view({B, 1, qc, 1});
-      const auto seen = live.narrow(1, 0, Sp).view({B, 1, 1, Sp}).logical_and(pos.narrow(1, 0, Sp).view({B, 1, 1, Sp}).le(qp));
-      p.sub_(l.narrow(1, h0, hc).narrow(2, q0, qc).unsqueeze(-1));
-      if (check) {
-        // exp(logit - lse) <= 1 for a matching LSE; allow fp32 rounding of both.
-        const auto worst = at::where(seen, p, at::full({}, -INFINITY, p.options())).max().template item<float>();
-        KVEVICT_CHECK(!(worst > 1e-3f), "lse does not match the logits: a logit exceeds its lse by ", worst,
-                      " (a probability above 1) in heads [", h0, ", ", h0 + hc, "), query columns [", q0, ", ",
-                      q0 + qc, "); check the scale and the LSE base (LseOptions::base)");
+  try {
+    for (int64_t q0 = 0; q0 < counted; q0 += qc_max) {
+      const int64_t qc = std::min(qc_max, counted - q0);
+      const auto hidden = hidden_keys(pos, qpos.narrow(1, first + q0, qc), true);  // [B, 1, qc, S]
+      for (int64_t h0 = 0; h0 < H; h0 += hc_max) {
+        const int64_t hc = std::min(hc_max, H - h0);
+        auto p = logits(h0, hc, first + q0, qc);  // [B, hc, qc, S'] fp32, fresh
+        const int64_t Sp = p.size(3);
+        p.sub_(l.narrow(1, h0, hc).narrow(2, q0, qc)).exp_().masked_fill_(hidden.narrow(3, 0, Sp), 0.0);
+        if (check) {
+          // exp(logit - lse) <= 1 for a matching LSE; allow fp32 rounding of both.
+          const float worst = std::log(p.max().template item<float>());
+          KVEVICT_CHECK(!(worst > 1e-3f), "lse does not match the logits: a logit exceeds its lse by ", worst,
+                        " (a probability above 1) in heads [", h0, ", ", h0 + hc, "), query columns [", first + q0,
+                        ", ", first + q0 + qc, "); check the scale and the LSE base (LseOptions::base)");
+        }
+        p.clamp_max_(1.0);
+        if (Sp < S) p = at::constant_pad_nd(p, {0, S - Sp}, 0.0);
+        target.observe_add(layer, p, first + q0, h0);
       }
-      p.exp_().clamp_max_(1.0).masked_fill_(seen.logical_not(), 0.0);
-      if (Sp < S) p = at::constant_pad_nd(p, {0, S - Sp}, 0.0);
-      target.observe_add(layer, p, q0, h0);
     }
+    target.observe_end(layer);
+  } catch (...) {
+    target.observe_discard(layer);
+    throw;
   }
-  target.observe_end(layer);
 }
 
 /// Checks lse [B, H, Q] (floating, on `device`).
@@ -134,10 +160,14 @@ inline void check_lse(const at::Tensor& lse, int64_t B, int64_t H, int64_t Q, co
 /// \param scale  logit scale the kernel used; default 1/sqrt(qk_dim) (as attend()).
 /// \param opts   chunking and LSE base; peak extra memory in LseOptions.
 /// \throws c10::Error on a bad layer, shape, dtype or device; with observation checks on (CPU
-///         default), if a logit exceeds its lse by more than 1e-3 (wrong scale or base), or what
-///         observe() throws. The scorer state is unchanged then.
+///         default), if a logit exceeds its lse by more than 1e-3 (wrong scale or base); on an
+///         allocation failure, or what observe() throws. The scorer state is unchanged then
+///         and no observation is left open (observing(layer) is false).
 /// \note Computes only the query columns the scorer counts (LatestAttention: the last one).
-///       Cost: one q . k product per counted query, as attention's first half.
+///       Cost: one q . k product per counted query, as attention's first half, in chunks of
+///       LseOptions (by default all heads of a decode step in one). Host reads: with
+///       observation checks on, one per chunk (the LSE check); else none of its own (the masks
+///       come from positions() and query_positions()).
 template <class Policy>
 void observe_lse(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& lse,
                  c10::optional<double> scale = c10::nullopt, const LseOptions& opts = LseOptions()) {
@@ -167,6 +197,8 @@ void observe_lse(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t laye
 /// \param lse         [B, H, Q] log-sum-exp of the scaled logits (FlashMLA's second output).
 /// \param scale       default 1/sqrt(qk_nope_dim + qk_rope_dim), as attend_absorbed().
 /// \throws c10::Error as observe_lse().
+/// \note The latent rows shared by the heads are read in place, as in attend_absorbed(): no
+///       per-head copy of the cache.
 template <class Policy>
 void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, BasicMlaLatentCache<Policy>& cache,
                           int64_t layer, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
@@ -178,16 +210,17 @@ void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, 
   KVEVICT_CHECK(q_pe.size(2) == Q, "q_pe must have the Q of q_absorbed (", Q, "), got ", q_pe.size(2));
   detail::check_lse(lse, cache.batch_size(), cache.num_heads(), Q, cache.device());
   const auto dt = detail::compute_dtype(cache);
-  const auto ckv = cache.ckv(layer).unsqueeze(1).to(dt).transpose(-2, -1);  // [B, 1, W, S]
-  const auto kpe = cache.kpe(layer).unsqueeze(1).to(dt).transpose(-2, -1);  // [B, 1, R, S]
+  const auto ckv = cache.ckv(layer);  // [B, S, kv_lora_rank]
+  const auto kpe = cache.kpe(layer);  // [B, S, qk_rope_dim]
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
   at::NoGradGuard no_grad;
   const auto& policy = cache.policy();
   detail::observe_lse_chunks(cache, layer, cache.positions(layer), policy.query_positions(layer, Q), lse,
                              cache.num_heads(), detail::counted_queries(policy.scorer(), Q),
                              policy.checks_observations(), opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
-                               return at::matmul(q_absorbed.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s), ckv)
-                                   .add(at::matmul(q_pe.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s), kpe))
+                               // As attend_absorbed(): the same logits, heads folded into rows.
+                               return detail::absorbed_logits(q_absorbed.narrow(1, h0, hc).narrow(2, q0, qc),
+                                                              q_pe.narrow(1, h0, hc).narrow(2, q0, qc), ckv, kpe, s, dt)
                                    .to(at::kFloat);
                              });
 }
@@ -227,10 +260,14 @@ class LseRing {
   explicit LseRing(Cache& cache, c10::optional<double> scale = c10::nullopt, LseOptions opts = LseOptions())
       : cache_(&cache), scale_(scale), opts_((opts.validate(), opts)), layers_(cache.num_layers()) {}
 
-  /// Columns the ring holds before it scores them: the cache's evict_every.
-  int64_t capacity() const noexcept { return cache_->policy().eviction().evict_every(); }
+  /// Query columns the ring holds before it scores them: the cache's evict_every.
+  int64_t ring_size() const noexcept { return cache_->policy().eviction().evict_every(); }
   /// Query columns buffered for `layer`. \throws c10::IndexError for a bad layer.
-  int64_t pending(int64_t layer) const { return ring(layer).n; }
+  int64_t buffered(int64_t layer) const { return ring(layer).n; }
+  /// Old name of ring_size() ("capacity" is n_sink + budget + n_recent everywhere else).
+  [[deprecated("use ring_size()")]] int64_t capacity() const noexcept { return ring_size(); }
+  /// Old name of buffered().
+  [[deprecated("use buffered()")]] int64_t pending(int64_t layer) const { return buffered(layer); }
 
   /// Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update.
   /// \throws c10::Error on bad shapes (as observe_lse) or a ragged update with queries buffered.
@@ -359,7 +396,7 @@ class LseRing {
       record_rows(layer, R);
       return;
     }
-    const int64_t cap = std::max(capacity(), R.n + T);
+    const int64_t cap = std::max(ring_size(), R.n + T);
     if (R.q.empty() || R.q[0].size(2) < cap) {
       std::vector<at::Tensor> grown;
       for (const auto& t : q) {
@@ -378,7 +415,7 @@ class LseRing {
     R.lse.narrow(2, R.n, T).copy_(lse);
     R.n += T;
     record_rows(layer, R);
-    if (R.n >= capacity()) score(layer, "push");
+    if (R.n >= ring_size()) score(layer, "push");
   }
 
   Cache* cache_;

@@ -111,8 +111,8 @@ inline at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& keep, int
 /// \param lse    [B, H, T] fp32 log-sum-exp of the scaled causal logits (base per opts).
 /// \param scale  logit scale the kernel used (DeepSeek-V3: 1/sqrt(192), times mscale^2 with YaRN).
 /// \param scorer how observations become ranks; default CumulativeAttention (H2O).
-/// \param opts   chunking, LSE base; peak extra memory about 12 x B x head_chunk x query_chunk x T
-///               bytes plus under 100 x B x T bytes of eviction state (LseOptions).
+/// \param opts   chunking, LSE base; peak extra memory as LseOptions says (by default about
+///               2 x 64 MiB of chunks) plus under 100 x B x T bytes of eviction state.
 /// \return [B, T] fp32 ranks in position order, on k's device, for Selection::keep_indices.
 /// \throws c10::Error on bad shapes, dtypes or devices, a prompt of 0 tokens, or (on CPU) an lse
 ///         that does not match the logits (a logit above its lse by more than 1e-3).

@@ -99,6 +99,8 @@ class CacheBase {
     policy_.observe_add(layer, probs, q_begin, h_begin);
   }
   void observe_end(int64_t layer) { policy_.observe_end(layer); }
+  /// Discards the open observation of `layer`: EvictionPolicy::observe_discard().
+  void observe_discard(int64_t layer) { policy_.observe_discard(layer); }
 
   /// Runs an eviction pass on `layer` if one is due (EvictionPolicy::due: a row over capacity
   /// and evict_every updates since the last pass) and moves the K/V rows the pass says; else a
