@@ -23,12 +23,12 @@
 // A layout is a small traits struct (Expanded, Latent below): its cache type, the shapes of
 // one token's rows, the queries and the attention call. Everything else is layout-generic.
 #include "cli.hpp"
+#include "op_counter.hpp"
 
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <chrono>
@@ -564,47 +564,6 @@ void print_scaling(const std::vector<Result>& results) {
   }
 }
 
-/// Counts the top-level ATen operator calls (RecordFunction, FUNCTION scope) of this thread
-/// while alive; an operator called by another one is not counted again.
-class OpCounter {
- public:
-  OpCounter() {
-    counts().clear();
-    depth() = 0;
-    handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&OpCounter::enter, &OpCounter::leave)
-                                             .scopes({at::RecordScope::FUNCTION}));
-  }
-  ~OpCounter() { at::removeCallback(handle_); }
-  OpCounter(const OpCounter&) = delete;
-  OpCounter& operator=(const OpCounter&) = delete;
-  /// (operator name, calls), in first-call order.
-  static std::vector<std::pair<std::string, int64_t>>& counts() {
-    static thread_local std::vector<std::pair<std::string, int64_t>> c;
-    return c;
-  }
-
- private:
-  static int& depth() {
-    static thread_local int d = 0;
-    return d;
-  }
-  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
-    if (depth()++ == 0) {
-      const std::string name = fn.name();
-      auto& c = counts();
-      auto it = std::find_if(c.begin(), c.end(), [&](const auto& x) { return x.first == name; });
-      if (it == c.end()) {
-        c.emplace_back(name, 1);
-      } else {
-        ++it->second;
-      }
-    }
-    return nullptr;
-  }
-  static void leave(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
-  at::CallbackHandle handle_;
-};
-
 /// Prints the ATen operators one steady-state step (update, observe, evict of layer 0) calls on
 /// the tensor path, after a few steps of warm-up so that uploads of unchanged host facts and
 /// the first pass are behind it.
@@ -619,20 +578,17 @@ void count_ops(const Config& c, Args a) {
   const auto probs = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + 1}, at::TensorOptions().device(c.device)), -1);
   for (int i = 0; i < 4; ++i) bookkeeping_step(*cache, row, probs);
   int64_t per_part[3] = {0, 0, 0}, views = 0;
-  const std::vector<std::string> view_ops{"aten::narrow", "aten::unsqueeze", "aten::select", "aten::transpose",
-                                          "aten::view", "aten::expand", "aten::squeeze", "aten::slice",
-                                          "aten::as_strided", "aten::alias", "aten::permute"};
   std::string names;
   const char* parts[3] = {"update", "observe", "evict"};
   for (int part = 0; part < 3; ++part) {
-    OpCounter counter;
+    kvevict_bench::OpCounter counter;
     if (part == 0) cache->update(0, row[0], row[1]);
     if (part == 1) cache->observe(0, probs);
     if (part == 2) cache->evict(0);
     names += std::string(" ") + parts[part] + ":";
-    for (const auto& x : OpCounter::counts()) {
+    for (const auto& x : kvevict_bench::OpCounter::counts()) {
       per_part[part] += x.second;
-      if (std::find(view_ops.begin(), view_ops.end(), x.first) != view_ops.end()) views += x.second;
+      if (kvevict_bench::is_view_op(x.first)) views += x.second;
       names += " " + x.first + (x.second > 1 ? "x" + std::to_string(x.second) : "");
     }
   }
