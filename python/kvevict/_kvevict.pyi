@@ -79,9 +79,10 @@ class LseBase:
 
 
 class LseOptions:
-    def __init__(self, *, query_chunk: int = 64, head_chunk: int = 8, base: LseBase = ...) -> None: ...
+    def __init__(self, *, query_chunk: int = 64, head_chunk: int = 0, chunk_bytes: int = 67108864, base: LseBase = ...) -> None: ...
     query_chunk: int
     head_chunk: int
+    chunk_bytes: int
     base: LseBase
     def validate(self) -> None: ...
 

@@ -487,19 +487,23 @@ void def_options(py::module_& m) {
       .value("k2", kv::LseBase::k2);
 
   py::class_<kv::LseOptions>(m, "LseOptions",
-                             "How observe_lse() and friends chunk their work and read the LSE. Peak extra memory "
-                             "about 12 x B x head_chunk x query_chunk x S bytes.")
-      .def(py::init([](int64_t query_chunk, int64_t head_chunk, kv::LseBase base) {
-             return kv::LseOptions().query_chunk(query_chunk).head_chunk(head_chunk).base(base);
+                             "How observe_lse() and friends chunk their work and read the LSE. head_chunk 0 (the "
+                             "default): as many heads per chunk as fit in chunk_bytes of fp32 probabilities. Peak "
+                             "extra memory about 2 x chunk_bytes.")
+      .def(py::init([](int64_t query_chunk, int64_t head_chunk, int64_t chunk_bytes, kv::LseBase base) {
+             return kv::LseOptions().query_chunk(query_chunk).head_chunk(head_chunk).chunk_bytes(chunk_bytes).base(base);
            }),
-           py::kw_only(), py::arg("query_chunk") = 64, py::arg("head_chunk") = 8, py::arg("base") = kv::LseBase::kE)
+           py::kw_only(), py::arg("query_chunk") = 64, py::arg("head_chunk") = 0,
+           py::arg("chunk_bytes") = kv::LseOptions().chunk_bytes(), py::arg("base") = kv::LseBase::kE)
       .def_property("query_chunk", [](const kv::LseOptions& o) { return o.query_chunk(); },
                     [](kv::LseOptions& o, int64_t v) { o.query_chunk(v); })
       .def_property("head_chunk", [](const kv::LseOptions& o) { return o.head_chunk(); },
                     [](kv::LseOptions& o, int64_t v) { o.head_chunk(v); })
+      .def_property("chunk_bytes", [](const kv::LseOptions& o) { return o.chunk_bytes(); },
+                    [](kv::LseOptions& o, int64_t v) { o.chunk_bytes(v); })
       .def_property("base", [](const kv::LseOptions& o) { return o.base(); },
                     [](kv::LseOptions& o, kv::LseBase v) { o.base(v); })
-      .def("validate", &kv::LseOptions::validate, "Raises ValueError naming a chunk below 1.");
+      .def("validate", &kv::LseOptions::validate, "Raises ValueError naming a chunk below its minimum.");
 }
 
 void def_scorers(py::module_& m) {
@@ -711,12 +715,12 @@ void def_attention(py::module_& m) {
            }),
            py::arg("cache"), py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(), py::keep_alive<1, 2>())
       .def("capacity",
-           [](Ring& r) { return std::visit([](auto& v) { return std::visit([](auto& x) { return x.capacity(); }, v); }, r.v); },
+           [](Ring& r) { return std::visit([](auto& v) { return std::visit([](auto& x) { return x.ring_size(); }, v); }, r.v); },
            "Query columns the ring holds before it scores them: the cache's evict_every.")
       .def(
           "pending",
           [](Ring& r, int64_t layer) {
-            return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.pending(layer); }, v); }, r.v);
+            return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.buffered(layer); }, v); }, r.v);
           },
           py::arg("layer"), "Query columns buffered for `layer`.")
       .def(
