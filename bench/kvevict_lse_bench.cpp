@@ -34,6 +34,7 @@
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

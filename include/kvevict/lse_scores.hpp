@@ -17,6 +17,7 @@
 #include <kvevict/mla_latent_cache.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
 
 #include <algorithm>
 #include <cmath>

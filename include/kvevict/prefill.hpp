@@ -27,6 +27,7 @@
 #include <kvevict/selection.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
 
 #include <algorithm>
 #include <cmath>

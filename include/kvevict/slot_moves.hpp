@@ -7,6 +7,7 @@
 #include <kvevict/check.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
 
 #include <cstdint>
 #include <cstring>

@@ -8,6 +8,7 @@
 #include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
