@@ -2,6 +2,8 @@
 // Test support: the brute-force selection oracle and small tensor helpers.
 // The oracle is written independently of the library: a full sort of all candidates.
 
+#include "op_counter.hpp"  // CountingCpuAllocator, OpRecorder
+
 #include <kvevict/kvevict.hpp>
 
 #include <c10/core/CPUAllocator.h>
@@ -91,59 +93,6 @@ struct ForceTensorPath {
   }
   ~ForceTensorPath() { kvevict::detail::force_tensor_path() = previous; }
   bool previous;
-};
-
-/// Counts the allocations of the CPU allocator it wraps while installed (c10::SetCPUAllocator);
-/// restores the previous allocator when destroyed. Tensor storage on CPU comes from here; views
-/// share their base's storage and do not. With fail_at(n), the n-th counted allocation throws
-/// c10::Error instead, as an exhausted allocator does (fault injection).
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  /// Counts allocations of at least `min_bytes` (0: all).
-  explicit CountingCpuAllocator(size_t min_bytes = 0) : inner_(c10::GetCPUAllocator()), min_bytes_(min_bytes) {
-    c10::SetCPUAllocator(this, kPriority);
-  }
-  ~CountingCpuAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
-  CountingCpuAllocator(const CountingCpuAllocator&) = delete;
-  CountingCpuAllocator& operator=(const CountingCpuAllocator&) = delete;
-
-  /// Allocations since construction or the last reset().
-  int64_t count() const { return count_.load(); }
-  void reset() { count_ = 0; }
-  /// Makes the n-th counted allocation (as count() numbers them) throw; 0: none.
-  CountingCpuAllocator& fail_at(int64_t n) {
-    fail_at_ = n;
-    return *this;
-  }
-  /// Whether the allocation fail_at() names was asked for (and failed).
-  bool failed() const { return failed_.load(); }
-  /// Bytes of the largest allocation since construction (counted or not).
-  size_t largest() const { return largest_.load(); }
-
-  // LibTorch 1.13 declares `allocate(size_t) const`, 2.3+ `allocate(size_t)`: define both, no
-  // `override`, so whichever the base declares is overridden and the other is a plain overload.
-  c10::DataPtr allocate(size_t n) const { return counted(n); }
-  c10::DataPtr allocate(size_t n) { return counted(n); }
-  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
-  // Pure virtual in LibTorch 2.x only: no `override`, so it compiles against 1.13 too.
-  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
-
- private:
-  static constexpr uint8_t kPriority = 255;  // above the default allocator's registration
-  c10::DataPtr counted(size_t n) const {
-    if (n > largest_.load()) largest_ = n;
-    if (n >= min_bytes_ && ++count_ == fail_at_) {
-      failed_ = true;
-      TORCH_CHECK(false, "injected allocation failure (allocation ", fail_at_, ", ", n, " bytes)");
-    }
-    return inner_->allocate(n);
-  }
-  c10::Allocator* inner_;
-  size_t min_bytes_;
-  int64_t fail_at_ = 0;
-  mutable std::atomic<int64_t> count_{0};
-  mutable std::atomic<bool> failed_{false};
-  mutable std::atomic<size_t> largest_{0};
 };
 
 /// The message (without the backtrace) of the c10::Error that `f` throws; empty if it throws none.
