@@ -23,12 +23,13 @@
 // A layout is a small traits struct (Expanded, Latent below): its cache type, the shapes of
 // one token's rows, the queries and the attention call. Everything else is layout-generic.
 #include "cli.hpp"
-#include "op_counter.hpp"
+#include "op_counter.hpp"  // tests/
 
 #include <kvevict/kvevict.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
@@ -36,6 +37,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -82,7 +84,8 @@ struct Args {
   int64_t iters = 0;      // steps per repetition; 0: from --min-time
   bool naive = true;
   bool tensor_path = false;  // CPU: time the tensor-op path CUDA takes instead of the host loops
-  bool count_ops = false;    // count the ATen ops of one steady-state step instead of timing
+  bool count_ops = false;    // count the ATen ops of the decode loops instead of timing
+  bool list_ops = false;     // with count_ops: also print every counted op
   std::string out_csv, out_json;
 };
 
@@ -113,9 +116,17 @@ Options (default in brackets):
   --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
-  --count-ops          instead of timing: count the ATen operators one steady-state step
-                       (update + observe + evict) calls on the tensor path (the path CUDA takes;
-                       on CPU too), top-level calls only, by name, per configuration
+  --count-ops          instead of timing: count what the decode loops (a)-(e) ask of LibTorch per
+                       step and layer on the tensor path (the path CUDA takes, run on CPU): kernels,
+                       views, host<->device copies, syncs, allocations, split into update / observe
+                       / evict, amortized over one evict_every window holding one pass. (a) cache +
+                       attention (apart, observe=false), evict_every 1; (b) the same at 16; (c)
+                       LseRing at 16; (d) a ragged batch of 8, evict_every 1; (e) EvictionPolicy +
+                       write_rows + apply_moves on a buffer of one's own, evict_every 1. Per layout,
+                       heads, dtype and capacity; README: --layout latent --heads 128 --dtype bf16
+                       --capacity 4612 --check-observations off
+  --list-ops           with --count-ops: also print every counted op of each window (part, name,
+                       kind, input shapes, int arguments)
   --out-csv PATH       also write the results as CSV
   --out-json PATH      also write the results as JSON
   --help               print this and exit
@@ -163,8 +174,10 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--no-naive", [&] { a.naive = false; }},
           {"--tensor-path", [&] { a.tensor_path = true; }},
           {"--count-ops", [&] { a.count_ops = true; }},
+          {"--list-ops", [&] { a.list_ops = true; }},
       });
   if (!run) return false;
+  if (a.list_ops && !a.count_ops) throw UsageError("--list-ops needs --count-ops");
   for (auto cap : a.capacities) {
     if (cap < a.n_sink + a.n_recent) {
       throw UsageError("--capacity " + std::to_string(cap) + " is below n_sink + n_recent = " +
@@ -564,43 +577,314 @@ void print_scaling(const std::vector<Result>& results) {
   }
 }
 
-/// Prints the ATen operators one steady-state step (update, observe, evict of layer 0) calls on
-/// the tensor path, after a few steps of warm-up so that uploads of unchanged host facts and
-/// the first pass are behind it.
-template <class Layout>
-void count_ops(const Config& c, Args a) {
-  kvevict::detail::force_tensor_path() = true;
-  const auto e = kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent).n_sink(a.n_sink).n_recent(a.n_recent);
-  auto cache = Layout::make_cache(c, a, e);
-  fill_to_capacity<Layout>(*cache, c, a);
-  std::vector<at::Tensor> row;
-  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
-  const auto probs = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + 1}, at::TensorOptions().device(c.device)), -1);
-  for (int i = 0; i < 4; ++i) bookkeeping_step(*cache, row, probs);
-  int64_t per_part[3] = {0, 0, 0}, views = 0;
-  std::string names;
-  const char* parts[3] = {"update", "observe", "evict"};
-  for (int part = 0; part < 3; ++part) {
-    kvevict_bench::OpCounter counter;
-    if (part == 0) cache->update(0, row[0], row[1]);
-    if (part == 1) cache->observe(0, probs);
-    if (part == 2) cache->evict(0);
-    names += std::string(" ") + parts[part] + ":";
-    for (const auto& x : kvevict_bench::OpCounter::counts()) {
-      per_part[part] += x.second;
-      if (kvevict_bench::is_view_op(x.first)) views += x.second;
-      names += " " + x.first + (x.second > 1 ? "x" + std::to_string(x.second) : "");
+// ---------------------------------------------------------------------------------------------
+// Op counts (--count-ops)
+
+using kvevict_test::OpCounts;
+using kvevict_test::OpKind;
+using kvevict_test::OpRecorder;
+
+/// The parts of a decode step counted apart.
+enum Part { kUpdate, kObserve, kEvict, kAttention, kParts };
+constexpr const char* kPartNames[kParts] = {"update", "observe", "evict", "attention"};
+
+/// What one decode loop asked of LibTorch over its counted window, per part.
+struct LoopCounts {
+  std::string loop;  // "(a) latent + attend_absorbed", ...
+  int64_t heads = 0, batch = 1, evict_every = 1, steps = 0, passes = 0;
+  bool attention = false;  // attention counted (apart)
+  OpCounts part[kParts];
+  std::vector<std::pair<std::string, int64_t>> kernels[kParts];  // by name, over the window
+  std::vector<std::pair<Part, kvevict_test::OpEvent>> events;     // every counted op, in order
+
+  /// Runs body() under a recorder and adds what it did to `p`.
+  template <class Body>
+  void count(Part p, Body&& body) {
+    OpRecorder rec;
+    body();
+    part[p] += rec.counts();
+    for (const auto& e : rec.events()) events.emplace_back(p, e);
+    for (const auto& k : rec.by_name(OpKind::kernel)) {
+      auto it = std::find_if(kernels[p].begin(), kernels[p].end(), [&](const auto& x) { return x.first == k.first; });
+      if (it == kernels[p].end()) {
+        kernels[p].push_back(k);
+      } else {
+        it->second += k.second;
+      }
     }
   }
-  std::printf("%s H=%lld B=%lld cap=%lld %s, observation checks %s | ATen ops per step: %lld (update %lld, observe %lld, "
-              "evict %lld), of which %lld are views (no kernel) |%s\n",
-              c.layout.c_str(), static_cast<long long>(c.heads), static_cast<long long>(c.batch),
-              static_cast<long long>(c.capacity), c.device.str().c_str(), a.check_observations ? "on" : "off",
-              static_cast<long long>(per_part[0] + per_part[1] + per_part[2]), static_cast<long long>(per_part[0]),
-              static_cast<long long>(per_part[1]), static_cast<long long>(per_part[2]), static_cast<long long>(views),
-              names.c_str());
+  OpCounts bookkeeping() const {
+    OpCounts c = part[kUpdate];
+    c += part[kObserve];
+    c += part[kEvict];
+    return c;
+  }
+};
+
+/// Drives one decode loop: warm-up past the first passes, then one evict_every window that holds
+/// exactly one pass, counted. `step(counts, counting)` runs one decode step (counting its parts
+/// into `counts` when `counting`); `passes()` reads the eviction passes so far.
+template <class Step, class Passes>
+void run_window(LoopCounts& out, Step&& step, Passes&& passes) {
+  LoopCounts scratch;
+  for (int64_t i = 0; i < out.evict_every + 2; ++i) step(scratch, false);
+  // Align on the cycle: the window starts right after a step that ran a pass.
+  for (int64_t i = 0; i <= out.evict_every; ++i) {
+    const int64_t before = passes();
+    step(scratch, false);
+    if (passes() > before) break;
+  }
+  const int64_t before = passes();
+  for (int64_t i = 0; i < out.evict_every; ++i) step(out, true);
+  out.steps = out.evict_every;
+  out.passes = passes() - before;
+}
+
+/// Per-layout pieces of the counted loops.
+at::Tensor attend_apart(Expanded::Cache& cache, const std::vector<at::Tensor>& q, at::Tensor* probs) {
+  return kvevict::attend(q[0], cache, 0, c10::nullopt, probs, /*observe=*/false);
+}
+at::Tensor attend_apart(Latent::Cache& cache, const std::vector<at::Tensor>& q, at::Tensor* probs) {
+  return kvevict::attend_absorbed(q[0], q[1], cache, 0, c10::nullopt, probs, /*observe=*/false);
+}
+/// lse [B, H, T] fp32 of the newest T tokens' queries over layer 0 (no pads, T = 1 decode).
+at::Tensor decode_lse(Expanded::Cache& cache, const std::vector<at::Tensor>& q, double scale) {
+  return at::matmul(q[0].to(at::kFloat).mul(scale), cache.keys(0).to(at::kFloat).transpose(-2, -1)).logsumexp(-1);
+}
+at::Tensor decode_lse(Latent::Cache& cache, const std::vector<at::Tensor>& q, double scale) {
+  const auto ckv = cache.ckv(0).unsqueeze(1).to(at::kFloat), kpe = cache.kpe(0).unsqueeze(1).to(at::kFloat);
+  return at::matmul(q[0].to(at::kFloat).mul(scale), ckv.transpose(-2, -1))
+      .add(at::matmul(q[1].to(at::kFloat).mul(scale), kpe.transpose(-2, -1)))
+      .logsumexp(-1);
+}
+void push(kvevict::LseRing<Expanded::Cache>& ring, const std::vector<at::Tensor>& q, const at::Tensor& lse) {
+  ring.push(0, q[0], lse);
+}
+void push(kvevict::LseRing<Latent::Cache>& ring, const std::vector<at::Tensor>& q, const at::Tensor& lse) {
+  ring.push(0, q[0], q[1], lse);
+}
+
+kvevict::EvictionOptions eviction_options(const Config& c, const Args& a, int64_t evict_every) {
+  return kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent)
+      .n_sink(a.n_sink)
+      .n_recent(a.n_recent)
+      .evict_every(evict_every);
+}
+
+/// (a), (b), (d): update, attention (apart, observe = false), observe(probs), evict. `lengths`:
+/// each row's tokens before decoding (a ragged batch; empty: one row at capacity).
+template <class Layout>
+LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, int64_t evict_every,
+                             const std::vector<int64_t>& lengths) {
+  LoopCounts out;
+  out.loop = name;
+  out.heads = c.heads;
+  out.evict_every = evict_every;
+  out.attention = true;
+  c.batch = lengths.empty() ? 1 : static_cast<int64_t>(lengths.size());
+  out.batch = c.batch;
+  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every));
+  cache->reserve(c.capacity + evict_every);
+  if (lengths.empty()) {
+    fill_to_capacity<Layout>(*cache, c, a);
+  } else {  // one ragged chunk: row b appends its last lengths[b] columns
+    const int64_t T = *std::max_element(lengths.begin(), lengths.end());
+    std::vector<at::Tensor> block;
+    for (const auto& shape : Layout::row_shapes(c, a, T)) block.push_back(random(shape, c.dtype, c.device));
+    cache->update(0, block[0], block[1], lengths);
+  }
+  std::vector<at::Tensor> row, q;
+  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
+  for (const auto& shape : Layout::query_shapes(c, a)) q.push_back(random(shape, c.dtype, c.device));
+  auto& C = *cache;
+  run_window(
+      out,
+      [&](LoopCounts& n, bool on) {
+        at::Tensor probs;
+        const auto part = [&](Part p, auto&& body) {
+          if (on) {
+            n.count(p, body);
+          } else {
+            body();
+          }
+        };
+        part(kUpdate, [&] { C.update(0, row[0], row[1]); });
+        if (on) {
+          n.count(kAttention, [&] { attend_apart(C, q, &probs); });
+        } else {  // warm-up: random probabilities of the same shape (attention copies the cache per head)
+          probs = at::softmax(at::randn({c.batch, c.heads, 1, C.size(0)}, at::TensorOptions().device(c.device)), -1);
+        }
+        part(kObserve, [&] { C.observe(0, probs); });
+        part(kEvict, [&] { C.evict(0); });
+      },
+      [&] { return C.stats(0).eviction_events; });
+  return out;
+}
+
+/// (c): update, then LseRing push (the LSE computed outside the counters), then ring.evict.
+template <class Layout>
+LoopCounts count_lse_ring_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
+  LoopCounts out;
+  out.loop = name;
+  out.heads = c.heads;
+  out.evict_every = evict_every;
+  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every));
+  cache->reserve(c.capacity + evict_every);
+  fill_to_capacity<Layout>(*cache, c, a);
+  const double scale = 1.0 / std::sqrt(192.0);
+  kvevict::LseRing<typename Layout::Cache> ring(*cache, scale);
+  std::vector<at::Tensor> row, q;
+  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
+  for (const auto& shape : Layout::query_shapes(c, a)) q.push_back(random(shape, c.dtype, c.device));
+  auto& C = *cache;
+  run_window(
+      out,
+      [&](LoopCounts& n, bool on) {
+        const auto part = [&](Part p, auto&& body) {
+          if (on) {
+            n.count(p, body);
+          } else {
+            body();
+          }
+        };
+        part(kUpdate, [&] { C.update(0, row[0], row[1]); });
+        const auto lse = decode_lse(C, q, scale);  // the fused kernel's output: not counted
+        part(kObserve, [&] { push(ring, q, lse); });  // scores the ring when it is full
+        part(kEvict, [&] { ring.evict(0); });
+      },
+      [&] { return C.stats(0).eviction_events; });
+  return out;
+}
+
+/// (e): caller-owned storage, as the README's "Your own storage" loop: an EvictionPolicy and one
+/// fused latent buffer [1, slots, kv_lora_rank + qk_rope_dim]; append + write_rows, observe of
+/// fixed probabilities, evict + apply_moves.
+LoopCounts count_own_storage_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
+  LoopCounts out;
+  out.loop = name;
+  out.heads = c.heads;
+  out.evict_every = evict_every;
+  kvevict::EvictionPolicy<> policy(kvevict::EvictionPolicyOptions(1, c.heads)
+                                       .batch_size(1)
+                                       .device(c.device)
+                                       .check_observations(a.check_observations),
+                                   eviction_options(c, a, evict_every));
+  policy.reserve(c.capacity + evict_every);
+  const int64_t width = a.kv_lora_rank + a.qk_rope_dim;
+  const auto buffer = at::zeros({1, policy.slots(0), width}, at::TensorOptions().dtype(c.dtype).device(c.device));
+  const auto prompt = random({1, c.capacity, width}, c.dtype, c.device);
+  kvevict::write_rows(buffer, 1, prompt, policy.append(0, std::vector<int64_t>{c.capacity}, c.capacity));
+  policy.observe(0, at::softmax(at::randn({1, c.heads, 1, c.capacity}, at::TensorOptions().device(c.device)), -1));
+  const auto row = random({1, 1, width}, c.dtype, c.device);
+  std::vector<at::Tensor> probs;  // [1, H, 1, S] for each S of the cycle
+  for (int64_t s = c.capacity + 1; s <= c.capacity + evict_every; ++s) {
+    probs.push_back(at::softmax(at::randn({1, c.heads, 1, s}, at::TensorOptions().device(c.device)), -1));
+  }
+  run_window(
+      out,
+      [&](LoopCounts& n, bool on) {
+        const auto part = [&](Part p, auto&& body) {
+          if (on) {
+            n.count(p, body);
+          } else {
+            body();
+          }
+        };
+        part(kUpdate, [&] { kvevict::write_rows(buffer, 1, row, policy.append(0, std::vector<int64_t>{1}, 1)); });
+        const int64_t S = policy.size(0);
+        part(kObserve, [&] { policy.observe(0, probs[static_cast<size_t>(S - c.capacity - 1)]); });
+        part(kEvict, [&] { kvevict::apply_moves(policy.evict(0), buffer, 1); });
+      },
+      [&] { return policy.stats(0).eviction_events; });
+  return out;
+}
+
+/// `x` per step: an integer as such, else two decimals.
+std::string per_step(int64_t total, int64_t steps) {
+  char buf[32];
+  if (total % steps == 0) {
+    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(total / steps));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(total) / static_cast<double>(steps));
+  }
+  return buf;
+}
+
+void print_count_row(const std::string& loop, const LoopCounts& r, const OpCounts& c, const std::string& split) {
+  const int64_t n = r.steps;
+  std::printf("| %s | %lld | %lld | %lld | **%s** | %s | %s | %s | %s | %s | %s | %.2f |\n", loop.c_str(),
+              static_cast<long long>(r.heads), static_cast<long long>(r.batch), static_cast<long long>(r.evict_every),
+              per_step(c.kernels, n).c_str(), split.c_str(), per_step(c.views, n).c_str(),
+              per_step(c.noops, n).c_str(), per_step(c.transfers, n).c_str(), per_step(c.syncs, n).c_str(), per_step(c.allocations, n).c_str(),
+              static_cast<double>(c.bytes) / static_cast<double>(n) / (1024.0 * 1024.0));
+}
+
+void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
+  std::printf("\nkvevict_bench --count-ops: the tensor path (the one CUDA takes) run on CPU, one layer; per decode "
+              "step, amortized over one evict_every window holding one pass, after reserve(capacity + evict_every) "
+              "and a warm-up; observation checks %s; LibTorch %s.\n"
+              "kernels: outermost ATen ops that are not views, allocations or copies; views: ops that launch "
+              "nothing and return a view; no-ops: calls that returned their input (a to() of its own dtype); "
+              "copies: to() naming a device (host<->device on CUDA, each a sync there); syncs: item, nonzero and "
+              "other reads of device data; allocs: CPU allocations of at least 1 byte (tests/op_counter.hpp).\n\n",
+              a.check_observations ? "on" : "off", TORCH_VERSION);
+  std::printf("| loop | H | B | evict_every | kernels | update / observe / evict | views | no-ops | copies | syncs | "
+              "allocs | alloc MiB |\n| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const auto& r : loops) {
+    const std::string split = per_step(r.part[kUpdate].kernels, r.steps) + " / " +
+                              per_step(r.part[kObserve].kernels, r.steps) + " / " +
+                              per_step(r.part[kEvict].kernels, r.steps);
+    print_count_row(r.loop, r, r.bookkeeping(), split);
+    if (r.attention) print_count_row(r.loop + ": its attention (apart)", r, r.part[kAttention], "");
+  }
+  std::printf("\nKernels by name, summed over the window (steps / passes counted):\n");
+  for (const auto& r : loops) {
+    std::printf("%s H=%lld B=%lld evict_every %lld (%lld steps, %lld pass%s):\n", r.loop.c_str(),
+                static_cast<long long>(r.heads), static_cast<long long>(r.batch),
+                static_cast<long long>(r.evict_every), static_cast<long long>(r.steps),
+                static_cast<long long>(r.passes), r.passes == 1 ? "" : "es");
+    for (int p = 0; p < kParts; ++p) {
+      if (p == kAttention && !r.attention) continue;
+      std::string names;
+      for (const auto& k : r.kernels[p]) {
+        names += " " + k.first.substr(k.first.rfind(':') + 1) + (k.second > 1 ? "x" + std::to_string(k.second) : "");
+      }
+      std::printf("  %-9s%s\n", kPartNames[p], names.c_str());
+    }
+  }
+  if (a.list_ops) {
+    std::printf("\nEvery counted op of each window (part, name, kind, input shapes, int arguments):\n");
+    for (const auto& r : loops) {
+      std::printf("%s H=%lld B=%lld evict_every %lld:\n", r.loop.c_str(), static_cast<long long>(r.heads),
+                  static_cast<long long>(r.batch), static_cast<long long>(r.evict_every));
+      for (const auto& pe : r.events) {
+        std::ostringstream line;
+        line << pe.second;
+        std::printf("  %-9s %s\n", kPartNames[pe.first], line.str().c_str());
+      }
+    }
+  }
   std::fflush(stdout);
+}
+
+/// --count-ops: the loops (a)-(e) of one layout, heads, dtype and capacity.
+template <class Layout>
+std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
+  kvevict::detail::force_tensor_path() = true;  // read when a policy is built
+  std::vector<int64_t> ragged;
+  for (int64_t len : {c.capacity, int64_t{4000}, c.capacity, int64_t{2500}, c.capacity, int64_t{1200}, c.capacity,
+                      int64_t{300}}) {
+    ragged.push_back(std::min(len, c.capacity));
+  }
+  const std::string layout = c.layout == "latent" ? "latent + attend_absorbed" : "expanded + attend";
+  std::vector<LoopCounts> loops;
+  loops.push_back(count_attend_loop<Layout>("(a) " + layout, c, a, 1, {}));
+  loops.push_back(count_attend_loop<Layout>("(b) " + layout, c, a, 16, {}));
+  loops.push_back(count_lse_ring_loop<Layout>("(c) " + c.layout + " + LseRing", c, a, 16));
+  loops.push_back(count_attend_loop<Layout>("(d) " + layout + ", ragged", c, a, 1, ragged));
+  loops.push_back(count_own_storage_loop("(e) EvictionPolicy + write_rows + apply_moves", c, a, 1));
   kvevict::detail::force_tensor_path() = a.tensor_path;
+  return loops;
 }
 
 int run(const Args& a) {
@@ -621,6 +905,7 @@ int run(const Args& a) {
               std::thread::hardware_concurrency(), a.check_observations ? "on" : "off", static_cast<long long>(a.n_sink),
               static_cast<long long>(a.n_recent), a.tensor_path ? "; tensor-op path" : "");
   std::vector<Result> results;
+  std::vector<LoopCounts> counted;
   for (const auto& layout : a.layouts) {
     for (auto heads : a.heads) {
       for (const auto& dtype : a.dtypes) {
@@ -628,11 +913,8 @@ int run(const Args& a) {
           for (auto cap : a.capacities) {
             Config c{layout, dtype, heads, batch, cap, kvevict_cli::make_dtype(dtype), device};
             if (a.count_ops) {
-              if (layout == "latent") {
-                count_ops<Latent>(c, a);
-              } else {
-                count_ops<Expanded>(c, a);
-              }
+              const auto loops = layout == "latent" ? count_ops<Latent>(c, a) : count_ops<Expanded>(c, a);
+              counted.insert(counted.end(), loops.begin(), loops.end());
               continue;
             }
             results.push_back(layout == "latent" ? run_config<Latent>(c, a) : run_config<Expanded>(c, a));
@@ -642,6 +924,7 @@ int run(const Args& a) {
       }
     }
   }
+  if (a.count_ops) print_counts(counted, a);
   print_scaling(results);
   if (!a.out_csv.empty()) write_csv(a.out_csv, results, a);
   if (!a.out_json.empty()) write_json(a.out_json, results, a);
