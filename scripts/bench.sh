@@ -3,7 +3,8 @@
 #   1. kvevict_bench at DeepSeek-V3 layer dims with 64 heads (qk 192, v 128, fp32, CPU, one
 #      thread) for capacity 1,024 / 4,612 / 16,384, expanded and latent (ckv 512 + kpe 64)
 #      layouts: update+evict, observe, attend, naive gather;
-#   2. the ATen ops one steady-state step launches on the tensor path (the path CUDA takes);
+#   2. what the decode loops ask of LibTorch per step and layer on the tensor path (the path
+#      CUDA takes; kvevict_bench --count-ops: kernels, views, copies, syncs, allocations);
 #   3. the small configuration (4 layers, 4 heads, budget 64, n_sink 4, n_recent 16, random
 #      scores): validate_eviction's cache_us_per_step against bench/gather_baseline.py (the
 #      gather-per-step baseline in PyTorch), run alternately (3 each, medians);
@@ -29,8 +30,8 @@ echo "== kvevict_bench: expanded and latent layouts, 64 heads, fp32, CPU, one th
 "$build/bench/kvevict_bench" --layout expanded,latent --heads 64 --qk-dim 192 --v-dim 128 --dtype fp32 --device cpu \
   --capacity 1024,4612,16384 --threads 1 --out-csv "$out/kvevict_bench.csv" --out-json "$out/kvevict_bench.json" "$@"
 
-echo "== ATen ops per steady-state step on the tensor path (expanded, 64 heads, capacity 4,612, batch 1 and 4)"
-"$build/bench/kvevict_bench" --count-ops --layout expanded --heads 64 --capacity 4612 --batch 1,4 \
+echo "== ATen ops per decode step and layer on the tensor path (latent, 128 heads, bf16, capacity 4,612)"
+"$build/bench/kvevict_bench" --count-ops --layout latent --heads 128 --dtype bf16 --capacity 4612 \
   --check-observations off | tee "$out/op_count.txt"
 
 echo "== small configuration: validate_eviction --scores random --threads 1 vs bench/gather_baseline.py (3 runs each, alternating)"
