@@ -116,13 +116,14 @@ Options (default in brackets):
   --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
-  --count-ops          instead of timing: count what the decode loops (a)-(e) ask of LibTorch per
+  --count-ops          instead of timing: count what the decode loops (a)-(f) ask of LibTorch per
                        step and layer on the tensor path (the path CUDA takes, run on CPU): kernels,
                        views, host<->device copies, syncs, allocations, split into update / observe
                        / evict, amortized over one evict_every window holding one pass. (a) cache +
                        attention (apart, observe=false), evict_every 1; (b) the same at 16; (c)
-                       LseRing at 16; (d) a ragged batch of 8, evict_every 1; (e) EvictionPolicy +
-                       write_rows + apply_moves on a buffer of one's own, evict_every 1. Per layout,
+                       LseRing at 16; (d) observe_lse(_absorbed) every step, evict_every 1; (e) a
+                       ragged batch of 8, evict_every 1; (f) EvictionPolicy + write_rows +
+                       apply_moves on a buffer of one's own, evict_every 1. Per layout,
                        heads, dtype and capacity; README: --layout latent --heads 128 --dtype bf16
                        --capacity 4612 --check-observations off
   --list-ops           with --count-ops: also print every counted op of each window (part, name,
@@ -671,7 +672,7 @@ kvevict::EvictionOptions eviction_options(const Config& c, const Args& a, int64_
       .evict_every(evict_every);
 }
 
-/// (a), (b), (d): update, attention (apart, observe = false), observe(probs), evict. `lengths`:
+/// (a), (b), (e): update, attention (apart, observe = false), observe(probs), evict. `lengths`:
 /// each row's tokens before decoding (a ragged batch; empty: one row at capacity).
 template <class Layout>
 LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, int64_t evict_every,
@@ -756,7 +757,49 @@ LoopCounts count_lse_ring_loop(const std::string& name, const Config& c, const A
   return out;
 }
 
-/// (e): caller-owned storage, as the README's "Your own storage" loop: an EvictionPolicy and one
+void observe_lse_now(Expanded::Cache& cache, const std::vector<at::Tensor>& q, const at::Tensor& lse, double scale) {
+  kvevict::observe_lse(q[0], cache, 0, lse, scale);
+}
+void observe_lse_now(Latent::Cache& cache, const std::vector<at::Tensor>& q, const at::Tensor& lse, double scale) {
+  kvevict::observe_lse_absorbed(q[0], q[1], cache, 0, lse, scale);
+}
+
+/// (d): update, then observe_lse / observe_lse_absorbed of the step's queries (the LSE computed
+/// outside the counters), then evict: scoring every step, without a ring.
+template <class Layout>
+LoopCounts count_lse_step_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
+  LoopCounts out;
+  out.loop = name;
+  out.heads = c.heads;
+  out.evict_every = evict_every;
+  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every));
+  cache->reserve(c.capacity + evict_every);
+  fill_to_capacity<Layout>(*cache, c, a);
+  const double scale = 1.0 / std::sqrt(192.0);
+  std::vector<at::Tensor> row, q;
+  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
+  for (const auto& shape : Layout::query_shapes(c, a)) q.push_back(random(shape, c.dtype, c.device));
+  auto& C = *cache;
+  run_window(
+      out,
+      [&](LoopCounts& n, bool on) {
+        const auto part = [&](Part p, auto&& body) {
+          if (on) {
+            n.count(p, body);
+          } else {
+            body();
+          }
+        };
+        part(kUpdate, [&] { C.update(0, row[0], row[1]); });
+        const auto lse = decode_lse(C, q, scale);  // the fused kernel's output: not counted
+        part(kObserve, [&] { observe_lse_now(C, q, lse, scale); });
+        part(kEvict, [&] { C.evict(0); });
+      },
+      [&] { return C.stats(0).eviction_events; });
+  return out;
+}
+
+/// (f): caller-owned storage, as the README's "Your own storage" loop: an EvictionPolicy and one
 /// fused latent buffer [1, slots, kv_lora_rank + qk_rope_dim]; append + write_rows, observe of
 /// fixed probabilities, evict + apply_moves.
 LoopCounts count_own_storage_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
@@ -867,7 +910,7 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
   std::fflush(stdout);
 }
 
-/// --count-ops: the loops (a)-(e) of one layout, heads, dtype and capacity.
+/// --count-ops: the loops (a)-(f) of one layout, heads, dtype and capacity.
 template <class Layout>
 std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   kvevict::detail::force_tensor_path() = true;  // read when a policy is built
@@ -881,8 +924,10 @@ std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   loops.push_back(count_attend_loop<Layout>("(a) " + layout, c, a, 1, {}));
   loops.push_back(count_attend_loop<Layout>("(b) " + layout, c, a, 16, {}));
   loops.push_back(count_lse_ring_loop<Layout>("(c) " + c.layout + " + LseRing", c, a, 16));
-  loops.push_back(count_attend_loop<Layout>("(d) " + layout + ", ragged", c, a, 1, ragged));
-  loops.push_back(count_own_storage_loop("(e) EvictionPolicy + write_rows + apply_moves", c, a, 1));
+  loops.push_back(count_lse_step_loop<Layout>(
+      "(d) " + c.layout + (c.layout == "latent" ? " + observe_lse_absorbed" : " + observe_lse") + " every step", c, a, 1));
+  loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 1, ragged));
+  loops.push_back(count_own_storage_loop("(f) EvictionPolicy + write_rows + apply_moves", c, a, 1));
   kvevict::detail::force_tensor_path() = a.tensor_path;
   return loops;
 }

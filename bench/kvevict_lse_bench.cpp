@@ -22,14 +22,8 @@
 //   prompt's own q, k, v and the caches are allocated before and not counted. Also how much the two kept
 //   sets overlap.
 //
-// --count-ops: instead of timing, counts the ATen operators of the latent-layout decode loop
-//   (MlaLatentCache, kv_lora_rank 512, qk_rope 64, --heads, --capacity) on the tensor path (the
-//   path CUDA takes, forced on CPU) with observation checks off (the CUDA default), after
-//   reserve(): per layer-step, amortized over one ring cycle of evict_every steps after a
-//   warm-up: update, LSE (LseRing::push every step, its scoring when full or due) and evict,
-//   top-level calls only; views (no kernel) apart.
+// Op counts of the LseRing loop: kvevict_bench --count-ops, loop (c).
 #include "cli.hpp"
-#include "op_counter.hpp"
 
 #include <kvevict/kvevict.hpp>
 
@@ -88,7 +82,6 @@ std::tuple<double, int64_t, bool> measure(F&& f) {
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 struct Args {
-  bool count_ops = false;
   std::string mode = "decode";
   int64_t heads = 64, capacity = 4612, steps = 48, tokens = 32768, chunk = 64, threads = 1;
   std::vector<int64_t> every = {1, 4, 8, 16};
@@ -135,61 +128,6 @@ void run_decode(const Args& a) {
                 1e3 * t_lse / a.steps, 100.0 * t_lse / t_att);
     std::fflush(stdout);
   }
-}
-
-/// Ops and views (no kernel) that f() calls, top-level only, added to ops[name].
-template <class F>
-void count_into(std::vector<std::pair<std::string, int64_t>>& ops, int64_t& kernels, int64_t& views, F&& f) {
-  kvevict_bench::OpCounter counter;
-  f();
-  for (const auto& x : kvevict_bench::OpCounter::counts()) {
-    (kvevict_bench::is_view_op(x.first) ? views : kernels) += x.second;
-    auto it = std::find_if(ops.begin(), ops.end(), [&](const auto& y) { return y.first == x.first; });
-    if (it == ops.end()) {
-      ops.push_back(x);
-    } else {
-      it->second += x.second;
-    }
-  }
-}
-
-void run_count_ops(const Args& a) {
-  kvevict::detail::force_tensor_path() = true;
-  const int64_t H = a.heads, W = 512, R = 64;
-  for (const int64_t every : a.every) {
-    at::manual_seed(3);
-    const auto o = kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(W).qk_rope_dim(R).check_observations(false);
-    kvevict::MlaLatentCache cache(o, eviction_for(a.capacity, every));
-    cache.reserve(a.capacity + every);
-    kvevict::LseRing<kvevict::MlaLatentCache> ring(cache);
-    cache.update(0, at::randn({1, a.capacity, W}), at::randn({1, a.capacity, R}));
-    const auto ckv = at::randn({1, 1, W}), kpe = at::randn({1, 1, R});
-    const auto qa = at::randn({1, H, 1, W}).div(32), qr = at::randn({1, H, 1, R}).div(32);
-    const auto lse = at::full({1, H, 1}, 50.0);  // above every logit (checks are off anyway)
-    std::vector<std::pair<std::string, int64_t>> ops, warmup;
-    int64_t kernels[3] = {0, 0, 0}, views = 0, ignored = 0;
-    for (int64_t step = 0; step < 3 * every; ++step) {
-      const bool counted = step >= 2 * every;  // the last whole ring cycle; the first two warm up
-      auto& names = counted ? ops : warmup;
-      count_into(names, counted ? kernels[0] : ignored, counted ? views : ignored, [&] { cache.update(0, ckv, kpe); });
-      count_into(names, counted ? kernels[1] : ignored, counted ? views : ignored, [&] {
-        ring.push(0, qa, qr, lse);
-        if (cache.policy().due(0)) ring.flush(0);
-      });
-      count_into(names, counted ? kernels[2] : ignored, counted ? views : ignored, [&] { ring.evict(0); });
-    }
-    std::string names;
-    for (const auto& x : ops) names += " " + x.first + "x" + std::to_string(x.second);
-    std::printf("latent H=%lld cap=%lld evict_every=%lld, tensor path, checks off | kernel-launching ATen ops per "
-                "layer-step (amortized over %lld steps): %.2f (update %.2f, LSE push+score %.2f, evict %.2f), views "
-                "%.2f | per cycle:%s\n",
-                static_cast<long long>(H), static_cast<long long>(a.capacity), static_cast<long long>(every),
-                static_cast<long long>(every), double(kernels[0] + kernels[1] + kernels[2]) / every,
-                double(kernels[0]) / every, double(kernels[1]) / every, double(kernels[2]) / every,
-                double(views) / every, names.c_str());
-    std::fflush(stdout);
-  }
-  kvevict::detail::force_tensor_path() = false;
 }
 
 /// Causal attention over the whole prompt in query chunks (what a fused prefill kernel
@@ -261,15 +199,11 @@ int main(int argc, char** argv) {
          {"--tokens", [&](auto& f, auto& v) { a.tokens = kvevict_cli::parse_int(f, v, 1, int64_t{1} << 24); }},
          {"--chunk", [&](auto& f, auto& v) { a.chunk = kvevict_cli::parse_int(f, v, 1, int64_t{1} << 24); }},
          {"--threads", [&](auto& f, auto& v) { a.threads = kvevict_cli::parse_int(f, v, 1, 1024); }},
-         {"--every", [&](auto& f, auto& v) { a.every = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }}},
-        {{"--count-ops", [&] { a.count_ops = true; }}});
+         {"--every", [&](auto& f, auto& v) { a.every = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }}});
     if (!go) {
       std::printf(
           "usage: kvevict_lse_bench [--mode decode|prompt] [--heads N] [--capacity N] [--threads N]\n"
           "         decode: [--every 1,4,8,16] [--steps N]     prompt: [--tokens N] [--chunk N]\n"
-          "       kvevict_lse_bench --count-ops [--heads N] [--capacity N] [--every 1,4,8,16]\n"
-          "         ATen ops per layer-step of the latent decode loop with LseRing on the tensor path\n"
-          "         (what CUDA runs), checks off, instead of timing\n"
           "Defaults: decode, 64 heads, capacity 4612, 1 thread, 48 steps, prompt 32768 tokens, chunk 64.\n");
       return 0;
     }
@@ -280,9 +214,7 @@ int main(int argc, char** argv) {
   at::set_num_threads(static_cast<int>(a.threads));
   mallopt(M_MMAP_THRESHOLD, 1 << 20);  // fixed: blocks of 1 MiB and more are mapped and unmapped, not kept
   at::NoGradGuard no_grad;
-  if (a.count_ops) {
-    run_count_ops(a);
-  } else if (a.mode == "decode") {
+  if (a.mode == "decode") {
     run_decode(a);
   } else {
     run_prompt(a);

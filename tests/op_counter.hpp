@@ -132,6 +132,9 @@ struct OpEvent {
   std::vector<std::vector<int64_t>> shapes;  // sizes of the tensor arguments, in order ({} for
                                              // an undefined one; lists flattened)
   std::vector<int64_t> ints;                 // the integer arguments, in order (lists flattened)
+  std::vector<const void*> data;             // data_ptr() of the tensor arguments, as `shapes`
+                                             // (nullptr: undefined or without storage); not
+                                             // compared by ==
   bool operator==(const OpEvent& o) const {
     return name == o.name && kind == o.kind && syncs == o.syncs && shapes == o.shapes && ints == o.ints;
   }
@@ -219,6 +222,7 @@ struct Node {
   Class cls;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<int64_t> ints;
+  std::vector<const void*> data;
   std::vector<size_t> children;
 };
 
@@ -227,6 +231,7 @@ inline void add_argument(const c10::IValue& v, Node& n, std::vector<at::Device>&
   if (v.isTensor()) {
     const auto& t = v.toTensor();
     n.shapes.push_back(t.defined() ? t.sizes().vec() : std::vector<int64_t>{});
+    n.data.push_back(t.defined() && t.has_storage() ? t.data_ptr() : nullptr);
     if (t.defined()) tensor_devices.push_back(t.device());
   } else if (v.isTensorList()) {
     for (const auto& t : v.toTensorVector()) add_argument(c10::IValue(t), n, tensor_devices, named_devices);
@@ -266,7 +271,7 @@ inline bool is_transfer(const std::string& name, const std::vector<at::Device>& 
 }
 
 inline Node make_node(const at::RecordFunction& fn, bool top_level) {
-  Node n{fn.name(), Class::compute, {}, {}, {}};
+  Node n{fn.name(), Class::compute, {}, {}, {}, {}};
   std::vector<at::Device> tensors, named;
   for (const auto& v : fn.inputs()) add_argument(v, n, tensors, named);
   if (is_transfer(n.name, tensors, named, top_level)) {
@@ -359,7 +364,7 @@ class OpRecorder {
       try {
         r->nodes_.push_back(op_counter_detail::make_node(fn, r->stack_.empty()));
       } catch (...) {  // a node for every call, or leave() would pop the wrong one
-        r->nodes_.push_back({fn.name(), Class::compute, {}, {}, {}});
+        r->nodes_.push_back({fn.name(), Class::compute, {}, {}, {}, {}});
         r->failed_ = true;
       }
       const size_t i = r->nodes_.size() - 1;
@@ -393,7 +398,9 @@ class OpRecorder {
     }
     return false;
   }
-  void emit(const Node& n, OpKind kind, bool syncs) { events_.push_back({n.name, kind, syncs, n.shapes, n.ints}); }
+  void emit(const Node& n, OpKind kind, bool syncs) {
+    events_.push_back({n.name, kind, syncs, n.shapes, n.ints, n.data});
+  }
   /// Counts node i; `in_kernel`: an ancestor was counted as a kernel (only transfers and syncs
   /// inside it count then).
   void count(size_t i, bool in_kernel) {

@@ -5,7 +5,6 @@
 
 #include <kvevict/kvevict.hpp>
 
-#include <ATen/record_function.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <catch2/catch.hpp>
@@ -342,76 +341,9 @@ class AddressRecordingAllocator final : public c10::Allocator {
   mutable std::vector<std::pair<uintptr_t, size_t>> ranges_;
 };
 
-/// One top-level ATen call of a step: its name, the sizes of its tensor arguments, and where
-/// their data lives.
-struct Call {
-  std::string name;
-  bool transfer = false;  // a to() or copy_() that names or crosses a device: a copy on CUDA
-  std::vector<std::vector<int64_t>> shapes;
-  std::vector<const void*> data;
-};
-
-/// Records the top-level ATen calls of this thread while alive (RecordFunction).
-class CallRecorder {
- public:
-  CallRecorder() {
-    current() = this;
-    handle_ = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(&CallRecorder::enter, &CallRecorder::leave).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-  }
-  ~CallRecorder() {
-    at::removeCallback(handle_);
-    current() = nullptr;
-  }
-  CallRecorder(const CallRecorder&) = delete;
-  CallRecorder& operator=(const CallRecorder&) = delete;
-  std::vector<Call> calls;
-
- private:
-  static CallRecorder*& current() {
-    static thread_local CallRecorder* r = nullptr;
-    return r;
-  }
-  static int& depth() {
-    static thread_local int d = 0;
-    return d;
-  }
-  static std::unique_ptr<at::ObserverContext> enter(const at::RecordFunction& fn) {
-    if (depth()++ == 0 && current() != nullptr) {
-      Call c{fn.name(), false, {}, {}};
-      std::vector<at::Device> devices;
-      for (const auto& v : fn.inputs()) {
-        if (v.isDevice()) c.transfer = c.name == "aten::to" || c.name == "aten::_to_copy";
-        if (v.isTensor() && v.toTensor().defined()) devices.push_back(v.toTensor().device());
-        if (v.isTensor() && v.toTensor().defined()) {
-          c.shapes.push_back(v.toTensor().sizes().vec());
-          c.data.push_back(v.toTensor().data_ptr());
-        } else if (v.isList()) {
-          const auto list = v.toList();
-          for (size_t i = 0; i < list.size(); ++i) {
-            const c10::IValue e = list.get(i);
-            if (e.isTensor() && e.toTensor().defined()) {
-              c.shapes.push_back(e.toTensor().sizes().vec());
-              c.data.push_back(e.toTensor().data_ptr());
-            }
-          }
-        } else if (v.isInt()) {
-          c.shapes.push_back({v.toInt()});  // an integer argument: it is baked into a graph too
-          c.data.push_back(nullptr);
-        }
-      }
-      if (c.name == "aten::copy_" && devices.size() == 2 && devices[0] != devices[1]) c.transfer = true;
-      current()->calls.push_back(std::move(c));
-    }
-    return nullptr;
-  }
-  static void leave(const at::RecordFunction&, at::ObserverContext*) { --depth(); }
-  at::CallbackHandle handle_;
-};
-
-/// The calls of one step and the storage allocated during it.
+/// The ops of one step (tests/op_counter.hpp) and the storage allocated during it.
 struct RecordedStep {
-  std::vector<Call> calls;
+  std::vector<kvevict_test::OpEvent> ops;
   std::unique_ptr<AddressRecordingAllocator> allocations;
 };
 
@@ -420,28 +352,27 @@ RecordedStep record_step(F&& step) {
   RecordedStep r;
   r.allocations = std::make_unique<AddressRecordingAllocator>();
   {
-    CallRecorder rec;
+    kvevict_test::OpRecorder rec;
     step();
-    r.calls = std::move(rec.calls);
+    REQUIRE(rec.ok());
+    r.ops = rec.events();
   }
   return r;
 }
 
-/// Checks that two steps can be one CUDA graph replayed: the same calls on the same shapes and
+/// Checks that two steps can be one CUDA graph replayed: the same ops on the same shapes and
 /// integers, no transfer or host read, and every tensor that outlives the step (made before it)
 /// at the same data pointer in both.
 void require_replayable(const RecordedStep& a, const RecordedStep& b) {
-  REQUIRE(a.calls.size() == b.calls.size());
-  for (size_t i = 0; i < a.calls.size(); ++i) {
-    const auto& x = a.calls[i];
-    const auto& y = b.calls[i];
-    INFO("call " << i << ": " << x.name);
-    REQUIRE(x.name == y.name);
-    CHECK(x.shapes == y.shapes);
-    CHECK(x.name != "aten::item");
-    CHECK(x.name != "aten::_local_scalar_dense");
-    CHECK(x.name != "aten::nonzero");
-    CHECK_FALSE(x.transfer);  // a copy to or from a device (the mirrors upload through it)
+  REQUIRE(a.ops.size() == b.ops.size());
+  for (size_t i = 0; i < a.ops.size(); ++i) {
+    const auto& x = a.ops[i];
+    const auto& y = b.ops[i];
+    INFO("op " << i << ": " << x << " / " << y);
+    REQUIRE(x == y);  // name, kind, shapes, integer arguments
+    CHECK(x.kind != kvevict_test::OpKind::transfer);  // a copy to or from a device (mirrors upload so)
+    CHECK(x.kind != kvevict_test::OpKind::sync);      // item, nonzero, ...: the host reads the device
+    CHECK_FALSE(x.syncs);
     REQUIRE(x.data.size() == y.data.size());
     for (size_t j = 0; j < x.data.size(); ++j) {
       if (x.data[j] == y.data[j]) continue;
