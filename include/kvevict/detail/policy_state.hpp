@@ -1,0 +1,376 @@
+#pragma once
+// The private half of EvictionPolicy (eviction_policy.hpp): the state of every layer and the
+// steps that the public calls are checked into. Growth and shrinking of the slots, the two
+// halves of a truncate and of an append, pass planning and commit, and the observation
+// plumbing; each makes one call per step into the host path (host_path.hpp) or the tensor path
+// (tensor_path.hpp). Nothing here validates user input: the facade has done that.
+
+#include <kvevict/check.hpp>
+#include <kvevict/detail/host_path.hpp>
+#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/slot_plan.hpp>
+#include <kvevict/detail/tensor_path.hpp>
+#include <kvevict/options.hpp>
+#include <kvevict/slot_moves.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvevict {
+namespace detail {
+
+/// EvictionPolicy's state and internal steps (protected: the facade inherits them privately,
+/// and its friend CacheBase, the caches' common half, runs the cache protocol through them).
+template <class Scorer>
+class PolicyState {
+ protected:
+  using HostPath = detail::HostPath<Scorer>;
+  using TensorPath = detail::TensorPath<Scorer>;
+  static constexpr int64_t W = Scorer::kStateWidth;
+
+  /// See EvictionPolicy's constructor.
+  PolicyState(const EvictionPolicyOptions& options, const EvictionOptions& eviction, Scorer scorer)
+      : core_{(options.validate(),
+               options.layer_budgets().empty() ? eviction.validate() : eviction.validate_counts(), options),
+              eviction, {}, {}, std::move(scorer),
+              resolved_device(options.device()), false, {}},
+        host_(core_.device.is_cpu() && !force_tensor_path()) {
+    core_.check = options.checks_observations(core_.device);
+    core_.options.check_layer_budgets(core_.eviction);
+    KVEVICT_CHECK_VALUE(!core_.options.lazy_reduction() || IsLinear<Scorer>::value,
+                        "EvictionPolicyOptions: lazy_reduction needs a linear scorer (Scorer::kLinear: one observation "
+                        "of summed contributions equals the observations one by one), got ", Scorer::kName,
+                        "; use lazy_reduction(false)");
+    const int64_t B = core_.options.batch_size();
+    allocating([&] {
+      core_.layer_eviction = core_.options.layer_eviction(core_.eviction);
+      for (const auto& e : core_.layer_eviction) core_.selections.emplace_back(e);
+      core_.active.assign(static_cast<size_t>(B), 1);
+      layers_ = fresh_layers(nullptr);
+    }, [&](const std::string& why) { fail_allocation(why); });
+  }
+
+  int64_t rows() const noexcept { return core_.options.batch_size(); }
+
+  /// Calls `f(path)` with the path of this policy: one call per step into a path.
+  template <class F>
+  decltype(auto) on_path(F&& f) {
+    return host_ ? f(host_path_) : f(tensor_path_);
+  }
+  template <class F>
+  decltype(auto) on_path(F&& f) const {
+    return host_ ? f(host_path_) : f(tensor_path_);
+  }
+
+  /// A rollback planned by plan_truncate(): per layer its pass, its moves and what the tensor
+  /// path's commit writes, all allocated; commit_truncate() then writes every layer.
+  struct Truncation {
+    int64_t row = 0, k = 0;
+    std::vector<Pass> passes;
+    std::vector<SlotMoves> moves;  // per layer, for its buffers (apply_moves)
+    std::vector<typename TensorPath::Commit> writes;  // tensor path, per layer
+    at::Tensor k_device;  // tensor path: k, taken off the seen counters without allocating
+  };
+
+  /// truncate(), first half: checks every layer and allocates everything the rollback needs;
+  /// changes nothing. \throws as truncate().
+  Truncation plan_truncate(int64_t row, int64_t k) {
+    KVEVICT_CHECK(core_.active[check_row(row)] != 0, "truncate: row ", row, " holds no sequence");
+    KVEVICT_CHECK_VALUE(k >= 0, "truncate: k must be >= 0, got ", k);
+    std::vector<std::vector<int64_t>> slots_of(layers_.size());  // per layer: slots of the k tokens
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const auto& L = layers_[l];
+      KVEVICT_CHECK_VALUE(k <= L.seen[row], "truncate: k must be <= seen tokens of row ", row, " in layer ", l,
+                          " (", L.seen[row], "), got ", k);
+      const auto pos = L.position.select(0, row).narrow(0, 0, L.len[row]).to(at::kCPU).contiguous();
+      const int64_t* p = pos.template data_ptr<int64_t>();
+      for (int64_t s = 0; s < L.len[row]; ++s) {
+        if (p[s] >= L.seen[row] - k) slots_of[l].push_back(s);
+      }
+      KVEVICT_CHECK(static_cast<int64_t>(slots_of[l].size()) == k, "truncate: ", k - static_cast<int64_t>(slots_of[l].size()),
+                    " of the ", k, " newest tokens of row ", row, " were already evicted in layer ", l,
+                    "; only tokens still cached can be rolled back");
+    }
+    Truncation t;
+    t.row = row;
+    t.k = k;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      Pass pass;
+      reset_pass(L, pass);
+      pass.n[row] = k;
+      pass.new_len[row] = L.len[row] - k;
+      std::vector<uint8_t> tail_flags;
+      fill_moves_host(pass, row, slots_of[l].data(), k, tail_flags);
+      pad_moves(pass);
+      t.moves.push_back(pass.to_moves(core_.device));
+      if (!host_) t.writes.push_back(tensor_path_.prepare_commit(core_, L, static_cast<int64_t>(l), pass));
+      t.passes.push_back(std::move(pass));
+    }
+    if (!host_) t.k_device = at::full({}, k, at::TensorOptions().dtype(at::kLong).device(core_.device));
+    return t;
+  }
+
+  /// truncate(), second half: applies a plan_truncate() to every layer. Allocates nothing and
+  /// does not throw.
+  void commit_truncate(Truncation& t) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      const auto layer = static_cast<int64_t>(l);
+      L.open_q = 0;  // slots move: an observation in pieces no longer matches them
+      if (host_) {
+        host_path_.commit(core_, L, layer, t.passes[l]);
+      } else {
+        tensor_path_.commit(core_, L, layer, t.passes[l], t.writes[l]);
+        tensor_path_.rewind(core_, L, layer, t.row, t.k_device);
+      }
+      for (int64_t b = 0; b < rows(); ++b) L.len[b] = t.passes[l].new_len[b];
+      L.seen[t.row] -= t.k;
+    }
+  }
+
+  /// Plans a pass on `layer` into `pass` (the caller checked due()), reusing its vectors' room;
+  /// changes nothing but, with lazy_reduction, first applies the pending observations (flush():
+  /// may throw as it does).
+  void plan(int64_t layer, Pass& pass) {
+    auto& L = at(layer);
+    flush_layer(L, layer);
+    reset_pass(L, pass);
+    for (int64_t b = 0; b < rows(); ++b) {
+      pass.n[b] = core_.row_due(L, b, core_.layer_eviction[layer].capacity()) ? L.len[b] - core_.layer_eviction[layer].capacity() : 0;
+      pass.new_len[b] = L.len[b] - pass.n[b];
+    }
+    on_path([&](auto& p) { p.plan(core_, L, layer, pass); });
+  }
+
+  /// Applies a planned pass to the state of `layer`. \throws only on an allocation failure of
+  /// the tensor path, before anything changed.
+  void commit(int64_t layer, Pass& pass) {
+    auto& L = at(layer);
+    commit_state(L, layer, pass);
+    int64_t evicted = 0;
+    for (int64_t b = 0; b < rows(); ++b) {
+      evicted += pass.n[b];
+      if (pass.n[b] > 0) L.appends[b] = 0;
+    }
+    if (evicted > 0) L.events += 1;
+    L.evicted += evicted;
+  }
+
+  /// Moves the state rows of a pass, marks the freed tail dead and sets the new lengths.
+  /// \throws only on an allocation failure of the tensor path, before anything changed.
+  void commit_state(LayerState& L, int64_t layer, Pass& pass) {
+    if (host_) {
+      L.open_q = 0;  // slots move: an observation in pieces no longer matches them
+      host_path_.commit(core_, L, layer, pass);
+    } else {
+      auto w = tensor_path_.prepare_commit(core_, L, layer, pass);  // every allocation first
+      L.open_q = 0;
+      tensor_path_.commit(core_, L, layer, pass, w);
+    }
+    for (int64_t b = 0; b < rows(); ++b) L.len[b] = pass.new_len[b];
+  }
+
+  /// An append without checks (the caller ran check_append()) in two halves, so that a cache
+  /// can allocate everything, then grow, then write: prepare_append() makes the tensor path's
+  /// device tensors (throws only on an allocation failure; changes nothing), append_prepared()
+  /// writes them and advances the counters (allocates nothing, does not throw). The same
+  /// counts, T and map to both; a resize_slots() in between is allowed. The caches write their
+  /// rows from the lengths before the append. `map`: tensor path, slot_map() with pads on the
+  /// trash slot (of the slots when append_prepared() runs).
+  void prepare_append(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+    auto& L = at(layer);
+    if (!host_) tensor_path_.prepare_append(core_, L, layer, counts, T, map);
+  }
+  void append_prepared(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
+    auto& L = at(layer);
+    if (host_) {
+      host_path_.append(core_, L, layer, counts, T);
+    } else {
+      tensor_path_.append(core_, L, layer, counts, T, map);
+    }
+    for (int64_t b = 0; b < rows(); ++b) {
+      L.len[b] += counts[b];
+      L.seen[b] += counts[b];
+      L.last_new[b] = counts[b];
+      L.appends[b] += counts[b] > 0 ? 1 : 0;
+    }
+    L.last_T = T;
+    L.open_q = 0;
+  }
+
+  /// Tensor path: the [B, T] slot of each column of an append (before it), pads on slot `trash`
+  /// (the trash slot of the slots the append will have: TensorPath::slot_map).
+  at::Tensor slot_map(int64_t layer, const int64_t* counts, int64_t T, int64_t trash) {
+    auto& L = at(layer);
+    return tensor_path_.slot_map(core_, L, layer, counts, T, trash);
+  }
+
+  /// A layer's state and its path's scratch, made apart before they replace the layer's.
+  struct Grown {
+    LayerState state;
+    typename HostPath::Scratch host;
+    typename TensorPath::Scratch tensor;
+  };
+
+  /// A copy of L's state with `slots` slots per row, its tokens kept (allocates; changes
+  /// nothing). \throws c10::ValueError if slots < the longest row + 1; c10::Error naming `what`,
+  /// the layer and the sizes on an allocation failure.
+  Grown resized(const LayerState& L, int64_t layer, int64_t slots, const char* what) const {
+    KVEVICT_CHECK_VALUE(slots >= max_of(L.len) + 1 && slots >= 2 && slots <= EvictionOptions::kMaxTokens + 1,
+                        what, ": slots must be in [max(2, size(layer) + 1 = ", max_of(L.len) + 1,
+                        ") (the tokens and the trash slot), 2^40 + 1], got ", slots);
+    Grown N;
+    named_allocation(layer, L.slots, slots, what, [&] {
+      N.state = resized_layer(core_, L, slots);
+      if (host_) {
+        N.host = host_path_.resized(core_, layer, slots);
+      } else {
+        N.tensor = tensor_path_.resized(core_, layer, slots);
+      }
+    });
+    return N;
+  }
+
+  /// Runs `allocate()`; an allocation failure becomes a c10::Error "<what>: could not allocate
+  /// the eviction state of layer <layer> resized from <from> to <slots> slots per row (sizes)".
+  /// A null `what`: no renaming (the constructor names its own).
+  template <class F>
+  void named_allocation(int64_t layer, int64_t from, int64_t slots, const char* what, F&& allocate) const {
+    if (!what) return allocate();
+    allocating(allocate, [&](const std::string& why) {
+      const int64_t bytes = 8 + 4 * W + (core_.options.lazy_reduction() ? 16 : 0);  // per slot and row
+      KVEVICT_CHECK(false, what, ": could not allocate the eviction state of layer ", layer, " resized from ", from,
+                    " to ", slots, " slots per row (batch_size=", rows(), ", ", bytes,
+                    " bytes per slot and row on ", core_.device, "): ", why);
+    });
+  }
+
+  /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
+  void swap_in(LayerState& L, int64_t layer, Grown& N) noexcept {
+    L.slots = N.state.slots;
+    L.position = std::move(N.state.position);
+    L.state = std::move(N.state.state);
+    L.pending = std::move(N.state.pending);
+    L.open_q = 0;
+    if (host_) {
+      host_path_.swap_in(layer, N.host);
+    } else {
+      tensor_path_.swap_in(layer, N.tensor);
+    }
+  }
+
+  int64_t base_slots_unchecked(int64_t layer) const {
+    return std::max(core_.layer_eviction[layer].capacity() + core_.eviction.evict_every(), reserved_) + 1;
+  }
+
+  /// Empty state for every layer at base_slots(), with its path's scratch (allocates; changes
+  /// nothing but the paths' scratch, which only a successful return makes current). `what`
+  /// names the public call in an allocation failure's message (null: not renamed).
+  std::vector<LayerState> fresh_layers(const char* what) {
+    const int64_t B = rows();
+    std::vector<LayerState> fresh(static_cast<size_t>(core_.options.num_layers()));
+    std::vector<Grown> grown(fresh.size());
+    for (size_t l = 0; l < fresh.size(); ++l) {
+      auto& L = fresh[l];
+      L.len.assign(B, 0);
+      L.appends.assign(B, 0);
+      L.seen.assign(B, 0);
+      L.last_new.assign(B, 0);
+      const int64_t slots = base_slots_unchecked(static_cast<int64_t>(l));
+      const int64_t from = l < layers_.size() ? layers_[l].slots : 0;
+      named_allocation(static_cast<int64_t>(l), from, slots, what, [&] {
+        allocate_layer(core_, L, slots);
+        if (host_) {
+          grown[l].host = HostPath().resized(core_, static_cast<int64_t>(l), slots);
+        } else {
+          grown[l].tensor = TensorPath().resized(core_, static_cast<int64_t>(l), slots);
+        }
+      });
+    }
+    host_path_ = HostPath();
+    tensor_path_ = TensorPath();
+    for (size_t l = 0; l < fresh.size(); ++l) {
+      if (host_) {
+        host_path_.swap_in(static_cast<int64_t>(l), grown[l].host);
+      } else {
+        tensor_path_.swap_in(static_cast<int64_t>(l), grown[l].tensor);
+      }
+    }
+    return fresh;
+  }
+
+  [[noreturn]] void fail_allocation(const std::string& why) const {
+    KVEVICT_CHECK(false, "could not allocate the eviction state: num_layers=", core_.options.num_layers(),
+                  ", batch_size=", core_.options.batch_size(), ", num_heads=", core_.options.num_heads(),
+                  ", capacity + evict_every = ", core_.eviction.capacity() + core_.eviction.evict_every(),
+                  " slots per row (n_sink=", core_.eviction.n_sink(), ", budget=", core_.eviction.budget(),
+                  ", n_recent=", core_.eviction.n_recent(), ", evict_every=", core_.eviction.evict_every(), ") on ",
+                  core_.device, ": ", why);
+    throw;  // not reached
+  }
+
+  int64_t check_row(int64_t row) const {
+    KVEVICT_CHECK_INDEX(row >= 0 && row < rows(), "row must be in [0, ", rows(), "), got ", row);
+    return row;
+  }
+  LayerState& at(int64_t layer) {
+    KVEVICT_CHECK_INDEX(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "layer must be in [0, ", static_cast<int64_t>(layers_.size()), "), got ", layer);
+    return layers_[layer];
+  }
+  const LayerState& at(int64_t layer) const { return const_cast<PolicyState*>(this)->at(layer); }
+
+  /// Empties `row` in every layer (positions -1, lengths and seen 0). No allocation on the host
+  /// path; on the tensor path a fill per layer.
+  void clear_row(int64_t row) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      auto& L = layers_[l];
+      on_path([&](auto& p) { p.clear_row(core_, L, static_cast<int64_t>(l), row); });
+      L.len[row] = L.seen[row] = L.last_new[row] = L.appends[row] = 0;
+      L.open_q = 0;
+    }
+  }
+
+  /// Opens an observation of Q columns.
+  void begin_observation(LayerState& L, int64_t layer, int64_t Q) {
+    on_path([&](auto& p) { p.begin_observation(core_, L, layer, Q); });
+    L.open_q = Q;
+  }
+
+  /// Adds the fixed-point terms of probs [B, Hc, Qc, S] (query columns from q_begin, heads from
+  /// h_begin) to the open observation, checking them on the way when checks are on.
+  void add_observation(LayerState& L, int64_t layer, const at::Tensor& in, int64_t q_begin, int64_t h_begin) {
+    on_path([&](auto& p) { p.add_observation(core_, L, layer, in, q_begin, h_begin); });
+  }
+
+  /// Applies the open observation (reducer, observers, rank check, scorer) and closes it.
+  void end_observation(LayerState& L, int64_t layer) {
+    on_path([&](auto& p) { p.end_observation(core_, L, layer); });
+    L.open_q = 0;
+  }
+
+  /// lazy_reduction: applies the pending observations of `layer` (see flush()).
+  void flush_layer(LayerState& L, int64_t layer) {
+    if (L.pending_terms == 0) return;
+    at::NoGradGuard no_grad;
+    on_path([&](auto& p) { p.flush(core_, L, layer); });
+    L.pending_terms = 0;
+  }
+
+  PolicyCore<Scorer> core_;
+  bool host_;
+  int64_t reserved_ = 0;  // slots asked for by reserve()
+  std::vector<LayerState> layers_;
+  HostPath host_path_;
+  TensorPath tensor_path_;
+};
+
+}  // namespace detail
+}  // namespace kvevict
