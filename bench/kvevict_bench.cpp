@@ -122,7 +122,7 @@ Options (default in brackets):
                        / evict, amortized over one evict_every window holding one pass. (a) cache +
                        attention (apart, observe=false), evict_every 1; (b) the same at 16; (c)
                        LseRing at 16; (d) observe_lse(_absorbed) every step, evict_every 1; (e) a
-                       ragged batch of 8, evict_every 1; (f) EvictionPolicy + write_rows +
+                       ragged batch of 8, evict_every 1 and 16; (f) EvictionPolicy + write_rows +
                        apply_moves on a buffer of one's own, evict_every 1. Per layout,
                        heads, dtype and capacity; README: --layout latent --heads 128 --dtype bf16
                        --capacity 4612 --check-observations off
@@ -927,6 +927,7 @@ std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   loops.push_back(count_lse_step_loop<Layout>(
       "(d) " + c.layout + (c.layout == "latent" ? " + observe_lse_absorbed" : " + observe_lse") + " every step", c, a, 1));
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 1, ragged));
+  loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 16, ragged));
   loops.push_back(count_own_storage_loop("(f) EvictionPolicy + write_rows + apply_moves", c, a, 1));
   kvevict::detail::force_tensor_path() = a.tensor_path;
   return loops;
