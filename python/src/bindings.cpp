@@ -693,6 +693,17 @@ void def_attention(py::module_& m) {
       py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(),
       "observe_lse() for the latent layout: logits scale * (q_absorbed . ckv + q_pe . kpe).");
 
+  const auto ring_size = [](Ring& r) {
+    return std::visit([](auto& v) { return std::visit([](auto& x) { return x.ring_size(); }, v); }, r.v);
+  };
+  const auto buffered = [](Ring& r, int64_t layer) {
+    return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.buffered(layer); }, v); }, r.v);
+  };
+  // A DeprecationWarning (shown once per call site by Python's default filters); raises if a
+  // filter turns it into an error.
+  const auto deprecated = [](const char* message) {
+    if (PyErr_WarnEx(PyExc_DeprecationWarning, message, 1) != 0) throw py::error_already_set();
+  };
   py::class_<Ring>(m, "LseRing",
                    "Amortised LSE scoring for one cache: buffers the queries and LSEs of up to evict_every decode "
                    "steps per layer and scores them with one batched product when full or when a pass is due. "
@@ -714,15 +725,22 @@ void def_attention(py::module_& m) {
              });
            }),
            py::arg("cache"), py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(), py::keep_alive<1, 2>())
-      .def("capacity",
-           [](Ring& r) { return std::visit([](auto& v) { return std::visit([](auto& x) { return x.ring_size(); }, v); }, r.v); },
-           "Query columns the ring holds before it scores them: the cache's evict_every.")
+      .def("ring_size", ring_size, "Query columns the ring holds before it scores them: the cache's evict_every.")
+      .def("buffered", buffered, py::arg("layer"), "Query columns buffered for `layer`. IndexError for a bad layer.")
+      .def(
+          "capacity",
+          [ring_size, deprecated](Ring& r) {
+            deprecated("LseRing.capacity() is deprecated: use ring_size()");
+            return ring_size(r);
+          },
+          "Old name of ring_size() (deprecated: \"capacity\" is n_sink + budget + n_recent everywhere else).")
       .def(
           "pending",
-          [](Ring& r, int64_t layer) {
-            return std::visit([&](auto& v) { return std::visit([&](auto& x) { return x.buffered(layer); }, v); }, r.v);
+          [buffered, deprecated](Ring& r, int64_t layer) {
+            deprecated("LseRing.pending() is deprecated: use buffered()");
+            return buffered(r, layer);
           },
-          py::arg("layer"), "Query columns buffered for `layer`.")
+          py::arg("layer"), "Old name of buffered() (deprecated).")
       .def(
           "push",
           [](Ring& r, int64_t layer, const at::Tensor& q, const at::Tensor& lse) {

@@ -258,17 +258,21 @@ def test_lse_ring_buffers_evict_every_steps():
     cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=8, qk_rope_dim=4, qk_nope_dim=4),
                                    kvevict.EvictionOptions(4, n_sink=1, n_recent=2, evict_every=3))
     ring = kvevict.LseRing(cache, 0.5)
-    assert ring.capacity() == 3
+    assert ring.ring_size() == 3
+    with pytest.warns(DeprecationWarning):
+        assert ring.capacity() == 3
     for t in range(10):
         cache.update(0, torch.randn(1, 1, 8, generator=g), torch.randn(1, 1, 4, generator=g))
         qa, qp = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 4, generator=g)
         logits = (qa @ cache.ckv(0).unsqueeze(1).transpose(-2, -1) + qp @ cache.kpe(0).unsqueeze(1).transpose(-2, -1)) * 0.5
         ring.push(0, qa, qp, torch.logsumexp(logits, -1))
-        assert 0 <= ring.pending(0) < 3  # a full ring scores itself
+        assert 0 <= ring.buffered(0) < 3  # a full ring scores itself
         due = cache.due(0)
         ring.evict(0)
         if due:  # a due pass scores the buffered queries first
-            assert ring.pending(0) == 0
+            assert ring.buffered(0) == 0
+            with pytest.warns(DeprecationWarning):
+                assert ring.pending(0) == 0
     assert cache.size(0) <= cache.capacity() + 2
     with pytest.raises(TypeError, match="MlaLatentCache"):
         ring.push(0, qa, torch.zeros(1, 2, 1))
