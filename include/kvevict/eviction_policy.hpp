@@ -45,6 +45,10 @@ struct CacheStats {
   int64_t tokens_evicted = 0;
   /// Bytes held by all buffers: K/V (or ckv/kpe) data plus the eviction state.
   int64_t bytes_allocated = 0;
+  /// Tokens in the caches' host tier (evicted, kept in host memory), summed over rows.
+  int64_t tier_tokens = 0;
+  /// Host bytes those tokens hold: rows, position, rank and scorer state.
+  int64_t tier_bytes = 0;
 };
 
 namespace detail {

@@ -92,4 +92,26 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
   return full_cache_bytes(c, layout, std::min(seq_len, capacity));
 }
 
+/// Host bytes the host tier (cache options' tier_tokens) holds for one sequence, all layers,
+/// after `seq_len` tokens with device capacity `capacity` and a tier of `tier_tokens` per
+/// layer: min(max(seq_len - capacity, 0), tier_tokens) tokens per layer, each its K/V rows
+/// (as in the cache's dtype) plus 8 + 4 + 4 x state_width bytes (position, rank at eviction,
+/// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
+/// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1, or
+///         the result overflows int64.
+inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity,
+                          int64_t tier_tokens, int64_t state_width = 1) {
+  KVEVICT_CHECK_VALUE(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
+  KVEVICT_CHECK_VALUE(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  KVEVICT_CHECK_VALUE(tier_tokens >= 0, "tier_tokens must be >= 0, got ", tier_tokens);
+  KVEVICT_CHECK_VALUE(state_width >= 1, "state_width must be >= 1, got ", state_width);
+  using detail::checked_add;
+  using detail::checked_mul;
+  const int64_t tokens = std::min(std::max<int64_t>(seq_len - capacity, 0), tier_tokens);
+  const int64_t per_token = checked_add(bytes_per_token_per_layer(c, layout),
+                                        checked_add(12, checked_mul(4, state_width, "state bytes"), "tier bookkeeping"),
+                                        "tier bytes per token and layer");
+  return checked_mul(checked_mul(tokens, per_token, "tier tokens x bytes"), c.num_layers, "tier bytes (all layers)");
+}
+
 }  // namespace kvevict

@@ -46,7 +46,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
-             options.dtype()),
+             options.dtype(), options.tier_tokens()),
         options_(options) {}
 
   const MlaCacheOptions& options() const noexcept { return options_; }
@@ -93,6 +93,14 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   OrderedLayer ordered(int64_t layer) const {
     auto b = Base::ordered_buffers(layer);
     return {b[0], b[1], b[2]};
+  }
+
+  /// The rows of the host tier's tokens of `row` in `layer` ({keys [H, n, qk_dim], values [H, n, v_dim]}), in the order of
+  /// tier_positions(), bit for bit as they were cached; CPU copies.
+  /// \throws c10::IndexError for a bad layer or row; c10::Error without a tier.
+  std::pair<at::Tensor, at::Tensor> tier_rows(int64_t layer, int64_t row) const {
+    auto b = Base::tier_buffers(layer, row);
+    return {b[0], b[1]};
   }
 
  private:

@@ -44,7 +44,7 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}},
               {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}}},
-             options.dtype()),
+             options.dtype(), options.tier_tokens()),
         options_(options) {}
 
   const MlaLatentCacheOptions& options() const noexcept { return options_; }
@@ -83,6 +83,14 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   OrderedLatentLayer ordered(int64_t layer) const {
     auto b = Base::ordered_buffers(layer);
     return {b[0], b[1], b[2]};
+  }
+
+  /// The rows of the host tier's tokens of `row` in `layer` ({ckv [n, kv_lora_rank], kpe [n, qk_rope_dim]}), in the order of
+  /// tier_positions(), bit for bit as they were cached; CPU copies.
+  /// \throws c10::IndexError for a bad layer or row; c10::Error without a tier.
+  std::pair<at::Tensor, at::Tensor> tier_rows(int64_t layer, int64_t row) const {
+    auto b = Base::tier_buffers(layer, row);
+    return {b[0], b[1]};
   }
 
  private:

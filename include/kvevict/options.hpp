@@ -190,6 +190,8 @@ struct CacheOptionsBase {
     policy_options().validate(type);
     KVEVICT_CHECK_VALUE(at::isFloatingType(dtype_), type,
                         ": dtype must be a floating type (float32, float16, bfloat16, float64), got ", dtype_);
+    KVEVICT_CHECK_VALUE(tier_tokens_ >= 0 && tier_tokens_ <= EvictionOptions::kMaxTokens, type,
+                        ": tier_tokens must be in [0, 2^40], got ", tier_tokens_);
     static_cast<const Derived&>(*this).validate_layout();
   }
 
@@ -225,6 +227,11 @@ struct CacheOptionsBase {
   KVEVICT_ARG_AS(Derived, ContributionReducer, reduce_contributions) = nullptr;
   /// See EvictionPolicyOptions::lazy_reduction. Default: false.
   KVEVICT_ARG_AS(Derived, bool, lazy_reduction) = false;
+  /// The host tier: evicted tokens a row keeps in host memory per layer (its rows bit for bit,
+  /// position, rank and scorer state) instead of dropping them; past this many the lowest-
+  /// ranked tier tokens are dropped, in the eviction order. 0: no tier. CPU host path only for
+  /// now (the constructor throws c10::ValueError elsewhere). Default: 0.
+  KVEVICT_ARG_AS(Derived, int64_t, tier_tokens) = 0;
 };
 
 }  // namespace detail

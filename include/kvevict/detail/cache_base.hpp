@@ -4,6 +4,7 @@
 // buffers and their token dims; appending, moving, growing and shrinking rows are here.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/host_tier.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/slot_moves.hpp>
 
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -121,6 +123,7 @@ class CacheBase {
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
     if (policy_.host_path()) {
+      if (tier_tokens_ > 0) to_tier(layer, pass);  // before the moves overwrite the evicted rows
       for (size_t i = 0; i < specs_.size(); ++i) {
         apply_moves_host(pass.src.data(), pass.dst.data(), batch_size(), pass.columns, pass.columns,
                          bufs[i], token_dim(i));
@@ -146,6 +149,10 @@ class CacheBase {
   CacheStats stats(int64_t layer) const {
     auto s = policy_.stats(layer);
     for (const auto& t : buffers_.at(layer)) s.bytes_allocated += t.nbytes();
+    if (tier_tokens_ > 0) {
+      s.tier_tokens = tiers_[layer].tokens();
+      s.tier_bytes = tiers_[layer].bytes();
+    }
     return s;
   }
   /// Counters summed over layers.
@@ -156,10 +163,66 @@ class CacheBase {
       total.eviction_events += s.eviction_events;
       total.tokens_evicted += s.tokens_evicted;
       total.bytes_allocated += s.bytes_allocated;
+      total.tier_tokens += s.tier_tokens;
+      total.tier_bytes += s.tier_bytes;
     }
     return total;
   }
 
+  // -------------------------------------------------------------------------------------------
+  // The host tier (cache options' tier_tokens > 0): evicted tokens kept in host memory.
+
+  /// Tokens a row keeps in its tier per layer (0: no tier; the cache options' tier_tokens).
+  int64_t tier_tokens() const noexcept { return tier_tokens_; }
+  /// Tokens of `row` in the tier of `layer`. \throws c10::IndexError for a bad layer or row.
+  int64_t tier_size(int64_t layer, int64_t row) const { return tier_row(layer, row).size(); }
+  /// [n] int64 positions of the tier tokens of `row` in `layer`, ascending (CPU, a copy).
+  at::Tensor tier_positions(int64_t layer, int64_t row) const {
+    const auto& r = tier_row(layer, row);
+    const auto order = tier_order(r);
+    auto out = at::empty({static_cast<int64_t>(order.size())}, at::TensorOptions().dtype(at::kLong));
+    for (size_t i = 0; i < order.size(); ++i) out.template data_ptr<int64_t>()[i] = r.position[order[i]];
+    return out;
+  }
+  /// [n] fp32 rank (Scorer::rank) of each tier token of `row` in `layer` when it was evicted,
+  /// in the order of tier_positions() (CPU, a copy).
+  at::Tensor tier_scores(int64_t layer, int64_t row) const {
+    const auto& r = tier_row(layer, row);
+    const auto order = tier_order(r);
+    auto out = at::empty({static_cast<int64_t>(order.size())});
+    for (size_t i = 0; i < order.size(); ++i) out.template data_ptr<float>()[i] = r.rank[order[i]];
+    return out;
+  }
+
+ protected:
+  /// Per buffer of the layout (MlaCache: keys, values; MlaLatentCache: ckv, kpe), the rows of
+  /// the tier tokens of `row` in `layer` as [outer..., n, inner] (the buffer's shape without
+  /// the batch), in the order of tier_positions(), bit for bit as they were cached (CPU,
+  /// copies).
+  std::vector<at::Tensor> tier_buffers(int64_t layer, int64_t row) const {
+    const auto& r = tier_row(layer, row);
+    const auto order = tier_order(r);
+    const auto n = static_cast<int64_t>(order.size());
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      std::vector<int64_t> shape(specs_[i].outer);
+      int64_t groups = 1;
+      for (auto o : specs_[i].outer) groups *= o;
+      shape.push_back(n);
+      shape.push_back(specs_[i].inner);
+      auto t = at::empty(shape, at::TensorOptions().dtype(dtype_));
+      const int64_t rb = tiers_[layer].row_bytes(i), piece = rb / groups;
+      auto* dst = static_cast<uint8_t*>(t.data_ptr());
+      for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* src = r.bytes[i].data() + order[j] * rb;
+        for (int64_t g = 0; g < groups; ++g) std::memcpy(dst + (g * n + j) * piece, src + g * piece, piece);
+      }
+      out.push_back(t);
+    }
+    return out;
+  }
+
+ public:
   // -------------------------------------------------------------------------------------------
   // Sequences (continuous batching): EvictionPolicy's lifecycle, with the rows moved too.
 
@@ -169,9 +232,16 @@ class CacheBase {
   /// \throws c10::Error if every row holds a sequence.
   int64_t add_sequence() { return policy_.add_sequence(); }
   /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
-  void finish(int64_t row) { policy_.finish(row); }
-  /// Empties `row` for a new sequence (positions restart at 0).
-  void reset(int64_t row) { policy_.reset(row); }
+  /// With a tier, its tokens of the row are released too.
+  void finish(int64_t row) {
+    policy_.finish(row);
+    for (auto& t : tiers_) t.row(row).clear();
+  }
+  /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
+  void reset(int64_t row) {
+    policy_.reset(row);
+    for (auto& t : tiers_) t.row(row).clear();
+  }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
   /// active, and gives back the slots grown by long appends.
@@ -186,6 +256,9 @@ class CacheBase {
     policy_.reset();
     buffers_ = std::move(fresh);
     for (auto& v : live_views_) v = LiveViews{};
+    for (auto& t : tiers_) {
+      for (int64_t b = 0; b < batch_size(); ++b) t.row(b).clear();
+    }
   }
 
   /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
@@ -193,7 +266,14 @@ class CacheBase {
   /// \throws c10::Error if a dropped token was already evicted, k is out of range or the row is
   ///         free, or on an allocation failure; the cache (every layer) is unchanged then.
   void truncate(int64_t row, int64_t k) {
-    auto t = policy_.plan_truncate(row, k);  // every check, every allocation of the state
+    // Tier tokens among the k newest leave the tier: the policy plans only the cached ones.
+    std::vector<int64_t> in_tier(static_cast<size_t>(num_layers()), 0);
+    if (tier_tokens_ > 0 && policy_.active(row) && k >= 0) {
+      for (int64_t l = 0; l < num_layers(); ++l) {
+        in_tier[l] = tiers_[l].count_from(row, policy_.seen_tokens(l, row) - k);
+      }
+    }
+    auto t = policy_.plan_truncate(row, k, in_tier);  // every check, every allocation of the state
     // The rows a buffer moves, gathered before anything changes where the moves allocate (not a
     // contiguous CPU buffer: that one moves with memcpy).
     std::vector<std::vector<at::Tensor>> gathered(static_cast<size_t>(num_layers()), std::vector<at::Tensor>(specs_.size()));
@@ -207,7 +287,10 @@ class CacheBase {
         gathered[l][i] = gather_moves(m, buf, token_dim(i), move_rows_of[l]);
       }
     }
+    std::vector<int64_t> tier_from(static_cast<size_t>(num_layers()));
+    for (int64_t l = 0; l < num_layers(); ++l) tier_from[l] = policy_.seen_tokens(l, row) - k;
     policy_.commit_truncate(t);  // from here on nothing allocates or throws
+    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) tiers_[l].drop_from(row, tier_from[l]);
     for (int64_t l = 0; l < num_layers(); ++l) {
       const auto& m = t.moves[l];
       for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
@@ -243,11 +326,24 @@ class CacheBase {
   }
 
  protected:
-  CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype)
-      : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype) {
+  /// `tier_tokens`: the host tier's budget per row and layer (0: no tier; CPU host path only).
+  CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0)
+      : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
+    KVEVICT_CHECK_VALUE(tier_tokens_ == 0 || policy_.host_path(), "tier_tokens: the host tier runs on the CPU host "
+                        "path only for now; the cache is on ", device(), ", so tier_tokens must be 0, got ",
+                        tier_tokens_);
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
+      if (tier_tokens_ > 0) {
+        std::vector<int64_t> row_bytes;
+        for (const auto& spec : specs_) {
+          int64_t n = spec.inner;
+          for (auto o : spec.outer) n *= o;
+          row_bytes.push_back(n * static_cast<int64_t>(c10::elementSize(dtype_)));
+        }
+        for (int64_t l = 0; l < num_layers(); ++l) tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes);
+      }
     }, [&](const std::string& why) { fail_allocation(why); });
   }
 
@@ -399,6 +495,69 @@ class CacheBase {
   int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
 
  private:
+  const TierRow& tier_row(int64_t layer, int64_t row) const {
+    policy_.size(layer, row);  // checks both
+    KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
+    return tiers_[layer].row(row);
+  }
+  /// Indices of a tier row's tokens by ascending position.
+  static std::vector<int64_t> tier_order(const TierRow& r) {
+    std::vector<int64_t> order(static_cast<size_t>(r.size()));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return r.position[a] < r.position[b]; });
+    return order;
+  }
+
+  /// Host path, before a pass's moves: copies each evicted token (rows, position, rank and
+  /// state, read from the slots the pass frees) into its row's tier, then drops what is over
+  /// the tier's budget. Every allocation comes first (a throw changes nothing).
+  void to_tier(int64_t layer, const Pass& pass) {
+    auto& tier = tiers_[layer];
+    const auto& L = policy_.at(layer);
+    const int64_t B = batch_size(), slots_ = slots(layer);
+    std::vector<std::vector<int64_t>> evicted(static_cast<size_t>(B));
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        if (pass.n[b] == 0) continue;
+        auto& ev = evicted[b];
+        ev.reserve(static_cast<size_t>(pass.n[b]));
+        const int64_t new_len = pass.new_len[b], len = new_len + pass.n[b];
+        std::vector<uint8_t> source(static_cast<size_t>(pass.n[b]), 0);  // tail slots that move
+        for (int64_t k = 0; k < pass.moves[b]; ++k) {
+          ev.push_back(pass.dst[b * pass.columns + k]);
+          source[pass.src[b * pass.columns + k] - new_len] = 1;
+        }
+        for (int64_t s = new_len; s < len; ++s) {
+          if (!source[s - new_len]) ev.push_back(s);
+        }
+        tier.reserve(b, pass.n[b]);
+      }
+    }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "evict: could not allocate room in the host tier of layer ", layer, ": ", why);
+    });
+    const auto* pos = L.position.template data_ptr<int64_t>();
+    const auto* state = L.state.template data_ptr<float>();
+    const auto& scorer = policy_.scorer();
+    std::vector<const uint8_t*> src(specs_.size());
+    std::vector<int64_t> groups(specs_.size()), stride(specs_.size());
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      groups[i] = 1;
+      for (auto o : specs_[i].outer) groups[i] *= o;
+      stride[i] = slots_ * tier.row_bytes(i) / groups[i];
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      for (const int64_t s : evicted[b]) {
+        const float* st = state + (b * slots_ + s) * Policy::W;
+        for (size_t i = 0; i < specs_.size(); ++i) {
+          const auto* base = static_cast<const uint8_t*>(buffers_[layer][i].data_ptr());
+          src[i] = base + (b * groups[i] * slots_ + s) * (tier.row_bytes(i) / groups[i]);
+        }
+        tier.add(b, pos[b * slots_ + s], scorer.rank(st), st, src, groups, stride);
+      }
+      if (!evicted[b].empty()) tier.enforce_budget(b);
+    }
+  }
+
   [[noreturn]] void fail_allocation(const std::string& why) const {
     KVEVICT_CHECK(false, "could not allocate the cache buffers: num_layers=", num_layers(), ", batch_size=",
                   batch_size(), ", num_heads=", num_heads(), ", ", policy_.base_slots(0),
@@ -525,6 +684,8 @@ class CacheBase {
   Policy policy_;
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;
+  int64_t tier_tokens_ = 0;
+  std::vector<LayerTier> tiers_;  // per layer, with a tier
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
   /// Per layer: the views live() handed out last, valid while width and buffers stay.
   struct LiveViews {

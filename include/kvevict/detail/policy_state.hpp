@@ -81,7 +81,9 @@ class PolicyState {
 
   /// truncate(), first half: checks every layer and allocates everything the rollback needs;
   /// changes nothing. \throws as truncate().
-  Truncation plan_truncate(int64_t row, int64_t k) {
+  /// `in_tier`: per layer, how many of the k newest tokens of the row sit in the cache's host
+  /// tier (empty: none); those count as present and are not planned here.
+  Truncation plan_truncate(int64_t row, int64_t k, const std::vector<int64_t>& in_tier = {}) {
     KVEVICT_CHECK(core_.active[check_row(row)] != 0, "truncate: row ", row, " holds no sequence");
     KVEVICT_CHECK_VALUE(k >= 0, "truncate: k must be >= 0, got ", k);
     std::vector<std::vector<int64_t>> slots_of(layers_.size());  // per layer: slots of the k tokens
@@ -94,9 +96,12 @@ class PolicyState {
       for (int64_t s = 0; s < L.len[row]; ++s) {
         if (p[s] >= L.seen[row] - k) slots_of[l].push_back(s);
       }
-      KVEVICT_CHECK(static_cast<int64_t>(slots_of[l].size()) == k, "truncate: ", k - static_cast<int64_t>(slots_of[l].size()),
-                    " of the ", k, " newest tokens of row ", row, " were already evicted in layer ", l,
-                    "; only tokens still cached can be rolled back");
+      const int64_t tiered = in_tier.empty() ? 0 : in_tier[l];
+      const int64_t found = static_cast<int64_t>(slots_of[l].size()) + tiered;
+      KVEVICT_CHECK(found == k, "truncate: ", k - found, " of the ", k, " newest tokens of row ", row,
+                    " were already evicted in layer ", l,
+                    tiered > 0 || !in_tier.empty() ? " (and are not in the host tier)" : "",
+                    "; only tokens still cached", in_tier.empty() ? "" : " or in the tier", " can be rolled back");
     }
     Truncation t;
     t.row = row;
@@ -105,10 +110,11 @@ class PolicyState {
       auto& L = layers_[l];
       Pass pass;
       reset_pass(L, pass);
-      pass.n[row] = k;
-      pass.new_len[row] = L.len[row] - k;
+      const auto cached = static_cast<int64_t>(slots_of[l].size());
+      pass.n[row] = cached;
+      pass.new_len[row] = L.len[row] - cached;
       std::vector<uint8_t> tail_flags;
-      fill_moves_host(pass, row, slots_of[l].data(), k, tail_flags);
+      fill_moves_host(pass, row, slots_of[l].data(), cached, tail_flags);
       pad_moves(pass);
       t.moves.push_back(pass.to_moves(core_.device));
       if (!host_) t.writes.push_back(tensor_path_.prepare_commit(core_, L, static_cast<int64_t>(l), pass));
