@@ -179,6 +179,9 @@ bool parse_args(int argc, char** argv, Args& a) {
       });
   if (!run) return false;
   if (a.list_ops && !a.count_ops) throw UsageError("--list-ops needs --count-ops");
+  if (a.count_ops && a.batches != std::vector<int64_t>{1}) {
+    throw UsageError("--count-ops sets its own batches (1, and a ragged batch of 8): drop --batch");
+  }
   for (auto cap : a.capacities) {
     if (cap < a.n_sink + a.n_recent) {
       throw UsageError("--capacity " + std::to_string(cap) + " is below n_sink + n_recent = " +
@@ -814,7 +817,10 @@ LoopCounts count_own_storage_loop(const std::string& name, const Config& c, cons
                                    eviction_options(c, a, evict_every));
   policy.reserve(c.capacity + evict_every);
   const int64_t width = a.kv_lora_rank + a.qk_rope_dim;
-  const auto buffer = at::zeros({1, policy.slots(0), width}, at::TensorOptions().dtype(c.dtype).device(c.device));
+  // A strided buffer (a narrowed view): on CPU a contiguous one would take write_rows' and
+  // apply_moves' memcpy branches, which CUDA never runs and the observers cannot see.
+  const auto buffer = at::zeros({1, policy.slots(0), width + 1}, at::TensorOptions().dtype(c.dtype).device(c.device))
+                          .narrow(2, 0, width);
   const auto prompt = random({1, c.capacity, width}, c.dtype, c.device);
   kvevict::write_rows(buffer, 1, prompt, policy.append(0, std::vector<int64_t>{c.capacity}, c.capacity));
   policy.observe(0, at::softmax(at::randn({1, c.heads, 1, c.capacity}, at::TensorOptions().device(c.device)), -1));

@@ -4,6 +4,8 @@
 # Catch2 there is v3: the tests use the vendored third_party/catch2 v2 header). Needs root
 # (debootstrap, mount, chroot); installs debootstrap on the host when it is missing.
 #
+# A run killed before its exit trap (SIGKILL) leaves its bind mounts (/proc, /sys, /dev, the
+# source tree) under the root until the next run removes them: do not delete build/ before.
 # Idempotent: the root is made once and reused (KVEVICT_DEBIAN13_ROOT, default
 # build/debian13-root); the source tree is bind-mounted into it at /src and built into
 # build-libtorch2/ (only what ctest runs: no benchmarks, no examples ctest does not run, no
@@ -26,10 +28,16 @@ cleanup() {
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[i]}" || umount -l "${mounted[i]}" || true; done
 }
 trap cleanup EXIT
-bind() {  # bind <host dir> <dir in the root>
+bind() {  # bind <host dir> <dir in the root>; unmounted on exit
   mkdir -p "$root$2"
-  mountpoint -q "$root$2" || { mount --bind "$1" "$root$2"; mounted+=("$root$2"); }
+  mount --bind "$1" "$root$2"
+  mounted+=("$root$2")
 }
+# A run killed before its exit trap (SIGKILL) leaves its bind mounts behind: undo them first, so
+# that nothing below (the root's removal, a later rm -rf build) reaches through them.
+for d in /proc /sys /dev /src; do
+  while mountpoint -q "$root$d" 2>/dev/null; do umount "$root$d" || umount -l "$root$d"; done
+done
 
 # 1. The Debian 13 root. debootstrap removes $root/debootstrap when it has finished: a root
 #    that still has it was interrupted and is made again.
@@ -40,12 +48,9 @@ if [ ! -x "$root/usr/bin/apt-get" ] || [ -e "$root/debootstrap" ]; then
     apt-get install "${apt_quiet[@]}" debootstrap >/dev/null
   fi
   echo "== debootstrap: Debian 13 (trixie) into $root"
-  # Never delete through a mount left behind (the source tree is bind-mounted into the root).
-  if awk -v r="$root/" 'index($2, r) == 1 { found = 1 } END { exit !found }' /proc/mounts; then
-    echo "test_libtorch2.sh: something is still mounted under $root; unmount it first" >&2
-    exit 1
-  fi
-  rm -rf "$root"
+  # Never delete through a mount (the source tree is bind-mounted into the root):
+  # --one-file-system skips whatever is still mounted under it.
+  rm -rf --one-file-system "$root"
   mkdir -p "$(dirname "$root")"
   debootstrap --variant=minbase trixie "$root" > "$root.debootstrap.log" 2>&1 ||
     { tail -n 30 "$root.debootstrap.log" >&2; exit 1; }

@@ -27,6 +27,11 @@
 //   allocation  an outermost empty / empty_like / empty_strided / resize_ (listed as an event;
 //               the allocation count comes from the allocator, which sees every allocation,
 //               those inside kernels included).
+// Blind spots of an all-CPU run (the tensor path on CPU): a copy_ between two CPU tensors is a
+// kernel even where on CUDA it would be an upload (`dev.copy_(host)`): the tensor path uploads
+// only through to(device), which is counted; and a host read through data_ptr() calls no
+// operator: the path must not read its tensors' data on the host, which only the CUDA run
+// (scripts/gpu_check.sh, graph capture) proves.
 // Operators LibTorch calls without the dispatcher (a kernel's own output allocation) are not
 // operators here; their allocations are counted. CPU allocations only: on CUDA the device's
 // caching allocator is not seen.
@@ -132,11 +137,15 @@ struct OpEvent {
   std::vector<std::vector<int64_t>> shapes;  // sizes of the tensor arguments, in order ({} for
                                              // an undefined one; lists flattened)
   std::vector<int64_t> ints;                 // the integer arguments, in order (lists flattened)
+  std::vector<double> scalars;               // the floating-point arguments, in order
   std::vector<const void*> data;             // data_ptr() of the tensor arguments, as `shapes`
                                              // (nullptr: undefined or without storage); not
                                              // compared by ==
   bool operator==(const OpEvent& o) const {
-    return name == o.name && kind == o.kind && syncs == o.syncs && shapes == o.shapes && ints == o.ints;
+    // Scalars bit for bit (a graph bakes them in); NaN equals NaN here.
+    const auto same = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+    return name == o.name && kind == o.kind && syncs == o.syncs && shapes == o.shapes && ints == o.ints &&
+           std::equal(scalars.begin(), scalars.end(), o.scalars.begin(), o.scalars.end(), same);
   }
   bool operator!=(const OpEvent& o) const { return !(*this == o); }
 };
@@ -147,6 +156,8 @@ inline std::ostream& operator<<(std::ostream& os, const OpEvent& e) {
   for (const auto& s : e.shapes) os << ' ' << c10::IntArrayRef(s);
   if (!e.ints.empty()) os << " ints";
   for (auto x : e.ints) os << ' ' << x;
+  if (!e.scalars.empty()) os << " scalars";
+  for (auto x : e.scalars) os << ' ' << x;
   return os;
 }
 
@@ -222,6 +233,7 @@ struct Node {
   Class cls;
   std::vector<std::vector<int64_t>> shapes;
   std::vector<int64_t> ints;
+  std::vector<double> scalars;
   std::vector<const void*> data;
   std::vector<size_t> children;
 };
@@ -238,6 +250,10 @@ inline void add_argument(const c10::IValue& v, Node& n, std::vector<at::Device>&
   } else if (v.isList()) {  // e.g. List[Optional[Tensor]] (index, index_put_)
     const auto list = v.toList();
     for (size_t i = 0; i < list.size(); ++i) add_argument(list.get(i), n, tensor_devices, named_devices);
+  } else if (v.isDouble()) {
+    n.scalars.push_back(v.toDouble());
+  } else if (v.isScalar() && v.toScalar().isFloatingPoint()) {
+    n.scalars.push_back(v.toScalar().toDouble());
   } else if (v.isInt()) {
     n.ints.push_back(v.toInt());
   } else if (v.isIntList()) {
@@ -271,7 +287,7 @@ inline bool is_transfer(const std::string& name, const std::vector<at::Device>& 
 }
 
 inline Node make_node(const at::RecordFunction& fn, bool top_level) {
-  Node n{fn.name(), Class::compute, {}, {}, {}, {}};
+  Node n{fn.name(), Class::compute, {}, {}, {}, {}, {}};
   std::vector<at::Device> tensors, named;
   for (const auto& v : fn.inputs()) add_argument(v, n, tensors, named);
   if (is_transfer(n.name, tensors, named, top_level)) {
@@ -364,7 +380,7 @@ class OpRecorder {
       try {
         r->nodes_.push_back(op_counter_detail::make_node(fn, r->stack_.empty()));
       } catch (...) {  // a node for every call, or leave() would pop the wrong one
-        r->nodes_.push_back({fn.name(), Class::compute, {}, {}, {}, {}});
+        r->nodes_.push_back({fn.name(), Class::compute, {}, {}, {}, {}, {}});
         r->failed_ = true;
       }
       const size_t i = r->nodes_.size() - 1;
@@ -399,7 +415,7 @@ class OpRecorder {
     return false;
   }
   void emit(const Node& n, OpKind kind, bool syncs) {
-    events_.push_back({n.name, kind, syncs, n.shapes, n.ints, n.data});
+    events_.push_back({n.name, kind, syncs, n.shapes, n.ints, n.scalars, n.data});
   }
   /// Counts node i; `in_kernel`: an ancestor was counted as a kernel (only transfers and syncs
   /// inside it count then).

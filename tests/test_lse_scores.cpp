@@ -210,6 +210,17 @@ TEST_CASE("observe_lse rejects an LSE that does not match the logits and changes
   CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, at::zeros({1, kH, 5}), 1.0), Contains("lse"));
   CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, wrong, 1.0, kvevict::LseOptions().query_chunk(0)),
                     Contains("query_chunk must be >= 1"));
+  // LSEs that never put a probability above 1, yet do not match: the probability sums catch
+  // them. The true LSE (the masked logits' logsumexp) passes.
+  const auto pos = cache.positions(0), qpos = cache.policy().query_positions(0, 6);
+  const auto logits = at::matmul(q, cache.keys(0).transpose(-2, -1));  // scale 1
+  const auto hidden = pos.unsqueeze(1).gt(qpos.unsqueeze(2)).unsqueeze(1);  // [1, 1, 6, S]: keys newer than the query
+  const auto lse = logits.masked_fill(hidden, -INFINITY).logsumexp(-1);
+  for (const auto& bad : {lse.add(5.0), lse.div(0.6931471805599453), at::full_like(lse, INFINITY), at::full_like(lse, NAN)}) {
+    CHECK_THROWS_WITH(kvevict::observe_lse(q, cache, 0, bad, 1.0), Contains("sum to a value"));
+    CHECK(at::equal(cache.scores(0), before));
+  }
+  CHECK_NOTHROW(kvevict::observe_lse(q, cache, 0, lse, 1.0));
 }
 
 TEST_CASE("an observation in pieces is bit-identical to observe() of the whole", "[lse][policy][cpu]") {
@@ -400,7 +411,7 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
       ring.evict(0);
       check_same_positions(step, ring_cache);
     }
-    // A ragged update with queries buffered is refused.
+    // A ragged update with queries buffered is refused; they are dropped.
     ring.flush(0);
     CHECK(ring.buffered(0) == 0);
     const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV});
@@ -409,11 +420,16 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
     ring_cache.update(0, k, v, std::vector<int64_t>{1, 0});
     CHECK_THROWS_WITH(ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)),
                       Contains("flush() before a ragged update"));
+    // The buffered column could no longer be scored: the ring dropped it and starts over.
+    CHECK(ring.buffered(0) == 0);
+    CHECK_NOTHROW(ring.flush(0));
   });
 }
 
 TEST_CASE("LseRing refuses buffered queries whose rows changed: truncate, reset or an unpushed update", "[lse][cpu]") {
-  const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV);
+  // Checks off: the pushes' LSE (10, above every logit) is not the logits' logsumexp; the ring's
+  // row checks do not depend on them.
+  const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV).check_observations(false);
   const auto e = EvictionOptions(24).n_sink(2).n_recent(4).evict_every(8);
   at::manual_seed(37);
   kvevict::MlaCache cache(o, e);
@@ -558,7 +574,7 @@ TEST_CASE("compress_prompt and prefill_chunked reject bad inputs before changing
                         kvevict::EvictionOptions(3).n_sink(1).n_recent(2));
     const auto q = at::randn({1, 2, 10, 4}), k = at::randn({1, 2, 10, 4}), v = at::randn({1, 2, 10, 3});
     CHECK_THROWS_WITH(kvevict::compress_prompt(c, 0, q, k, v, at::full({1, 2, 10}, NAN)),
-                      Catch::Matchers::Contains("not finite") && Catch::Matchers::Contains("unchanged"));
+                      Catch::Matchers::Contains("lse does not match the logits") && Catch::Matchers::Contains("nan"));
     CHECK(c.seen_tokens(0) == 0);
     CHECK_THROWS_WITH(kvevict::compress_prompt(c, 0, q, k, at::randn({1, 2, 15, 3}), at::zeros({1, 2, 10})),
                       Catch::Matchers::Contains("v must be"));
@@ -691,12 +707,14 @@ TEST_CASE("observe_lse_absorbed reads the latent rows in place: its largest temp
   const int64_t B = 2, H = 16, W = 64, R = 8, Q = 4;
   kvevict_test::on_both_paths([&] {
     at::manual_seed(62);
-    kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R),
+    // Checks off: the LSE below is above every logit but not the logits' logsumexp.
+    kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R)
+                                  .check_observations(false),
                               EvictionOptions(200));
     c.update(0, at::randn({B, 100, W}), at::randn({B, 100, R}));
     const int64_t S = c.size(0);
     const auto qa = at::randn({B, H, Q, W}).div(8), qr = at::randn({B, H, Q, R}).div(8);
-    const auto lse = at::full({B, H, Q}, 50.0);  // above every logit: a valid (if not exact) LSE
+    const auto lse = at::full({B, H, Q}, 50.0);  // above every logit: probabilities in [0, 1]
     for (const int64_t heads : {H, int64_t{1}}) {
       INFO("heads per chunk " << heads);
       CountingCpuAllocator recording;

@@ -321,7 +321,8 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::Error on a bad layer, shape, dtype or device; with checks on, on a
   ///         probability outside [0, 1] or non-finite, one above 0 for a key newer than its
   ///         query, or a non-finite resulting rank. Nothing changes then.
-  /// \note With checks on, the tensor path syncs with the host once.
+  /// \note With checks on, the tensor path syncs with the host twice (the input check, the
+  ///       rank check).
   void observe(int64_t layer, const at::Tensor& probs) {
     auto& L = at(layer);
     const int64_t S = detail::max_of(L.len);
@@ -502,7 +503,9 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   ///
   /// \return the moves to apply to every buffer of the layer (empty if no pass ran).
   /// \throws c10::IndexError for a bad layer; c10::Error on an allocation failure (or what
-  ///         flush() throws), before anything changed.
+  ///         flush() throws), before anything changed but this: with lazy_reduction, the
+  ///         pending observations were applied first (flush(), a collective under tensor
+  ///         parallelism) and stay applied, so that every process stays in step.
   /// \note Host path: no allocation but the returned tensors. Tensor path: static shapes in the
   ///       steady state, no host sync.
   SlotMoves evict(int64_t layer) {

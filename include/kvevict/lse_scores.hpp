@@ -97,7 +97,7 @@ namespace detail {
 /// open observation: the target is as it was.
 template <class Target, class LogitsFn>
 void observe_lse_chunks(Target& target, int64_t layer, const at::Tensor& pos, const at::Tensor& qpos,
-                        const at::Tensor& lse, int64_t H, int64_t counted, bool check, const LseOptions& o,
+                        const at::Tensor& lse, int64_t H, int64_t counted, double check, const LseOptions& o,
                         LogitsFn&& logits) {
   const int64_t B = pos.size(0), S = pos.size(1), Q = qpos.size(1), first = Q - counted;
   const int64_t qc_max = std::min(o.query_chunk(), counted), hc_max = o.heads_per_chunk(B, H, qc_max, S);
@@ -115,11 +115,17 @@ void observe_lse_chunks(Target& target, int64_t layer, const at::Tensor& pos, co
         const int64_t Sp = p.size(3);
         p.sub_(l.narrow(1, h0, hc).narrow(2, q0, qc)).exp_().masked_fill_(hidden.narrow(3, 0, Sp), 0.0);
         if (check) {
-          // exp(logit - lse) <= 1 for a matching LSE; allow fp32 rounding of both.
-          const float worst = std::log(p.max().template item<float>());
-          KVEVICT_CHECK(!(worst > 1e-3f), "lse does not match the logits: a logit exceeds its lse by ", worst,
-                        " (a probability above 1) in heads [", h0, ", ", h0 + hc, "), query columns [", first + q0,
-                        ", ", first + q0 + qc, "); check the scale and the LSE base (LseOptions::base)");
+          // A matching LSE makes each real query's probabilities over its visible keys sum to 1
+          // (fp32 rounding of both allowed); a NaN, an infinite or a shifted LSE, a wrong scale
+          // or base do not. Pad columns see no key: they sum to 0 and are not checked. Keys
+          // past S' (prompt_scores) are newer than every query of the chunk: none is visible.
+          // A real query that sees no key (all evicted) has no LSE to check either.
+          const auto sees = hidden.narrow(3, 0, Sp).logical_not().any(-1);  // [B, 1, qc]
+          const double worst = p.sum(-1).sub_(1.0).abs_().masked_fill_(sees.logical_not(), 0.0).max().template item<float>();
+          KVEVICT_CHECK(worst <= check, "lse does not match the logits: a query's probabilities exp(logit - lse) over its "
+                        "visible keys sum to a value ", worst, " away from 1 (at most ", check, " expected) in heads [",
+                        h0, ", ", h0 + hc, "), query columns [", first + q0, ", ", first + q0 + qc,
+                        "); check the scale and the LSE base (LseOptions::base)");
         }
         p.clamp_max_(1.0);
         if (Sp < S) p = at::constant_pad_nd(p, {0, S - Sp}, 0.0);
@@ -131,6 +137,13 @@ void observe_lse_chunks(Target& target, int64_t layer, const at::Tensor& pos, co
     target.observe_discard(layer);
     throw;
   }
+}
+
+/// The LSE check's tolerance on a query's probability sum for logits computed in `dt`: fp32
+/// rounding of the logits and the LSE for fp32 and fp64; fp16 and bf16 logits (8 or 11 bits)
+/// move a sum by far more.
+inline double lse_sum_tolerance(at::ScalarType dt) {
+  return dt == at::kFloat || dt == at::kDouble ? 1e-3 : 5e-2;
 }
 
 /// Checks lse [B, H, Q] (floating, on `device`).
@@ -161,7 +174,9 @@ inline void check_lse(const at::Tensor& lse, int64_t B, int64_t H, int64_t Q, co
 /// \param scale  logit scale the kernel used; default 1/sqrt(qk_dim) (as attend()).
 /// \param opts   chunking and LSE base; peak extra memory in LseOptions.
 /// \throws c10::Error on a bad layer, shape, dtype or device; with observation checks on (CPU
-///         default), if a logit exceeds its lse by more than 1e-3 (wrong scale or base); on an
+///         default), if the lse does not match the logits: a real query's probabilities over
+///         its visible keys must sum to 1 within 1e-3 (fp16/bf16 logits: 5e-2), which a NaN,
+///         infinite or shifted lse, a wrong scale or base fail; on an
 ///         allocation failure, or what observe() throws. The scorer state is unchanged then
 ///         and no observation is left open (observing(layer) is false).
 /// \note Computes only the query columns the scorer counts (LatestAttention: the last one).
@@ -182,7 +197,7 @@ void observe_lse(const at::Tensor& q, BasicMlaCache<Policy>& cache, int64_t laye
   const auto& policy = cache.policy();
   detail::observe_lse_chunks(cache, layer, cache.positions(layer), policy.query_positions(layer, Q), lse,
                              cache.num_heads(), detail::counted_queries(policy.scorer(), Q),
-                             policy.checks_observations(), opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
+                             policy.checks_observations() ? detail::lse_sum_tolerance(dt) : 0.0, opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
                                // Scaled before the product, as attend(): the same logits.
                                return at::matmul(q.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(s),
                                                  k.narrow(1, h0, hc).to(dt).transpose(-2, -1))
@@ -218,7 +233,7 @@ void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, 
   const auto& policy = cache.policy();
   detail::observe_lse_chunks(cache, layer, cache.positions(layer), policy.query_positions(layer, Q), lse,
                              cache.num_heads(), detail::counted_queries(policy.scorer(), Q),
-                             policy.checks_observations(), opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
+                             policy.checks_observations() ? detail::lse_sum_tolerance(dt) : 0.0, opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
                                // As attend_absorbed(): the same logits, heads folded into rows.
                                return detail::absorbed_logits(q_absorbed.narrow(1, h0, hc).narrow(2, q0, qc),
                                                               q_pe.narrow(1, h0, hc).narrow(2, q0, qc), ckv, kpe, s, dt)
@@ -270,8 +285,11 @@ class LseRing {
   /// Old name of buffered().
   [[deprecated("use buffered()")]] int64_t pending(int64_t layer) const { return buffered(layer); }
 
-  /// Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update.
-  /// \throws c10::Error on bad shapes (as observe_lse) or a ragged update with queries buffered.
+  /// Expanded layout: buffers q [B, H, T, qk_dim] and lse [B, H, T] of the latest update; a
+  /// push that fills the ring scores it (as flush()).
+  /// \throws c10::Error on bad shapes (as observe_lse), changing nothing; after a ragged update
+  ///         with queries buffered, which can no longer be scored: the ring drops them and
+  ///         starts over; or as flush() when this push fills the ring (its columns are dropped).
   void push(int64_t layer, const at::Tensor& q, const at::Tensor& lse) { push_impl(layer, {q}, lse); }
   /// Latent layout: buffers q_absorbed [B, H, T, kv_lora_rank], q_pe [B, H, T, qk_rope_dim], lse.
   void push(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& lse) {
@@ -390,9 +408,14 @@ class LseRing {
     KVEVICT_CHECK(dense || !same, "LseRing::push: layer ", layer, ": q has T = ", T,
                   " query columns, but the latest update appended ", count, " tokens to every row");
     if (!dense) {
-      KVEVICT_CHECK(R.n == 0, "LseRing::push: layer ", layer, " has ", R.n,
-                    " query columns buffered but the latest update was ragged (rows appended different counts);"
-                    " flush() before a ragged update");
+      if (R.n > 0) {  // they can no longer be scored (the ragged update moved the newest positions)
+        const int64_t lost = R.n;
+        R.n = 0;
+        R.seen.clear();  // the ring starts over: the next push is checked against nothing
+        KVEVICT_CHECK(false, "LseRing::push: layer ", layer, " had ", lost,
+                      " query columns buffered but the latest update was ragged (rows appended different counts): "
+                      "they can no longer be scored and were dropped; flush() before a ragged update");
+      }
       observe(layer, q, lse);
       record_rows(layer, R);
       return;

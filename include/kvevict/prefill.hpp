@@ -72,19 +72,19 @@ struct HasPool<S, std::void_t<decltype(std::declval<const S&>().pool(std::declva
 /// queries in chunks, then ranks (and pools, for scorers that pool).
 template <class Scorer, class LogitsFn>
 at::Tensor prompt_scores_impl(int64_t B, int64_t H, int64_t T, const at::Device& device, const at::Tensor& lse,
-                              const Scorer& scorer, const LseOptions& opts, LogitsFn&& logits) {
+                              const Scorer& scorer, const LseOptions& opts, at::ScalarType dt, LogitsFn&& logits) {
   opts.validate();
   check_lse(lse, B, H, T, device);
   at::NoGradGuard no_grad;
   // The probabilities are clamped to [0, 1] and masked causally here, so the policy's own checks
-  // of them are skipped; the LSE is checked against the logits on CPU (one max per chunk).
+  // of them are skipped; the LSE is checked against the logits on CPU (each query's probability sum, one read per chunk).
   EvictionPolicy<Scorer> policy(EvictionPolicyOptions(1, H).batch_size(B).device(device).check_observations(false),
                                 EvictionOptions(0).n_sink(0).n_recent(1), scorer);
   policy.reserve(T);
   const std::vector<int64_t> counts(static_cast<size_t>(B), T);
   policy.append(0, counts, T);  // slot t holds position t
   observe_lse_chunks(policy, 0, policy.positions(0), policy.query_positions(0, T), lse, H,
-                     counted_queries(scorer, T), device.is_cpu(), opts, logits);
+                     counted_queries(scorer, T), device.is_cpu() ? lse_sum_tolerance(dt) : 0.0, opts, logits);
   auto ranks = policy.scores(0);  // [B, T], position order
   if constexpr (HasPool<Scorer>::value) ranks = scorer.pool(ranks);
   return ranks;
@@ -131,7 +131,7 @@ at::Tensor prompt_scores(const at::Tensor& q, const at::Tensor& k, const at::Ten
   KVEVICT_CHECK_TYPE(q.scalar_type() == k.scalar_type(), "q must have k's dtype ", k.scalar_type(), ", got ",
                      q.scalar_type());
   const auto dt = k.device().is_cpu() && k.scalar_type() == at::kHalf ? at::kFloat : k.scalar_type();
-  return detail::prompt_scores_impl(B, H, T, k.device(), lse, scorer, opts,
+  return detail::prompt_scores_impl(B, H, T, k.device(), lse, scorer, opts, dt,
                                     [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
                                       const int64_t keys = q0 + qc;  // causal: later keys unseen
                                       return at::matmul(q.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(scale),
@@ -167,7 +167,7 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
   const auto dt = ckv.device().is_cpu() && ckv.scalar_type() == at::kHalf ? at::kFloat : ckv.scalar_type();
   const auto c = ckv.unsqueeze(1).to(dt), r = kpe.unsqueeze(1).to(dt);  // [B, 1, T, W], [B, 1, T, R]
   return detail::prompt_scores_impl(
-      B, H, T, ckv.device(), lse, scorer, opts, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
+      B, H, T, ckv.device(), lse, scorer, opts, dt, [&](int64_t h0, int64_t hc, int64_t q0, int64_t qc) {
         const int64_t keys = q0 + qc;
         return at::matmul(q_absorbed.narrow(1, h0, hc).narrow(2, q0, qc).to(dt).mul(scale),
                           c.narrow(2, 0, keys).transpose(-2, -1))

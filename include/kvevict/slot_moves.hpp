@@ -218,7 +218,7 @@ inline void write_rows(const at::Tensor& buffer, int64_t token_dim, const at::Te
       return;
     }
   }
-  const auto map = slot_mapping.to(buffer.device());
+  const auto map = slot_mapping.device() == buffer.device() ? slot_mapping : slot_mapping.to(buffer.device());
   detail::scatter_rows(buffer, token_dim, rows, map.masked_fill(map.lt(0), trash));
 }
 

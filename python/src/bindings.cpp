@@ -681,8 +681,9 @@ void def_attention(py::module_& m) {
       py::arg("opts") = kv::LseOptions(),
       "Scores from a fused kernel's log-sum-exp (expanded layout): recomputes p = exp(scale * q.k - lse) in "
       "chunks with attend()'s masks and observes them, exactly as observe(probs). q [B, H, Q, qk_dim], lse "
-      "[B, H, Q] fp32 (base per opts). Raises on bad shapes; with checks on (CPU default) if a logit exceeds its "
-      "lse by more than 1e-3 (wrong scale or base). The scorer state is unchanged then.");
+      "[B, H, Q] fp32 (base per opts). Raises on bad shapes; with checks on (CPU default) if the lse does not "
+      "match the logits (a query's probabilities must sum to 1 within 1e-3: a wrong scale or base, a NaN, infinite "
+      "or shifted lse fail). The scorer state is unchanged then.");
   m.def(
       "observe_lse_absorbed",
       [](const at::Tensor& q_absorbed, const at::Tensor& q_pe, Latent& c, int64_t layer, const at::Tensor& lse,

@@ -112,7 +112,9 @@ class CacheBase {
   ///
   /// \return tokens evicted, summed over rows (0 if no pass ran).
   /// \throws c10::IndexError for a bad layer. A throw (allocation failure on the tensor path)
-  ///         leaves the cache as it was.
+  ///         leaves the cache as it was, but for one thing: with lazy_reduction the pending
+  ///         observations were applied first (EvictionPolicy::flush(), a collective under
+  ///         tensor parallelism) and stay applied, so that every process stays in step.
   /// \note CPU: no allocation in the steady state. CUDA: tensor ops only, no host sync, static
   ///       shapes in the steady state.
   int64_t evict(int64_t layer) {
