@@ -234,6 +234,25 @@ TEST_CASE("truncate rolls back tokens that sit in the tier too", "[tier][cpu]") 
   }
 }
 
+TEST_CASE("the tier drops a non-finite rank first, as a pass does (+inf included)", "[tier][cpu]") {
+  // Capacity 1 (no sink, no recent window), a tier of 1. Two tokens with ranks +inf and 5: the
+  // pass evicts position 0 (non-finite ranks lowest). A third token, rank 0 against 5: the pass
+  // evicts position 2; the tier, over its budget, drops the +inf token and keeps position 2.
+  kvevict::MlaLatentCache cache(
+      kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(4).qk_rope_dim(2).check_observations(false).tier_tokens(1),
+      EvictionOptions(1).n_sink(0).n_recent(0));
+  cache.update(0, at::randn({1, 2, 4}), at::randn({1, 2, 2}));
+  cache.add_scores(0, at::tensor({INFINITY, 5.0f}).view({1, 2}));
+  cache.evict(0);
+  REQUIRE(cache.tier_size(0, 0) == 1);
+  CHECK(cache.tier_positions(0, 0)[0].item<int64_t>() == 0);
+  cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
+  cache.evict(0);  // slots: position 1 (rank 5), position 2 (rank 0)
+  REQUIRE(cache.tier_size(0, 0) == 1);
+  CHECK(cache.tier_positions(0, 0)[0].item<int64_t>() == 2);
+  CHECK(cache.tier_scores(0, 0)[0].item<float>() == 0.0f);
+}
+
 TEST_CASE("tier options and accessors: clear errors that change nothing", "[tier][cpu]") {
   const auto eviction = EvictionOptions(2).n_sink(1).n_recent(1);
   CHECK_THROWS_AS(kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 1).tier_tokens(-1), eviction),
@@ -247,7 +266,7 @@ TEST_CASE("tier options and accessors: clear errors that change nothing", "[tier
     CHECK_THAT(kvevict_test::message_of([&] {
                  kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 1).tier_tokens(4), eviction);
                }),
-               Contains("CPU host path only"));
+               Contains("CPU host path only") && Contains("forced for tests"));
   }
   kvevict::MlaLatentCache none(kvevict::MlaLatentCacheOptions(1, 1), eviction);
   CHECK(none.tier_tokens() == 0);

@@ -94,7 +94,8 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 
 /// Host bytes the host tier (cache options' tier_tokens) holds for one sequence, all layers,
 /// after `seq_len` tokens with device capacity `capacity` and a tier of `tier_tokens` per
-/// layer: min(max(seq_len - capacity, 0), tier_tokens) tokens per layer, each its K/V rows
+/// layer, at most: min(max(seq_len - capacity, 0), tier_tokens) tokens per layer (exact with
+/// evict_every 1; with more, up to evict_every - 1 of them still wait in the cache), each its K/V rows
 /// (as in the cache's dtype) plus 8 + 4 + 4 x state_width bytes (position, rank at eviction,
 /// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
 /// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1, or

@@ -115,7 +115,8 @@ class CacheBase {
   ///         leaves the cache as it was, but for one thing: with lazy_reduction the pending
   ///         observations were applied first (EvictionPolicy::flush(), a collective under
   ///         tensor parallelism) and stay applied, so that every process stays in step.
-  /// \note CPU: no allocation in the steady state. CUDA: tensor ops only, no host sync, static
+  /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
+  ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
   ///       shapes in the steady state.
   int64_t evict(int64_t layer) {
     if (!policy_.due(layer)) return 0;
@@ -237,12 +238,12 @@ class CacheBase {
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
     policy_.finish(row);
-    for (auto& t : tiers_) t.row(row).clear();
+    for (auto& t : tiers_) t.row(row).release();
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
     policy_.reset(row);
-    for (auto& t : tiers_) t.row(row).clear();
+    for (auto& t : tiers_) t.row(row).release();
   }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
@@ -259,7 +260,7 @@ class CacheBase {
     buffers_ = std::move(fresh);
     for (auto& v : live_views_) v = LiveViews{};
     for (auto& t : tiers_) {
-      for (int64_t b = 0; b < batch_size(); ++b) t.row(b).clear();
+      for (int64_t b = 0; b < batch_size(); ++b) t.row(b).release();
     }
   }
 
@@ -332,8 +333,8 @@ class CacheBase {
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
     KVEVICT_CHECK_VALUE(tier_tokens_ == 0 || policy_.host_path(), "tier_tokens: the host tier runs on the CPU host "
-                        "path only for now; the cache is on ", device(), ", so tier_tokens must be 0, got ",
-                        tier_tokens_);
+                        "path only for now; this cache takes the tensor path (device ", device(),
+                        device().is_cpu() ? ", forced for tests" : "", "), so tier_tokens must be 0, got ", tier_tokens_);
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
@@ -345,6 +346,10 @@ class CacheBase {
           row_bytes.push_back(n * static_cast<int64_t>(c10::elementSize(dtype_)));
         }
         for (int64_t l = 0; l < num_layers(); ++l) tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes);
+        tier_evicted_.resize(static_cast<size_t>(batch_size()));
+        tier_src_.resize(specs_.size());
+        tier_groups_.resize(specs_.size());
+        tier_stride_.resize(specs_.size());
       }
     }, [&](const std::string& why) { fail_allocation(why); });
   }
@@ -517,14 +522,19 @@ class CacheBase {
     auto& tier = tiers_[layer];
     const auto& L = policy_.at(layer);
     const int64_t B = batch_size(), slots_ = slots(layer);
-    std::vector<std::vector<int64_t>> evicted(static_cast<size_t>(B));
+    auto& evicted = tier_evicted_;  // scratch (sized when the cache was built): once the tier
+    auto& src = tier_src_;          // is full, a pass allocates nothing
+    auto& groups = tier_groups_;
+    auto& stride = tier_stride_;
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
-        if (pass.n[b] == 0) continue;
         auto& ev = evicted[b];
+        ev.clear();
+        if (pass.n[b] == 0) continue;
         ev.reserve(static_cast<size_t>(pass.n[b]));
         const int64_t new_len = pass.new_len[b], len = new_len + pass.n[b];
-        std::vector<uint8_t> source(static_cast<size_t>(pass.n[b]), 0);  // tail slots that move
+        auto& source = tier_source_;  // tail slots that move
+        source.assign(static_cast<size_t>(pass.n[b]), 0);
         for (int64_t k = 0; k < pass.moves[b]; ++k) {
           ev.push_back(pass.dst[b * pass.columns + k]);
           source[pass.src[b * pass.columns + k] - new_len] = 1;
@@ -540,8 +550,6 @@ class CacheBase {
     const auto* pos = L.position.template data_ptr<int64_t>();
     const auto* state = L.state.template data_ptr<float>();
     const auto& scorer = policy_.scorer();
-    std::vector<const uint8_t*> src(specs_.size());
-    std::vector<int64_t> groups(specs_.size()), stride(specs_.size());
     for (size_t i = 0; i < specs_.size(); ++i) {
       groups[i] = 1;
       for (auto o : specs_[i].outer) groups[i] *= o;
@@ -688,6 +696,10 @@ class CacheBase {
   at::ScalarType dtype_;
   int64_t tier_tokens_ = 0;
   std::vector<LayerTier> tiers_;  // per layer, with a tier
+  std::vector<std::vector<int64_t>> tier_evicted_;  // to_tier() scratch: per row, the evicted slots
+  std::vector<uint8_t> tier_source_;
+  std::vector<const uint8_t*> tier_src_;         // per buffer: the evicted token's first piece
+  std::vector<int64_t> tier_groups_, tier_stride_;
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
   /// Per layer: the views live() handed out last, valid while width and buffers stay.
   struct LiveViews {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,7 +21,8 @@
 namespace kvevict {
 namespace detail {
 
-/// One row's tier in one layer: n tokens in arrival order (swap-removed when dropped).
+/// One row's tier in one layer: n tokens in no particular order (a dropped token's place takes
+/// the last one; the accessors sort by position).
 struct TierRow {
   std::vector<int64_t> position;            // [n]
   std::vector<float> rank;                  // [n] Scorer::rank at eviction
@@ -28,23 +30,22 @@ struct TierRow {
   std::vector<std::vector<uint8_t>> bytes;  // per buffer: [n, row_bytes[i]]
 
   int64_t size() const { return static_cast<int64_t>(position.size()); }
-  void clear() {
-    position.clear();
-    rank.clear();
-    state.clear();
-    for (auto& b : bytes) b.clear();
+  /// Empties the row and gives its memory back.
+  void release() {
+    std::vector<int64_t>().swap(position);
+    std::vector<float>().swap(rank);
+    std::vector<float>().swap(state);
+    for (auto& b : bytes) std::vector<uint8_t>().swap(b);
   }
 };
 
-/// True when tier token a goes before tier token b (the eviction order: lower rank first,
-/// equal ranks the older position first; NaN and -inf below every finite rank, +inf above).
+/// True when tier token a goes before tier token b: the eviction order of a pass (selection.hpp:
+/// lower rank first, equal ranks the older position first, every non-finite rank, NaN and
+/// +-inf, below every finite one).
 inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
   const bool fa = std::isfinite(ra), fb = std::isfinite(rb);
-  const float ka = fa ? ra : (ra > 0 ? INFINITY : -INFINITY);
-  const float kb = fb ? rb : (rb > 0 ? INFINITY : -INFINITY);
-  const int ca = fa ? 1 : (ka > 0 ? 2 : 0), cb = fb ? 1 : (kb > 0 ? 2 : 0);  // NaN/-inf, finite, +inf
-  if (ca != cb) return ca < cb;
-  if (ca == 1 && ka != kb) return ka < kb;
+  if (fa != fb) return !fa;
+  if (fa && ra != rb) return ra < rb;
   return pa < pb;
 }
 
@@ -87,15 +88,21 @@ class LayerTier {
 
   /// Makes room in row b for `extra` more tokens and in the scratch of enforce_budget(), so
   /// that add() and enforce_budget() then allocate nothing and do not throw. Changes no token.
+  /// Grows geometrically (at most to budget + extra tokens), so filling a tier costs amortized
+  /// O(tokens added).
   void reserve(int64_t b, int64_t extra) {
     auto& r = row(b);
     const auto n = static_cast<size_t>(r.size() + extra);
-    r.position.reserve(n);
-    r.rank.reserve(n);
-    r.state.reserve(n * static_cast<size_t>(W_));
-    for (size_t i = 0; i < row_bytes_.size(); ++i) r.bytes[i].reserve(n * static_cast<size_t>(row_bytes_[i]));
-    order_.reserve(n);
-    drop_.reserve(n);
+    const auto cap = static_cast<size_t>(std::max(r.size() + extra, budget_ + extra));
+    const auto grow = [&](auto& v, size_t per) {
+      if (v.capacity() < n * per) v.reserve(std::min(std::max(n, 2 * v.capacity() / per), cap) * per);
+    };
+    grow(r.position, 1);
+    grow(r.rank, 1);
+    grow(r.state, static_cast<size_t>(W_));
+    for (size_t i = 0; i < row_bytes_.size(); ++i) grow(r.bytes[i], static_cast<size_t>(row_bytes_[i]));
+    grow(order_, 1);
+    grow(drop_, 1);
   }
 
   /// Drops the lowest-ranked tokens of row b until it holds at most budget() tokens. Allocates
@@ -108,9 +115,9 @@ class LayerTier {
     std::iota(order_.begin(), order_.end(), int64_t{0});
     const auto before = [&](int64_t x, int64_t y) { return drops_before(r.rank[x], r.position[x], r.rank[y], r.position[y]); };
     std::nth_element(order_.begin(), order_.begin() + (over - 1), order_.end(), before);
-    drop_.assign(static_cast<size_t>(r.size()), 0);
-    for (int64_t i = 0; i < over; ++i) drop_[static_cast<size_t>(order_[i])] = 1;
-    remove_if(r, [&](int64_t i) { return drop_[static_cast<size_t>(i)] != 0; });
+    // order_[0, over) are the tokens to drop: sort them so a lookup is a binary search.
+    std::sort(order_.begin(), order_.begin() + over);
+    remove_if(r, [&](int64_t i) { return std::binary_search(order_.begin(), order_.begin() + over, i); });
   }
 
   /// Drops the tokens of row b at positions >= `from` (a truncate). Allocates nothing.
@@ -140,29 +147,37 @@ class LayerTier {
   }
 
  private:
-  /// Removes the tokens i with drop(i), keeping the order of the others (stable compaction,
-  /// in place: allocates nothing).
+  /// Removes the tokens i with drop(i): each one's place takes the last kept token, so a pass
+  /// moves O(dropped) rows, not the whole tier (in place: allocates nothing). drop() is asked
+  /// about every token once, by its index before any move.
   template <class Drop>
   void remove_if(TierRow& r, Drop&& drop) {
-    int64_t k = 0;
     const int64_t n = r.size();
-    for (int64_t i = 0; i < n; ++i) {
-      if (drop(i)) continue;
-      if (k != i) {
-        r.position[k] = r.position[i];
-        r.rank[k] = r.rank[i];
-        std::copy(r.state.begin() + i * W_, r.state.begin() + (i + 1) * W_, r.state.begin() + k * W_);
-        for (size_t j = 0; j < row_bytes_.size(); ++j) {
-          const int64_t rb = row_bytes_[j];
-          std::memmove(r.bytes[j].data() + k * rb, r.bytes[j].data() + i * rb, static_cast<size_t>(rb));
-        }
-      }
-      ++k;
+    drop_.assign(static_cast<size_t>(n), 0);  // within the capacity reserve() made: no allocation
+    for (int64_t i = 0; i < n; ++i) drop_[static_cast<size_t>(i)] = drop(i) ? 1 : 0;
+    int64_t last = n;  // tokens [0, last) are still candidates
+    for (int64_t i = 0; i < last; ++i) {
+      if (!drop_[static_cast<size_t>(i)]) continue;
+      while (last > i + 1 && drop_[static_cast<size_t>(last - 1)]) --last;  // the last token that stays
+      --last;
+      if (last == i) break;  // i itself was the last one
+      move_token(r, last, i);
+      drop_[static_cast<size_t>(i)] = 0;
     }
-    r.position.resize(static_cast<size_t>(k));
-    r.rank.resize(static_cast<size_t>(k));
-    r.state.resize(static_cast<size_t>(k * W_));
-    for (size_t j = 0; j < row_bytes_.size(); ++j) r.bytes[j].resize(static_cast<size_t>(k * row_bytes_[j]));
+    r.position.resize(static_cast<size_t>(last));
+    r.rank.resize(static_cast<size_t>(last));
+    r.state.resize(static_cast<size_t>(last * W_));
+    for (size_t j = 0; j < row_bytes_.size(); ++j) r.bytes[j].resize(static_cast<size_t>(last * row_bytes_[j]));
+  }
+
+  void move_token(TierRow& r, int64_t from, int64_t to) {
+    r.position[to] = r.position[from];
+    r.rank[to] = r.rank[from];
+    std::copy(r.state.begin() + from * W_, r.state.begin() + (from + 1) * W_, r.state.begin() + to * W_);
+    for (size_t j = 0; j < row_bytes_.size(); ++j) {
+      const int64_t rb = row_bytes_[j];
+      std::memcpy(r.bytes[j].data() + to * rb, r.bytes[j].data() + from * rb, static_cast<size_t>(rb));
+    }
   }
 
   std::vector<TierRow> rows_;
