@@ -180,22 +180,10 @@ class CacheBase {
   /// Tokens of `row` in the tier of `layer`. \throws c10::IndexError for a bad layer or row.
   int64_t tier_size(int64_t layer, int64_t row) const { return tier_row(layer, row).size(); }
   /// [n] int64 positions of the tier tokens of `row` in `layer`, ascending (CPU, a copy).
-  at::Tensor tier_positions(int64_t layer, int64_t row) const {
-    const auto& r = tier_row(layer, row);
-    const auto order = tier_order(r);
-    auto out = at::empty({static_cast<int64_t>(order.size())}, at::TensorOptions().dtype(at::kLong));
-    for (size_t i = 0; i < order.size(); ++i) out.template data_ptr<int64_t>()[i] = r.position[order[i]];
-    return out;
-  }
+  at::Tensor tier_positions(int64_t layer, int64_t row) const { return tier_row(layer, row).positions(); }
   /// [n] fp32 rank (Scorer::rank) of each tier token of `row` in `layer` when it was evicted,
   /// in the order of tier_positions() (CPU, a copy).
-  at::Tensor tier_scores(int64_t layer, int64_t row) const {
-    const auto& r = tier_row(layer, row);
-    const auto order = tier_order(r);
-    auto out = at::empty({static_cast<int64_t>(order.size())});
-    for (size_t i = 0; i < order.size(); ++i) out.template data_ptr<float>()[i] = r.rank[order[i]];
-    return out;
-  }
+  at::Tensor tier_scores(int64_t layer, int64_t row) const { return tier_row(layer, row).ranks(); }
 
  protected:
   /// Per buffer of the layout (MlaCache: keys, values; MlaLatentCache: ckv, kpe), the rows of
@@ -203,26 +191,12 @@ class CacheBase {
   /// the batch), in the order of tier_positions(), bit for bit as they were cached (CPU,
   /// copies).
   std::vector<at::Tensor> tier_buffers(int64_t layer, int64_t row) const {
-    const auto& r = tier_row(layer, row);
-    const auto order = tier_order(r);
-    const auto n = static_cast<int64_t>(order.size());
-    std::vector<at::Tensor> out;
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      std::vector<int64_t> shape(specs_[i].outer);
-      int64_t groups = 1;
-      for (auto o : specs_[i].outer) groups *= o;
-      shape.push_back(n);
-      shape.push_back(specs_[i].inner);
-      auto t = at::empty(shape, at::TensorOptions().dtype(dtype_));
-      const int64_t rb = tiers_[layer].row_bytes(i), piece = rb / groups;
-      auto* dst = static_cast<uint8_t*>(t.data_ptr());
-      for (int64_t j = 0; j < n; ++j) {
-        const uint8_t* src = r.bytes[i].data() + order[j] * rb;
-        for (int64_t g = 0; g < groups; ++g) std::memcpy(dst + (g * n + j) * piece, src + g * piece, piece);
-      }
-      out.push_back(t);
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& spec : specs_) {
+      shapes.push_back(spec.outer);
+      shapes.back().push_back(spec.inner);
     }
-    return out;
+    return tier_row(layer, row).rows(shapes, dtype_);
   }
 
  public:
@@ -339,17 +313,15 @@ class CacheBase {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
       if (tier_tokens_ > 0) {
-        std::vector<int64_t> row_bytes;
+        std::vector<int64_t> row_bytes, groups;
         for (const auto& spec : specs_) {
-          int64_t n = spec.inner;
-          for (auto o : spec.outer) n *= o;
-          row_bytes.push_back(n * static_cast<int64_t>(c10::elementSize(dtype_)));
+          groups.push_back(1);
+          for (auto o : spec.outer) groups.back() *= o;
+          row_bytes.push_back(groups.back() * spec.inner * static_cast<int64_t>(c10::elementSize(dtype_)));
         }
-        for (int64_t l = 0; l < num_layers(); ++l) tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes);
-        tier_evicted_.resize(static_cast<size_t>(batch_size()));
-        tier_src_.resize(specs_.size());
-        tier_groups_.resize(specs_.size());
-        tier_stride_.resize(specs_.size());
+        for (int64_t l = 0; l < num_layers(); ++l) {
+          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups);
+        }
       }
     }, [&](const std::string& why) { fail_allocation(why); });
   }
@@ -507,65 +479,14 @@ class CacheBase {
     KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
     return tiers_[layer].row(row);
   }
-  /// Indices of a tier row's tokens by ascending position.
-  static std::vector<int64_t> tier_order(const TierRow& r) {
-    std::vector<int64_t> order(static_cast<size_t>(r.size()));
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return r.position[a] < r.position[b]; });
-    return order;
-  }
-
   /// Host path, before a pass's moves: copies each evicted token (rows, position, rank and
   /// state, read from the slots the pass frees) into its row's tier, then drops what is over
   /// the tier's budget. Every allocation comes first (a throw changes nothing).
   void to_tier(int64_t layer, const Pass& pass) {
-    auto& tier = tiers_[layer];
     const auto& L = policy_.at(layer);
-    const int64_t B = batch_size(), slots_ = slots(layer);
-    auto& evicted = tier_evicted_;  // scratch (sized when the cache was built): once the tier
-    auto& src = tier_src_;          // is full, a pass allocates nothing
-    auto& groups = tier_groups_;
-    auto& stride = tier_stride_;
-    allocating([&] {
-      for (int64_t b = 0; b < B; ++b) {
-        auto& ev = evicted[b];
-        ev.clear();
-        if (pass.n[b] == 0) continue;
-        ev.reserve(static_cast<size_t>(pass.n[b]));
-        const int64_t new_len = pass.new_len[b], len = new_len + pass.n[b];
-        auto& source = tier_source_;  // tail slots that move
-        source.assign(static_cast<size_t>(pass.n[b]), 0);
-        for (int64_t k = 0; k < pass.moves[b]; ++k) {
-          ev.push_back(pass.dst[b * pass.columns + k]);
-          source[pass.src[b * pass.columns + k] - new_len] = 1;
-        }
-        for (int64_t s = new_len; s < len; ++s) {
-          if (!source[s - new_len]) ev.push_back(s);
-        }
-        tier.reserve(b, pass.n[b]);
-      }
-    }, [&](const std::string& why) {
-      KVEVICT_CHECK(false, "evict: could not allocate room in the host tier of layer ", layer, ": ", why);
-    });
-    const auto* pos = L.position.template data_ptr<int64_t>();
-    const auto* state = L.state.template data_ptr<float>();
     const auto& scorer = policy_.scorer();
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      groups[i] = 1;
-      for (auto o : specs_[i].outer) groups[i] *= o;
-      stride[i] = slots_ * tier.row_bytes(i) / groups[i];
-    }
-    for (int64_t b = 0; b < B; ++b) {
-      for (const int64_t s : evicted[b]) {
-        const float* st = state + (b * slots_ + s) * Policy::W;
-        for (size_t i = 0; i < specs_.size(); ++i) {
-          const auto* base = static_cast<const uint8_t*>(buffers_[layer][i].data_ptr());
-          src[i] = base + (b * groups[i] * slots_ + s) * (tier.row_bytes(i) / groups[i]);
-        }
-        tier.add(b, pos[b * slots_ + s], scorer.rank(st), st, src, groups, stride);
-      }
-      if (!evicted[b].empty()) tier.enforce_budget(b);
-    }
+    tiers_[layer].take(pass, L.position, L.state, buffers_[layer], slots(layer),
+                       [&](const float* state) { return scorer.rank(state); });
   }
 
   [[noreturn]] void fail_allocation(const std::string& why) const {
@@ -696,10 +617,6 @@ class CacheBase {
   at::ScalarType dtype_;
   int64_t tier_tokens_ = 0;
   std::vector<LayerTier> tiers_;  // per layer, with a tier
-  std::vector<std::vector<int64_t>> tier_evicted_;  // to_tier() scratch: per row, the evicted slots
-  std::vector<uint8_t> tier_source_;
-  std::vector<const uint8_t*> tier_src_;         // per buffer: the evicted token's first piece
-  std::vector<int64_t> tier_groups_, tier_stride_;
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
   /// Per layer: the views live() handed out last, valid while width and buffers stay.
   struct LiveViews {

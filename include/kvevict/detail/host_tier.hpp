@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace kvevict {
@@ -30,6 +31,51 @@ struct TierRow {
   std::vector<std::vector<uint8_t>> bytes;  // per buffer: [n, row_bytes[i]]
 
   int64_t size() const { return static_cast<int64_t>(position.size()); }
+  /// Indices of the tokens by ascending position.
+  std::vector<int64_t> order() const {
+    std::vector<int64_t> o(static_cast<size_t>(size()));
+    std::iota(o.begin(), o.end(), int64_t{0});
+    std::sort(o.begin(), o.end(), [&](int64_t a, int64_t b) { return position[a] < position[b]; });
+    return o;
+  }
+  /// [n] int64 positions, ascending (CPU).
+  at::Tensor positions() const {
+    const auto o = order();
+    auto out = at::empty({static_cast<int64_t>(o.size())}, at::TensorOptions().dtype(at::kLong));
+    for (size_t i = 0; i < o.size(); ++i) out.data_ptr<int64_t>()[i] = position[o[i]];
+    return out;
+  }
+  /// [n] fp32 ranks at eviction, in the order of positions() (CPU).
+  at::Tensor ranks() const {
+    const auto o = order();
+    auto out = at::empty({static_cast<int64_t>(o.size())});
+    for (size_t i = 0; i < o.size(); ++i) out.data_ptr<float>()[i] = rank[o[i]];
+    return out;
+  }
+  /// Per buffer, the rows as [outer..., n, inner] in the order of positions() (CPU, `dtype`);
+  /// `shapes[i]`: buffer i's {outer..., inner}.
+  std::vector<at::Tensor> rows(const std::vector<std::vector<int64_t>>& shapes, at::ScalarType dtype) const {
+    const auto o = order();
+    const auto n = static_cast<int64_t>(o.size());
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::vector<int64_t> shape(shapes[i].begin(), shapes[i].end() - 1);
+      int64_t groups = 1;
+      for (auto x : shape) groups *= x;
+      const int64_t piece = shapes[i].back() * static_cast<int64_t>(c10::elementSize(dtype)), rb = groups * piece;
+      shape.push_back(n);
+      shape.push_back(shapes[i].back());
+      auto t = at::empty(shape, at::TensorOptions().dtype(dtype));
+      auto* dst = static_cast<uint8_t*>(t.data_ptr());
+      for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* src = bytes[i].data() + o[j] * rb;
+        for (int64_t g = 0; g < groups; ++g) std::memcpy(dst + (g * n + j) * piece, src + g * piece, piece);
+      }
+      out.push_back(t);
+    }
+    return out;
+  }
+
   /// Empties the row and gives its memory back.
   void release() {
     std::vector<int64_t>().swap(position);
@@ -54,9 +100,57 @@ inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
 class LayerTier {
  public:
   LayerTier() = default;
-  LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes)
-      : rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)) {
+  /// `row_bytes[i]`: one token's bytes in buffer i, `groups[i]` pieces of it (one per outer
+  /// index of a [B, outer..., slots, inner] buffer).
+  LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes,
+            std::vector<int64_t> groups)
+      : rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)),
+        groups_(std::move(groups)), evicted_(static_cast<size_t>(batch)), src_(row_bytes_.size()),
+        stride_(row_bytes_.size()) {
     for (auto& r : rows_) r.bytes.resize(row_bytes_.size());
+  }
+
+  /// Host path, before a pass's moves overwrite them: adds each evicted token of `pass` (its
+  /// rows in `buffers` [B, outer..., slots, inner], contiguous; its position and scorer state
+  /// from `position` [B, slots] and `state` [B, slots, W]; rank(state) its rank) to its row,
+  /// then drops what is over the budget. Every allocation first: a throw (c10::Error naming the
+  /// tier) changes nothing; once the tier is full, nothing allocates.
+  template <class Pass, class Rank>
+  void take(const Pass& pass, const at::Tensor& position, const at::Tensor& state,
+            const std::vector<at::Tensor>& buffers, int64_t slots, Rank&& rank) {
+    const auto B = static_cast<int64_t>(rows_.size());
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        auto& ev = evicted_[b];
+        ev.clear();
+        if (pass.n[b] == 0) continue;
+        ev.reserve(static_cast<size_t>(pass.n[b]));
+        const int64_t new_len = pass.new_len[b], len = new_len + pass.n[b];
+        source_.assign(static_cast<size_t>(pass.n[b]), 0);  // the tail slots that move
+        for (int64_t k = 0; k < pass.moves[b]; ++k) {
+          ev.push_back(pass.dst[b * pass.columns + k]);
+          source_[pass.src[b * pass.columns + k] - new_len] = 1;
+        }
+        for (int64_t s = new_len; s < len; ++s) {
+          if (!source_[s - new_len]) ev.push_back(s);
+        }
+        reserve(b, pass.n[b]);
+      }
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
+    const auto* pos = position.data_ptr<int64_t>();
+    const auto* st = state.data_ptr<float>();
+    for (size_t i = 0; i < row_bytes_.size(); ++i) stride_[i] = slots * (row_bytes_[i] / groups_[i]);
+    for (int64_t b = 0; b < B; ++b) {
+      for (const int64_t s : evicted_[b]) {
+        const float* token_state = st + (b * slots + s) * W_;
+        for (size_t i = 0; i < row_bytes_.size(); ++i) {
+          const auto* base = static_cast<const uint8_t*>(buffers[i].data_ptr());
+          src_[i] = base + (b * groups_[i] * slots + s) * (row_bytes_[i] / groups_[i]);
+        }
+        add(b, pos[b * slots + s], rank(token_state), token_state, src_, groups_, stride_);
+      }
+      if (!evicted_[b].empty()) enforce_budget(b);
+    }
   }
 
   int64_t budget() const { return budget_; }
@@ -183,7 +277,11 @@ class LayerTier {
   std::vector<TierRow> rows_;
   int64_t budget_ = 0;
   int64_t W_ = 1;
-  std::vector<int64_t> row_bytes_;
+  std::vector<int64_t> row_bytes_, groups_;
+  std::vector<std::vector<int64_t>> evicted_;  // take() scratch: per row, the evicted slots
+  std::vector<uint8_t> source_;
+  std::vector<const uint8_t*> src_;
+  std::vector<int64_t> stride_;
   std::vector<int64_t> order_;  // enforce_budget() scratch
   std::vector<uint8_t> drop_;
 };
