@@ -725,41 +725,6 @@ LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, i
   return out;
 }
 
-/// (c): update, then LseRing push (the LSE computed outside the counters), then ring.evict.
-template <class Layout>
-LoopCounts count_lse_ring_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
-  LoopCounts out;
-  out.loop = name;
-  out.heads = c.heads;
-  out.evict_every = evict_every;
-  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every));
-  cache->reserve(c.capacity + evict_every);
-  fill_to_capacity<Layout>(*cache, c, a);
-  const double scale = 1.0 / std::sqrt(192.0);
-  kvevict::LseRing<typename Layout::Cache> ring(*cache, scale);
-  std::vector<at::Tensor> row, q;
-  for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
-  for (const auto& shape : Layout::query_shapes(c, a)) q.push_back(random(shape, c.dtype, c.device));
-  auto& C = *cache;
-  run_window(
-      out,
-      [&](LoopCounts& n, bool on) {
-        const auto part = [&](Part p, auto&& body) {
-          if (on) {
-            n.count(p, body);
-          } else {
-            body();
-          }
-        };
-        part(kUpdate, [&] { C.update(0, row[0], row[1]); });
-        const auto lse = decode_lse(C, q, scale);  // the fused kernel's output: not counted
-        part(kObserve, [&] { push(ring, q, lse); });  // scores the ring when it is full
-        part(kEvict, [&] { ring.evict(0); });
-      },
-      [&] { return C.stats(0).eviction_events; });
-  return out;
-}
-
 void observe_lse_now(Expanded::Cache& cache, const std::vector<at::Tensor>& q, const at::Tensor& lse, double scale) {
   kvevict::observe_lse(q[0], cache, 0, lse, scale);
 }
@@ -767,10 +732,12 @@ void observe_lse_now(Latent::Cache& cache, const std::vector<at::Tensor>& q, con
   kvevict::observe_lse_absorbed(q[0], q[1], cache, 0, lse, scale);
 }
 
-/// (d): update, then observe_lse / observe_lse_absorbed of the step's queries (the LSE computed
-/// outside the counters), then evict: scoring every step, without a ring.
+/// (c) with `ring`: update, then LseRing push (scores the ring when it is full), then
+/// ring.evict. (d) without: update, then observe_lse / observe_lse_absorbed of the step's
+/// queries, then evict: scoring every step. The LSE (a fused kernel's output) is computed
+/// outside the counters.
 template <class Layout>
-LoopCounts count_lse_step_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
+LoopCounts count_lse_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every, bool ring) {
   LoopCounts out;
   out.loop = name;
   out.heads = c.heads;
@@ -779,6 +746,7 @@ LoopCounts count_lse_step_loop(const std::string& name, const Config& c, const A
   cache->reserve(c.capacity + evict_every);
   fill_to_capacity<Layout>(*cache, c, a);
   const double scale = 1.0 / std::sqrt(192.0);
+  kvevict::LseRing<typename Layout::Cache> lse_ring(*cache, scale);
   std::vector<at::Tensor> row, q;
   for (const auto& shape : Layout::row_shapes(c, a, 1)) row.push_back(random(shape, c.dtype, c.device));
   for (const auto& shape : Layout::query_shapes(c, a)) q.push_back(random(shape, c.dtype, c.device));
@@ -794,9 +762,14 @@ LoopCounts count_lse_step_loop(const std::string& name, const Config& c, const A
           }
         };
         part(kUpdate, [&] { C.update(0, row[0], row[1]); });
-        const auto lse = decode_lse(C, q, scale);  // the fused kernel's output: not counted
-        part(kObserve, [&] { observe_lse_now(C, q, lse, scale); });
-        part(kEvict, [&] { C.evict(0); });
+        const auto lse = decode_lse(C, q, scale);
+        if (ring) {
+          part(kObserve, [&] { push(lse_ring, q, lse); });
+          part(kEvict, [&] { lse_ring.evict(0); });
+        } else {
+          part(kObserve, [&] { observe_lse_now(C, q, lse, scale); });
+          part(kEvict, [&] { C.evict(0); });
+        }
       },
       [&] { return C.stats(0).eviction_events; });
   return out;
@@ -929,9 +902,10 @@ std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   std::vector<LoopCounts> loops;
   loops.push_back(count_attend_loop<Layout>("(a) " + layout, c, a, 1, {}));
   loops.push_back(count_attend_loop<Layout>("(b) " + layout, c, a, 16, {}));
-  loops.push_back(count_lse_ring_loop<Layout>("(c) " + c.layout + " + LseRing", c, a, 16));
-  loops.push_back(count_lse_step_loop<Layout>(
-      "(d) " + c.layout + (c.layout == "latent" ? " + observe_lse_absorbed" : " + observe_lse") + " every step", c, a, 1));
+  loops.push_back(count_lse_loop<Layout>("(c) " + c.layout + " + LseRing", c, a, 16, /*ring=*/true));
+  loops.push_back(count_lse_loop<Layout>(
+      "(d) " + c.layout + (c.layout == "latent" ? " + observe_lse_absorbed" : " + observe_lse") + " every step", c, a, 1,
+      /*ring=*/false));
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 1, ragged));
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 16, ragged));
   loops.push_back(count_own_storage_loop("(f) EvictionPolicy + write_rows + apply_moves", c, a, 1));
