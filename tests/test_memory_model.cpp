@@ -148,12 +148,20 @@ TEST_CASE("tier bytes: the evicted tokens the host tier keeps, with their bookke
   const MlaMemoryConfig v3;
   // 128K tokens at capacity 4,612 with a 32K-token tier: the tier is full. Per token and
   // layer: (512 + 64) x 2 = 1,152 row bytes + 8 (position) + 4 (rank) + 4 (W = 1 state).
-  CHECK(kvevict::tier_bytes(v3, Layout::kLatent, 131072, 4612, 32768) == int64_t{32768} * 1168 * 61);
-  // Fewer evicted tokens than the tier holds: only those (10,000 - 4,612 = 5,388).
-  CHECK(kvevict::tier_bytes(v3, Layout::kLatent, 10000, 4612, 32768) == int64_t{5388} * 1168 * 61);
+  // Digests: at most 131,072 / 16 = 8,192 pages, each 576 channels x (min + max) x 4 bytes.
+  CHECK(kvevict::tier_bytes(v3, Layout::kLatent, 131072, 4612, 32768) ==
+        (int64_t{32768} * 1168 + int64_t{8192} * 4608) * 61);
+  // Fewer evicted tokens than the tier holds: only those (10,000 - 4,612 = 5,388), on at most
+  // ceil(10,000 / 16) = 625 pages.
+  CHECK(kvevict::tier_bytes(v3, Layout::kLatent, 10000, 4612, 32768) == (int64_t{5388} * 1168 + 625 * 4608) * 61);
   CHECK(kvevict::tier_bytes(v3, Layout::kLatent, 4000, 4612, 32768) == 0);
-  // Expanded, MeanObservedAttention (W = 2): 128 x 320 x 2 + 8 + 4 + 8.
-  CHECK(kvevict::tier_bytes(v3, Layout::kExpanded, 5000, 4612, 100, 2) == int64_t{100} * (81920 + 20) * 61);
+  // Expanded, MeanObservedAttention (W = 2): 128 x 320 x 2 + 8 + 4 + 8; 100 tokens on at most
+  // 100 pages of 128 x 192 channels x 8 bytes; pages of 1,000 tokens: at most 5.
+  CHECK(kvevict::tier_bytes(v3, Layout::kExpanded, 5000, 4612, 100, 2) ==
+        (int64_t{100} * (81920 + 20) + int64_t{100} * 196608) * 61);
+  CHECK(kvevict::tier_bytes(v3, Layout::kExpanded, 5000, 4612, 100, 2, 1000) ==
+        (int64_t{100} * (81920 + 20) + int64_t{5} * 196608) * 61);
+  CHECK_THROWS_WITH(kvevict::tier_bytes(v3, Layout::kLatent, 10, 4, 1, 1, 0), Contains("page_size must be >= 1, got 0"));
   CHECK_THROWS_WITH(kvevict::tier_bytes(v3, Layout::kLatent, 10, 4, -1), Contains("tier_tokens must be >= 0, got -1"));
   CHECK_THROWS_WITH(kvevict::tier_bytes(v3, Layout::kLatent, 10, 4, 1, 0), Contains("state_width must be >= 1, got 0"));
 }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <numeric>
 #include <set>
 #include <utility>
 #include <vector>
@@ -160,11 +161,12 @@ TEST_CASE("with an unbounded tier nothing is lost: cache and tier hold every pos
     CHECK(cache.tier_size(l, 0) == 32);
   }
   // Bytes: per token 8 (position) + 4 (rank) + 4 (CumulativeAttention's state) + the rows,
-  // (4 + 2) fp32 values.
+  // (4 + 2) fp32 values; per layer the digests of pages 0..2 (positions 0-15, 16-31, 32-39,
+  // each holding tier tokens: the cache keeps 8), an fp32 min and max of 6 channels each.
   const auto st = cache.stats();
   CHECK(st.tier_tokens == 64);
-  CHECK(st.tier_bytes == 64 * (8 + 4 + 4 + 6 * 4));
-  CHECK(cache.stats(1).tier_bytes == 32 * 40);
+  CHECK(st.tier_bytes == 64 * (8 + 4 + 4 + 6 * 4) + 2 * (3 * 2 * 6 * 4));
+  CHECK(cache.stats(1).tier_bytes == 32 * 40 + 3 * 2 * 6 * 4);
 }
 
 TEST_CASE("finish, reset(row) and reset() release the tier; other rows keep theirs", "[tier][cpu]") {
@@ -275,4 +277,313 @@ TEST_CASE("tier options and accessors: clear errors that change nothing", "[tier
   CHECK_THROWS_AS(cache.tier_positions(1, 0), c10::IndexError);
   CHECK_THROWS_AS(cache.tier_rows(0, 1), c10::IndexError);
   CHECK(cache.tier_size(0, 0) == 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recall: page digests scored with the step's queries, the best pages swapped back in.
+
+namespace {
+
+/// The recall the library must make for one row, worked out independently from the public
+/// accessors: tier_rows() and tier_positions() give the tier, positions() and scores() the
+/// cache. Pages by position / page_size; per page the channel min and max of its keys; per head
+/// and query, the bound sum_c max(q_c lo_c, q_c hi_c) * scale, softmax over the pages (double),
+/// summed over heads and queries; pages by score (higher first, then older), each whole page
+/// that fits in min(tokens, heavy-hitter candidates). `keys` [n, G, D] (positions ascending),
+/// `query` [H, Q, D] (G == 1: every head meets the one key; G == H: head h meets group h).
+struct RecallPlan {
+  std::vector<int64_t> recalled;  // positions, ascending
+  std::vector<int64_t> victims;   // positions, ascending
+  float top_score = 0;            // the best heavy hitter's score before the recall
+};
+
+RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, const at::Tensor& query, double scale,
+                         int64_t tokens, int64_t page_size, const at::Tensor& cache_pos, const at::Tensor& cache_scores,
+                         int64_t n_sink, int64_t recent_from) {
+  const auto k = keys.to(at::kDouble), q = query.to(at::kDouble);
+  const int64_t n = k.size(0), G = k.size(1), H = q.size(0), Q = q.size(1);
+  std::map<int64_t, std::vector<int64_t>> members;  // page -> tier indices
+  for (int64_t i = 0; i < n; ++i) members[tier_pos[i].item<int64_t>() / page_size].push_back(i);
+  std::vector<int64_t> pages;
+  std::vector<at::Tensor> lo, hi;
+  for (auto& [page, idx] : members) {
+    const auto rows = k.index_select(0, at::tensor(idx, at::kLong));  // [m, G, D]
+    pages.push_back(page);
+    lo.push_back(std::get<0>(rows.min(0)));
+    hi.push_back(std::get<0>(rows.max(0)));
+  }
+  std::vector<double> score(pages.size(), 0.0);
+  for (int64_t h = 0; h < H && !pages.empty(); ++h) {
+    const int64_t g = G == 1 ? 0 : h;
+    for (int64_t j = 0; j < Q; ++j) {
+      const auto qv = q[h][j];
+      std::vector<double> bound;
+      for (size_t p = 0; p < pages.size(); ++p) {
+        bound.push_back(at::maximum(qv * lo[p][g], qv * hi[p][g]).sum().item<double>() * scale);
+      }
+      const double mx = *std::max_element(bound.begin(), bound.end());
+      double z = 0;
+      for (double b : bound) z += std::exp(b - mx);
+      for (size_t p = 0; p < pages.size(); ++p) score[p] += std::exp(bound[p] - mx) / z;
+    }
+  }
+  struct Cand {
+    double score;
+    int64_t position;
+  };
+  std::vector<Cand> cands;
+  for (int64_t s = 0; s < cache_pos.size(0); ++s) {
+    const int64_t p = cache_pos[s].item<int64_t>();
+    if (p >= n_sink && p < recent_from) cands.push_back({cache_scores[s].item<double>(), p});
+  }
+  std::sort(cands.begin(), cands.end(), [](const Cand& a, const Cand& b) {
+    return a.score != b.score ? a.score < b.score : a.position < b.position;
+  });
+  std::vector<size_t> order(pages.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return score[a] != score[b] ? score[a] > score[b] : pages[a] < pages[b];
+  });
+  RecallPlan plan;
+  int64_t left = std::min<int64_t>(tokens, static_cast<int64_t>(cands.size()));
+  for (const size_t p : order) {
+    const auto m = static_cast<int64_t>(members[pages[p]].size());
+    if (m > left || left == 0) continue;
+    for (const int64_t i : members[pages[p]]) plan.recalled.push_back(tier_pos[i].item<int64_t>());
+    left -= m;
+  }
+  std::sort(plan.recalled.begin(), plan.recalled.end());
+  for (size_t i = 0; i < plan.recalled.size(); ++i) plan.victims.push_back(cands[i].position);
+  std::sort(plan.victims.begin(), plan.victims.end());
+  if (!cands.empty()) plan.top_score = static_cast<float>(cands.back().score);
+  return plan;
+}
+
+/// Per row, position -> the token's rows, for the bit-for-bit checks.
+using RowsByPosition = std::vector<std::map<int64_t, std::pair<at::Tensor, at::Tensor>>>;
+
+/// Slot s of row r: its rows as the oracle keeps them (latent [W], [R]; expanded [H, D]).
+std::pair<at::Tensor, at::Tensor> cached_token(const kvevict::MlaLatentCache& c, int64_t r, int64_t s) {
+  return {c.ckv(0)[r][s], c.kpe(0)[r][s]};
+}
+std::pair<at::Tensor, at::Tensor> cached_token(const kvevict::MlaCache& c, int64_t r, int64_t s) {
+  return {c.keys(0)[r].select(1, s), c.values(0)[r].select(1, s)};
+}
+
+/// Checks that row r of `cache` and of its tier hold, at each position, the rows of `rows`.
+template <class Cache>
+void check_rows_by_position(const Cache& cache, int64_t r, const RowsByPosition& rows) {
+  const auto pos = cache.positions(0);
+  for (int64_t s = 0; s < cache.size(0, r); ++s) {
+    const int64_t p = pos[r][s].template item<int64_t>();
+    CAPTURE(r, s, p);
+    const auto& want = rows[r].at(p);
+    const auto got = cached_token(cache, r, s);
+    CHECK(at::equal(got.first, want.first));
+    CHECK(at::equal(got.second, want.second));
+  }
+  const auto tp = cache.tier_positions(0, r);
+  const auto tr = cache.tier_rows(0, r);
+  for (int64_t i = 0; i < tp.size(0); ++i) {
+    const auto& want = rows[r].at(tp[i].template item<int64_t>());
+    CHECK(at::equal(split_token(tr.first, i), want.first));
+    CHECK(at::equal(split_token(tr.second, i), want.second));
+  }
+}
+
+std::vector<int64_t> sorted_positions(const at::Tensor& pos_row, int64_t n) {
+  std::vector<int64_t> v;
+  for (int64_t s = 0; s < n; ++s) v.push_back(pos_row[s].item<int64_t>());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hitters, rows bit for bit",
+          "[tier][recall][cpu]") {
+  at::manual_seed(11);
+  const int64_t tier_budget = GENERATE(int64_t{1000}, int64_t{12});  // unbounded, and dropping (digests shrink)
+  const int64_t page = GENERATE(int64_t{1}, int64_t{3});
+  const int64_t tokens = GENERATE(int64_t{2}, int64_t{6});
+  CAPTURE(tier_budget, page, tokens);
+  const auto eviction = EvictionOptions(5).n_sink(1).n_recent(2);
+  const int64_t B = 2, H = 2;
+  const std::vector<int64_t> counts{1, 2};  // ragged rows
+  const double scale = 0.7;
+  const auto run = [&](auto& cache, int64_t D, auto&& make_rows, auto&& split, auto&& tier_keys,
+                       auto&& recall) {
+    RowsByPosition rows(B);
+    int64_t recalls = 0;
+    for (int64_t step = 0; step < 24; ++step) {
+      const int64_t T = 2;
+      auto [a, b] = make_rows(T);
+      std::vector<int64_t> seen{cache.seen_tokens(0, 0), cache.seen_tokens(0, 1)};
+      cache.update(0, a, b, counts);
+      for (int64_t r = 0; r < B; ++r)
+        for (int64_t j = 0; j < counts[r]; ++j) rows[r][seen[r] + j] = split(a, b, r, T - counts[r] + j);
+      if (step % 3 == 2) {
+        const auto query = at::randn({B, H, T, D});
+        const auto pos = cache.positions(0), sc = cache.scores(0);
+        std::vector<RecallPlan> plans;
+        for (int64_t r = 0; r < B; ++r) {
+          const int64_t len = cache.size(0, r);
+          // the row's real queries: the last counts[r] columns
+          plans.push_back(oracle_recall(tier_keys(cache, r), cache.tier_positions(0, r),
+                                        query[r].narrow(1, T - counts[r], counts[r]), scale, tokens, page,
+                                        pos[r].narrow(0, 0, len), sc[r].narrow(0, 0, len), 1,
+                                        cache.seen_tokens(0, r) - 2));
+        }
+        int64_t expected = 0;
+        for (auto& p : plans) expected += static_cast<int64_t>(p.recalled.size());
+        const auto tier_before0 = sorted_positions(cache.tier_positions(0, 0), cache.tier_size(0, 0));
+        const auto size_before = std::vector<int64_t>{cache.size(0, 0), cache.size(0, 1)};
+        CHECK(recall(cache, query) == expected);
+        recalls += expected;
+        const auto pos_after = cache.positions(0), sc_after = cache.scores(0);
+        for (int64_t r = 0; r < B; ++r) {
+          CAPTURE(step, r);
+          CHECK(cache.size(0, r) == size_before[r]);  // capacity stays a cap
+          const auto now = sorted_positions(pos_after[r], cache.size(0, r));
+          for (const int64_t p : plans[r].recalled) {
+            CHECK(std::binary_search(now.begin(), now.end(), p));
+            for (int64_t s = 0; s < cache.size(0, r); ++s) {
+              if (pos_after[r][s].template item<int64_t>() == p) CHECK(sc_after[r][s].template item<float>() == plans[r].top_score);
+            }
+          }
+          const auto tier = sorted_positions(cache.tier_positions(0, r), cache.tier_size(0, r));
+          for (const int64_t p : plans[r].victims) CHECK(std::binary_search(tier.begin(), tier.end(), p));
+          check_rows_by_position(cache, r, rows);
+        }
+      }
+      cache.observe(0, at::softmax(at::randn({B, H, T, cache.size(0)}), -1).mul(
+                           cache.positions(0).ge(0).view({B, 1, 1, -1}).to(at::kFloat)));
+      cache.evict(0);
+    }
+    CHECK(recalls > 0);  // the test saw recalls happen
+  };
+  SECTION("latent") {
+    const int64_t W = 5, R = 3;
+    kvevict::MlaLatentCache cache(kvevict::MlaLatentCacheOptions(1, H)
+                                      .batch_size(B)
+                                      .kv_lora_rank(W)
+                                      .qk_rope_dim(R)
+                                      .check_observations(false)
+                                      .tier_tokens(tier_budget)
+                                      .tier_page_size(page),
+                                  eviction);
+    run(
+        cache, W + R, [&](int64_t T) { return std::make_pair(at::randn({B, T, W}), at::randn({B, T, R})); },
+        [](const at::Tensor& a, const at::Tensor& b, int64_t r, int64_t t) {
+          return std::make_pair(a[r][t].clone(), b[r][t].clone());
+        },
+        [](const kvevict::MlaLatentCache& c, int64_t r) {
+          auto t = c.tier_rows(0, r);
+          return at::cat({t.first, t.second}, -1).unsqueeze(1);  // [n, 1, W + R]
+        },
+        [&](kvevict::MlaLatentCache& c, const at::Tensor& q) {
+          return c.recall_absorbed(0, q.narrow(-1, 0, W), q.narrow(-1, W, R), scale, tokens);
+        });
+  }
+  SECTION("expanded") {
+    const int64_t D = 6;
+    kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, H)
+                                .batch_size(B)
+                                .qk_dim(D)
+                                .v_dim(4)
+                                .check_observations(false)
+                                .tier_tokens(tier_budget)
+                                .tier_page_size(page),
+                            eviction);
+    run(
+        cache, D, [&](int64_t T) { return std::make_pair(at::randn({B, H, T, D}), at::randn({B, H, T, 4})); },
+        [](const at::Tensor& a, const at::Tensor& b, int64_t r, int64_t t) {
+          return std::make_pair(a[r].select(1, t).clone(), b[r].select(1, t).clone());
+        },
+        [](const kvevict::MlaCache& c, int64_t r) { return c.tier_rows(0, r).first.transpose(0, 1); },  // [n, H, D]
+        [&](kvevict::MlaCache& c, const at::Tensor& q) { return c.recall(0, q, scale, tokens); });
+  }
+}
+
+TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[tier][recall][cpu]") {
+  // One head, 2-wide keys, pages of 2. No sink, no recent window, 2 heavy hitters: tokens 0..5
+  // with scores 9, 8, 0, 0, 0, 0 evict positions 2..5 into the tier as pages {2, 3} and {4, 5}.
+  // Page 1 (positions 2, 3): keys (1, 0), (0, 1): lo (0, 0), hi (1, 1).
+  // Page 2 (positions 4, 5): keys (2, -1), (3, -2): lo (2, -2), hi (3, -1).
+  // q = (1, 0): bounds 1 (page 1) and 3 (page 2); q = (0, 1): 1 and -1.
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(10).tier_page_size(2),
+                          EvictionOptions(2).n_sink(0).n_recent(0));
+  const auto keys = at::tensor({5.f, 5.f, 5.f, 5.f, 1.f, 0.f, 0.f, 1.f, 2.f, -1.f, 3.f, -2.f}).view({1, 1, 6, 2});
+  cache.update(0, keys, at::arange(6, at::kFloat).view({1, 1, 6, 1}));
+  cache.add_scores(0, at::tensor({9.f, 8.f, 0.f, 0.f, 0.f, 0.f}).view({1, 6}));
+  cache.evict(0);
+  REQUIRE(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{2, 3, 4, 5});
+  SECTION("q = (1, 0) recalls page 2 in place of the two heavy hitters, lowest (position 1) first") {
+    CHECK(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
+    CHECK(sorted_positions(cache.positions(0)[0], 2) == std::vector<int64_t>{4, 5});
+    CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{0, 1, 2, 3});
+    // The recalled tokens take the best heavy hitter's state (9); the victims keep theirs in the tier.
+    CHECK(at::equal(cache.scores(0), at::full({1, 2}, 9.f)));
+    CHECK(at::equal(cache.tier_scores(0, 0), at::tensor({9.f, 8.f, 0.f, 0.f})));
+    // Rows and values bit for bit at their positions (value = position).
+    const auto pos = cache.positions(0);
+    for (int64_t s = 0; s < 2; ++s) {
+      const int64_t p = pos[0][s].item<int64_t>();
+      CHECK(cache.values(0)[0][0][s][0].item<float>() == static_cast<float>(p));
+      CHECK(at::equal(cache.keys(0)[0][0][s], keys[0][0][p]));
+    }
+  }
+  SECTION("q = (0, 1) recalls page 1; a budget of 1 token recalls nothing (whole pages only)") {
+    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1) == 0);
+    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 0) == 0);
+    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
+    CHECK(sorted_positions(cache.positions(0)[0], 2) == std::vector<int64_t>{2, 3});
+  }
+  SECTION("at a 100% budget nothing is in the tier and recall changes nothing") {
+    kvevict::MlaCache full(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(10).tier_page_size(2),
+                           EvictionOptions(6).n_sink(0).n_recent(0));
+    full.update(0, keys, at::arange(6, at::kFloat).view({1, 1, 6, 1}));
+    full.evict(0);
+    const auto k = full.keys(0).clone();
+    CHECK(full.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 6) == 0);
+    CHECK(at::equal(full.keys(0), k));
+  }
+}
+
+TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][recall][cpu]") {
+  at::manual_seed(13);
+  kvevict::MlaLatentCache cache(
+      kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(20).tier_page_size(2),
+      EvictionOptions(3).n_sink(1).n_recent(1));
+  for (int i = 0; i < 12; ++i) {
+    cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
+    cache.observe(0, at::softmax(at::randn({1, 2, 1, cache.size(0)}), -1));
+    cache.evict(0);
+  }
+  const auto pos = cache.positions(0), sc = cache.scores(0), ckv = cache.ckv(0).clone();
+  const auto tier = cache.tier_positions(0, 0);
+  const auto qa = at::randn({1, 2, 1, 4}), qp = at::randn({1, 2, 1, 2});
+  const auto msg = [&](auto&& f) { return kvevict_test::message_of(f); };
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, at::randn({1, 2, 1, 5}), qp, 1.0, 4); }),
+             Contains("q_absorbed") && Contains("kv_lora_rank"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, at::randn({1, 2, 2, 2}), 1.0, 4); }), Contains("q_pe"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa.mul(NAN), qp, 1.0, 4); }), Contains("finite"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 0.0, 4); }), Contains("scale must be finite and > 0, got 0"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, -1); }), Contains("tokens must be in [0, 2^40], got -1"));
+  CHECK_THROWS_AS(cache.recall_absorbed(1, qa, qp, 1.0, 4), c10::IndexError);
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa.to(at::kLong), qp, 1.0, 4); }), Contains("floating"));
+  cache.observe_begin(0, 1);
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, 4); }), Contains("open observation"));
+  cache.observe_discard(0);
+  CHECK(at::equal(cache.positions(0), pos));
+  CHECK(at::equal(cache.scores(0), sc));
+  CHECK(at::equal(cache.ckv(0), ckv));
+  CHECK(at::equal(cache.tier_positions(0, 0), tier));
+  kvevict::MlaLatentCache none(kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(4).qk_rope_dim(2),
+                               EvictionOptions(3).n_sink(1).n_recent(1));
+  CHECK_THAT(msg([&] { none.recall_absorbed(0, qa, qp, 1.0, 4); }), Contains("no host tier"));
+  CHECK_THAT(msg([&] { kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 1).tier_page_size(0)); }),
+             Contains("tier_page_size must be in [1, 2^20], got 0"));
+  // A good call still works afterwards.
+  CHECK(cache.recall_absorbed(0, qa, qp, 1.0, 4) >= 0);
 }

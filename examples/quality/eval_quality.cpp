@@ -2,6 +2,8 @@
 // of the context), in both cache layouts:
 //  - passkey retrieval accuracy (all 4 values right), by needle depth and context length,
 //    on held-out Brown filler;
+//  - the questions protocol: one document with 4 (key, value) needles, then 4 questions in
+//    turn (each one append, its answer fed before the next), accuracy per question;
 //  - held-out text bits per byte (and perplexity per byte) on 1,024-byte windows;
 //  - attention-output error against the full cache (relative L2 over all layers and the
 //    decoded positions).
@@ -39,8 +41,15 @@ Options (default in brackets):
   --budgets P,...        cache capacities, percent of the context, 1 .. 100 [5,10,25,50,100]
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
-                         sinks_window, random, snapkv; snapkv: passkey only)
-                         [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv]
+                         sinks_window, random, snapkv, h2o_recall, h2o_recall_turn; snapkv and
+                         h2o_recall_turn: retrieval only)
+                         [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
+                          h2o_recall,h2o_recall_turn]
+  --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
+  --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [4]
+  --turn-page N          h2o_recall_turn's tier page size, tokens, 1 .. 4096 [8]
+  --turn-share X         h2o_recall_turn's recall budget per question, a share of the
+                         heavy-hitter budget, 0 .. 1 [0.5]
   --layouts L,...        expanded, latent [expanded,latent]
   --docs N               passkey documents per context and depth, >= 1 [4]
   --text-windows N       held-out text windows, >= 1 [8]
@@ -60,8 +69,9 @@ struct Args {
   std::string weights = "examples/quality/weights.pt", data = "build-quality/data", out = "build-quality/eval";
   std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 100};
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
-  std::vector<std::string> policies{"h2o",          "mean_observed", "tova",  "decay",
-                                    "h2o_pyramid",  "sinks_window",  "random", "snapkv"};
+  std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
+                                    "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_turn"};
+  RecallSettings recall;
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
   bool heat_given = false;  // --heat-budget given: it must be one of --budgets; else the closest to 25
@@ -116,6 +126,10 @@ bool parse(int argc, char** argv, Args& a) {
            }},
           {"--ci-context", [&](auto& f, auto& v) { a.ci_context = parse_int(f, v, kMinDoc, kMaxLen); }},
           {"--ci-docs", [&](auto& f, auto& v) { a.ci_docs = parse_int(f, v, 1); }},
+          {"--recall-page", [&](auto& f, auto& v) { a.recall.step_page = parse_int(f, v, 1, 4096); }},
+          {"--recall-tokens", [&](auto& f, auto& v) { a.recall.step_tokens = parse_int(f, v, 1, 1 << 20); }},
+          {"--turn-page", [&](auto& f, auto& v) { a.recall.turn_page = parse_int(f, v, 1, 4096); }},
+          {"--turn-share", [&](auto& f, auto& v) { a.recall.turn_share = kvevict_cli::parse_double(f, v, 0, 1); }},
       },
       {{"--no-plots", [&] { a.plots = false; }}});
 }
@@ -178,13 +192,18 @@ int main(int argc, char** argv) try {
   Csv csv(a.out + "/quality.csv");
 
   // SnapKV compresses a prompt once, at its end (Model::prefill_compressed): a passkey
-  // document's prompt is everything before the first answer token (the question included).
-  // Held-out text has no prompt/answer split, so SnapKV is measured on retrieval only.
-  const auto text_policy = [](const std::string& pname) { return policy_from(pname) != Policy::SnapKV; };
+  // document's prompt is everything before the first answer token (the question included), a
+  // questions document's everything before the first answer. Held-out text has no prompt/answer
+  // split and no question, so SnapKV and h2o_recall_turn are measured on retrieval only.
+  const auto text_policy = [](const std::string& pname) {
+    const Policy p = policy_from(pname);
+    return p != Policy::SnapKV && p != Policy::H2ORecallTurn;
+  };
   const int64_t n_text_policies = std::count_if(a.policies.begin(), a.policies.end(), text_policy);
-  // Work items, for progress: per layout, per context (retrieval) + text, per policy x budget.
-  const int64_t units_per_layout = static_cast<int64_t>(a.contexts.size()) * (1 + a.policies.size() * a.budgets.size()) +
-                                   1 + n_text_policies * static_cast<int64_t>(a.budgets.size());
+  // Work items, for progress: per layout, per context (two retrieval tasks) + text, per policy x budget.
+  const int64_t units_per_layout =
+      2 * static_cast<int64_t>(a.contexts.size()) * (1 + a.policies.size() * a.budgets.size()) + 1 +
+      n_text_policies * static_cast<int64_t>(a.budgets.size());
   const int64_t total = units_per_layout * a.layouts.size();
   int64_t done = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -195,34 +214,42 @@ int main(int argc, char** argv) try {
                  s / done * (total - done), what.c_str());
   };
 
-  // results[layout][policy][budget][context] = accuracy per depth (retrieval)
+  // results[layout][policy][budget][context] = accuracy per depth (passkey), mean (questions)
   std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, std::vector<double>>>>> acc;
   std::map<std::string, std::map<std::string, std::map<int64_t, double>>> bpb, err_text;
-  std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, double>>>> tok_acc;
+  std::map<std::string, std::map<std::string, std::map<int64_t, std::map<int64_t, double>>>> tok_acc, q_acc;
 
+  enum class Kind { Passkey, Questions, Text };
+  const int64_t question_docs = a.docs * static_cast<int64_t>(a.depths.size());  // as many as passkey documents
   for (const auto& lname : a.layouts) {
     const Layout layout = lname == "latent" ? Layout::Latent : Layout::Expanded;
-    // Tasks: retrieval documents per context length, then the text windows.
+    // Tasks: per context length the passkey and the questions documents, then the text windows.
     struct Task {
       std::string name;
-      torch::Tensor tok;  // [B, T] incl. the answer
-      bool retrieval;
+      torch::Tensor tok;  // [B, T] incl. the answers
+      Kind kind;
       int64_t context;
     };
     std::vector<Task> tasks;
-    for (auto L : a.contexts)
-      tasks.push_back({"passkey@" + std::to_string(L), passkey_docs(held, L, a.depths, a.docs, 1000 + L).tok, true, L});
-    tasks.push_back({"text@" + std::to_string(a.text_len), text_windows(held, a.text_len, a.text_windows), false, a.text_len});
+    for (auto L : a.contexts) {
+      tasks.push_back({"passkey@" + std::to_string(L), passkey_docs(held, L, a.depths, a.docs, 1000 + L).tok, Kind::Passkey, L});
+      tasks.push_back({"questions@" + std::to_string(L), questions_docs(held, L, question_docs, 3000 + L), Kind::Questions, L});
+    }
+    tasks.push_back({"text@" + std::to_string(a.text_len), text_windows(held, a.text_len, a.text_windows), Kind::Text, a.text_len});
 
     for (auto& task : tasks) {
       const int64_t T = task.tok.size(1);
       auto fed = task.tok.narrow(1, 0, T - 1);
       const int64_t context = task.context;
+      const std::vector<Turn> turns = task.kind == Kind::Passkey     ? passkey_turns(T)
+                                      : task.kind == Kind::Questions ? question_turns(T)
+                                                                     : std::vector<Turn>{};
       std::vector<torch::Tensor> ref_attn;
-      auto full = run_policy(m, layout, Policy::Full, eviction_for(Policy::Full, T, T), fed, T, 0, nullptr, &ref_attn);
+      auto full = run_policy(m, layout, Policy::Full, eviction_for(Policy::Full, T, T), fed, T, 0, nullptr, &ref_attn,
+                             true, turns);
       auto record = [&](const std::string& pname, int64_t budget, const RunResult& r) {
         const double err = r.ref_sq > 0 ? std::sqrt(r.err_sq / r.ref_sq) : 0.0;
-        if (task.retrieval) {
+        if (task.kind == Kind::Passkey) {
           auto ok = passkey_correct(r.logits, task.tok);
           std::vector<double> per_depth;
           for (size_t d = 0; d < a.depths.size(); ++d) {
@@ -236,6 +263,13 @@ int main(int argc, char** argv) try {
           tok_acc[lname][pname][budget][context] = tacc;
           csv.row(lname, pname, budget, context, "all", "attn_rel_err_passkey", err, ok.size(0));
           acc[lname][pname][budget][context] = per_depth;
+        } else if (task.kind == Kind::Questions) {
+          auto ok = questions_correct(r.logits, task.tok);  // [B, kQuestions]
+          for (int64_t k = 0; k < kQuestions; ++k)
+            csv.row(lname, pname, budget, context, "q" + std::to_string(k + 1), "question_acc",
+                    ok.select(1, k).mean().item<double>(), ok.size(0));
+          csv.row(lname, pname, budget, context, "all", "question_acc", ok.mean().item<double>(), ok.numel());
+          q_acc[lname][pname][budget][context] = ok.mean().item<double>();
         } else {
           const double b = bits_per_token(r.logits, task.tok);
           csv.row(lname, pname, budget, context, "all", "text_bits_per_byte", b, fed.numel());
@@ -250,7 +284,7 @@ int main(int argc, char** argv) try {
       // (policy, budget) runs are independent: --jobs worker threads, one intra-op thread each.
       std::vector<std::pair<std::string, int64_t>> jobs;
       for (const auto& pname : a.policies)
-        if (task.retrieval || text_policy(pname))
+        if (task.kind != Kind::Text || text_policy(pname))
           for (auto budget : a.budgets) jobs.emplace_back(pname, budget);
       std::mutex mu;
       size_t next = 0;
@@ -266,8 +300,11 @@ int main(int argc, char** argv) try {
           const Policy p = policy_from(pname);
           const int64_t cap = std::max<int64_t>(1, (budget * context + 50) / 100);
           auto e = eviction_for(p, cap, T);
-          const int64_t prefill = p == Policy::SnapKV ? T - kPassLen : cap;  // SnapKV: the prompt, then compress
-          auto r = run_policy(m, layout, p, e, fed, prefill, 77 + budget, &ref_attn);
+          // SnapKV: the prompt, then compress
+          const int64_t prefill = p != Policy::SnapKV          ? cap
+                                  : task.kind == Kind::Passkey ? T - kPassLen
+                                                               : questions_prompt(T);
+          auto r = run_policy(m, layout, p, e, fed, prefill, 77 + budget, &ref_attn, nullptr, true, turns, a.recall);
           std::lock_guard<std::mutex> lk(mu);
           record(pname, budget, r);
           progress(lname + " " + task.name + " " + pname + " " + std::to_string(budget) + "% (capacity " +
@@ -280,17 +317,23 @@ int main(int argc, char** argv) try {
     }
   }
 
-  // Layouts must agree: same accuracy, bits per byte within 1e-3.
+  // Layouts must agree: same accuracy, bits per byte within 1e-3. Where a recall policy
+  // differs, the layouts' digests bound different keys (per head vs the shared latent): reported.
   if (a.layouts.size() == 2) {
-    double max_acc = 0, max_bpb = 0;
+    double max_acc = 0, max_bpb = 0, max_q = 0;
     for (auto& [p, byb] : acc["expanded"])
       for (auto& [b, byc] : byb)
         for (auto& [c, v] : byc)
           for (size_t d = 0; d < v.size(); ++d) max_acc = std::max(max_acc, std::abs(v[d] - acc["latent"][p][b][c][d]));
+    for (auto& [p, byb] : q_acc["expanded"])
+      for (auto& [b, byc] : byb)
+        for (auto& [c, v] : byc) max_q = std::max(max_q, std::abs(v - q_acc["latent"][p][b][c]));
     for (auto& [p, byb] : bpb["expanded"])
       for (auto& [b, v] : byb) max_bpb = std::max(max_bpb, std::abs(v - bpb["latent"][p][b]));
-    std::printf("layouts: max |accuracy difference| %.4f, max |bits-per-byte difference| %.2e -> %s\n", max_acc, max_bpb,
-                max_acc <= 1.0 / (a.docs * 2) + 1e-9 && max_bpb < 1e-3 ? "agree" : "DISAGREE");
+    std::printf("layouts: max |passkey accuracy difference| %.4f, max |questions accuracy difference| %.4f, "
+                "max |bits-per-byte difference| %.2e -> %s\n",
+                max_acc, max_q, max_bpb,
+                max_acc <= 1.0 / (a.docs * 2) + 1e-9 && max_q <= 0.05 + 1e-9 && max_bpb < 1e-3 ? "agree" : "DISAGREE");
   }
 
   // Summary table and gnuplot data (first layout).
@@ -311,6 +354,12 @@ int main(int argc, char** argv) try {
         for (double x : v) s += x, ++n;
     return n ? s / n : 0.0;
   };
+  auto mean_q = [&](const std::string& p, int64_t b) {  // the questions protocol, all contexts
+    double s = 0;
+    int n = 0;
+    for (auto& [c, v] : q_acc[L0][p][b]) s += v, ++n;
+    return n ? s / n : 0.0;
+  };
   // A text metric of (policy, budget), NaN where it was not measured (SnapKV).
   auto text_metric = [&](std::map<std::string, std::map<std::string, std::map<int64_t, double>>>& m, const std::string& p,
                          int64_t b) {
@@ -318,31 +367,31 @@ int main(int argc, char** argv) try {
     const auto it = byb.find(b);
     return it == byb.end() ? NAN : it->second;
   };
-  std::printf("\n%s layout: passkey accuracy, exact (all contexts and depths) | per answer token | text bits/byte | "
-              "attention rel. error (text)\n", L0.c_str());
-  std::printf("%-14s", "policy");
-  for (auto b : a.budgets) std::printf(" | %5lld%%                    ", (long long)b);
+  std::printf("\n%s layout: passkey accuracy, exact (all contexts and depths) | per answer token | 4 questions in "
+              "turn, accuracy | text bits/byte | attention rel. error (text)\n", L0.c_str());
+  std::printf("%-16s", "policy");
+  for (auto b : a.budgets) std::printf(" | %5lld%%                          ", (long long)b);
   std::printf("\n");
   for (auto& p : a.policies) {
-    std::printf("%-14s", p.c_str());
+    std::printf("%-16s", p.c_str());
     for (auto b : a.budgets)
-      std::printf(" | %5.3f %5.3f %5.3f %6.4f", mean_acc(p, b, -1), mean_tok(p, b), text_metric(bpb, p, b),
-                  text_metric(err_text, p, b));
+      std::printf(" | %5.3f %5.3f %5.3f %5.3f %6.4f", mean_acc(p, b, -1), mean_tok(p, b), mean_q(p, b),
+                  text_metric(bpb, p, b), text_metric(err_text, p, b));
     std::printf("\n");
   }
-  std::printf("%-14s | %5.3f %5.3f %5.3f (100%%, no eviction)\n", "full", mean_acc("full", 100, -1), mean_tok("full", 100),
-              bpb[L0]["full"][100]);
+  std::printf("%-16s | %5.3f %5.3f %5.3f %5.3f (100%%, no eviction)\n", "full", mean_acc("full", 100, -1),
+              mean_tok("full", 100), mean_q("full", 100), bpb[L0]["full"][100]);
 
   {
     std::ofstream d(a.out + "/by_budget.dat");
     d << "# policy blocks: budget_pct passkey_acc_all passkey_acc_ctx" << a.contexts.back()
-      << " text_bpb text_ppl attn_err_text passkey_token_acc\n";
+      << " text_bpb text_ppl attn_err_text passkey_token_acc question_acc\n";
     for (auto& p : a.policies) {
       d << "# " << p << "\n";
       for (auto b : a.budgets)
         d << b << ' ' << mean_acc(p, b, -1) << ' ' << mean_acc(p, b, a.contexts.back()) << ' ' << text_metric(bpb, p, b)
           << ' ' << std::pow(2.0, text_metric(bpb, p, b)) << ' ' << text_metric(err_text, p, b) << ' ' << mean_tok(p, b)
-          << "\n";  // NaN: not measured (gnuplot skips the point)
+          << ' ' << mean_q(p, b) << "\n";  // NaN: not measured (gnuplot skips the point)
       d << "\n\n";
     }
     std::ofstream h(a.out + "/heatmap.dat");  // per policy block: depth_index context_index acc
@@ -373,6 +422,9 @@ int main(int argc, char** argv) try {
        << "set output '" << a.out << "/retrieval_tokens_vs_budget.png'\nset ylabel 'passkey answer tokens right (of 4)'\n"
        << "set title 'Retrieval per answer token vs KV budget (" << L0 << " layout; full cache = " << mean_tok("full", 100) << ")'\n"
        << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:7 with linespoints lw 2 title word(names, i+1)\n"
+       << "set output '" << a.out << "/questions_vs_budget.png'\nset ylabel 'accuracy, 4 questions in turn'\n"
+       << "set title 'Questions in turn vs KV budget (" << L0 << " layout; full cache = " << mean_q("full", 100) << ")'\n"
+       << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:8 with linespoints lw 2 title word(names, i+1)\n"
        << "set output '" << a.out << "/perplexity_vs_budget.png'\nset ylabel 'held-out perplexity per byte'\nset autoscale y\n"
        << "set title 'Held-out text perplexity vs KV budget (" << a.text_len << "-byte windows; full cache = " << std::pow(2.0, bpb[L0]["full"][100]) << ")'\n"
        << "plot for [i=0:words(names)-1] '" << a.out << "/by_budget.dat' index i using 1:5 with linespoints lw 2 title word(names, i+1)\n"
@@ -391,7 +443,7 @@ int main(int argc, char** argv) try {
     gp << "unset multiplot\n";
     gp.close();
     const int rc = std::system(("gnuplot " + a.out + "/plots.gp").c_str());
-    std::printf("plots (%s): %s/{retrieval_vs_budget,retrieval_tokens_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
+    std::printf("plots (%s): %s/{retrieval_vs_budget,retrieval_tokens_vs_budget,questions_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
                 rc == 0 ? "gnuplot ok" : "gnuplot FAILED", a.out.c_str());
   }
   std::printf("csv: %s/quality.csv\n", a.out.c_str());

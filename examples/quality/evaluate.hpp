@@ -15,8 +15,10 @@ enum class Layout { Expanded, Latent };
 inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expanded" : "latent"; }
 
 // Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
-// with_cache() below.
-enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV };
+// with_cache() below. h2o_recall and h2o_recall_turn: H2O with a host tier that keeps every
+// evicted token, recalled (cache.recall) every step, or once per question (each question is one
+// multi-token append, as a new user turn would be).
+enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallTurn };
 inline const char* policy_name(Policy p) {
   switch (p) {
     case Policy::Full: return "full";
@@ -28,12 +30,15 @@ inline const char* policy_name(Policy p) {
     case Policy::Random: return "random";
     case Policy::Pyramid: return "h2o_pyramid";
     case Policy::SnapKV: return "snapkv";
+    case Policy::H2ORecall: return "h2o_recall";
+    case Policy::H2ORecallTurn: return "h2o_recall_turn";
   }
   return "?";
 }
+inline bool recalls(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallTurn; }
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
-                 Policy::Random, Policy::Pyramid, Policy::SnapKV})
+                 Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallTurn})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -67,19 +72,40 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
   return b;
 }
 
+// Recall settings of the recall policies. The tier keeps every evicted token (tier_tokens = the
+// document length). h2o_recall: pages of `step_page` tokens, at most `step_tokens` back per step.
+// h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget back
+// per question (whole pages, at least one). The defaults are the best of a small sweep on
+// 1,024-token documents (examples/quality/README.md): a recall every step wants exact, small
+// recalls (it comes back for the next answer token); a recall once per question wants pages, so
+// that the tokens after the one the question finds come too.
+struct RecallSettings {
+  int64_t step_page = 1, step_tokens = 4, turn_page = 8;
+  double turn_share = 0.5;
+  int64_t page(Policy p) const { return p == Policy::H2ORecall ? step_page : turn_page; }
+  int64_t tokens(Policy p, const kvevict::EvictionOptions& e) const {
+    if (p == Policy::H2ORecall) return step_tokens;
+    return std::max<int64_t>(turn_page, static_cast<int64_t>(turn_share * static_cast<double>(e.budget())));
+  }
+};
+
+// tier > 0: the cache keeps a host tier of that many tokens per row, pages of tier_page.
 template <class F>
-void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f) {
+void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f,
+                int64_t tier = 0, int64_t tier_page = 16) {
   std::vector<int64_t> layer_budgets;
   if (p == Policy::Pyramid) layer_budgets = pyramid_budgets(e.budget(), m->c.n_layers);
   auto run = [&](auto scorer) {
     using Scorer = decltype(scorer);
     if (layout == Layout::Expanded) {
       kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->expanded_options(batch).layer_budgets(layer_budgets), e, scorer);
+          m->expanded_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page), e,
+          scorer);
       f(cache);
     } else {
       kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->latent_options(batch).layer_budgets(layer_budgets), e, scorer);
+          m->latent_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page), e,
+          scorer);
       f(cache);
     }
   };
@@ -88,9 +114,14 @@ void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOption
     case Policy::Tova: run(kvevict::LatestAttention{}); break;
     case Policy::Decay: run(kvevict::DecayedAttention{}); break;  // the library's default gamma (0.9)
     case Policy::SnapKV: run(snapkv_for(e)); break;
-    default: run(kvevict::CumulativeAttention{}); break;  // Full, H2O, Window, Random
+    default: run(kvevict::CumulativeAttention{}); break;  // Full, H2O, Window, Random, the recall policies
   }
 }
+
+// A multi-token append inside a document: `len` fed tokens from index `start` (a question).
+struct Turn {
+  int64_t start, len;
+};
 
 struct RunResult {
   torch::Tensor logits;     // [B, T, vocab] (T = fed tokens)
@@ -98,7 +129,9 @@ struct RunResult {
 };
 
 // Feeds tokens [B, T] through a fresh cache: one prefill chunk of min(prefill, T) tokens, then
-// one token per step (decode). Random: attention is not observed; every new token gets a
+// one token per step (decode), except that each of `turns` after the prefill is one append.
+// The recall policies recall before each layer's attention: h2o_recall at every append after
+// the prefill, h2o_recall_turn at the turns only. Random: attention is not observed; every new token gets a
 // uniform random score once, when it arrives (so eviction picks uniformly among candidates).
 // SnapKV: the prefill chunk is the prompt, attended in full and compressed once per layer
 // (Model::prefill_compressed), so `prefill` may exceed the capacity; decode as the others.
@@ -107,7 +140,8 @@ struct RunResult {
 inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e,
                             const torch::Tensor& tok, int64_t prefill, uint64_t seed,
                             const std::vector<torch::Tensor>* ref_attn = nullptr,
-                            std::vector<torch::Tensor>* attn_out = nullptr, bool evict = true) {
+                            std::vector<torch::Tensor>* attn_out = nullptr, bool evict = true,
+                            const std::vector<Turn>& turns = {}, const RecallSettings& rs = {}) {
   torch::NoGradGuard g;
   const int64_t B = tok.size(0), T = tok.size(1);
   RunResult res;
@@ -119,7 +153,12 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
     DecodeState state;
     int64_t t = 0;
     while (t < T) {
-      const int64_t n = t == 0 ? std::min(std::max<int64_t>(1, prefill), T) : 1;
+      int64_t n = t == 0 ? std::min(std::max<int64_t>(1, prefill), T) : 1;
+      bool turn = false;
+      for (const auto& u : turns) {
+        if (t > 0 && u.start == t) n = u.len, turn = true;
+      }
+      const int64_t recall = recalls(p) && t > 0 && (p == Policy::H2ORecall || turn) ? rs.tokens(p, e) : 0;
       const int64_t t0 = t;
       AttnTap tap = [&](int64_t layer, const torch::Tensor& o) {
         if (p == Policy::Random) {
@@ -137,10 +176,10 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
       if (t == 0 && p == Policy::SnapKV)
         chunks.push_back(m->prefill_compressed(tok.narrow(1, 0, n), cache, state));
       else
-        chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict));
+        chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict, recall));
       t += n;
     }
-  });
+  }, recalls(p) ? T : 0, rs.page(p));
   res.logits = torch::cat(chunks, 1);
   if (attn_out)
     for (int64_t l = 0; l < m->c.n_layers; ++l) (*attn_out)[l] = torch::cat(attn_parts[l], 2);
@@ -180,6 +219,40 @@ inline torch::Tensor passkey_token_acc(const torch::Tensor& logits, const torch:
   const int64_t T = tok.size(1);
   auto pred = logits.narrow(1, T - 1 - kPassLen, kPassLen).argmax(-1);
   return pred.eq(tok.narrow(1, T - kPassLen, kPassLen)).to(torch::kFloat).mean(1);
+}
+
+// A passkey document's question as fed (tok[:, :T-1]): QRY PASS, one append.
+inline std::vector<Turn> passkey_turns(int64_t T) { return {{T - kPassLen - 2, 2}}; }
+
+// The second protocol: one document, then kQuestions questions in turn (questions_row), each
+// QRY KEY one append, its answer VAL fed after it (teacher forcing) before the next question.
+constexpr int64_t kQuestions = 4;
+inline torch::Tensor questions_docs(const std::string& filler_text, int64_t T, int64_t n, uint64_t seed) {
+  Rng r(seed);
+  std::vector<int64_t> buf;
+  for (int64_t i = 0; i < n; ++i) {
+    auto row = questions_row(r, filler_text, T, kQuestions);
+    buf.insert(buf.end(), row.tok.begin(), row.tok.end());
+  }
+  return torch::tensor(buf, torch::kLong).view({n, T});
+}
+inline std::vector<Turn> question_turns(int64_t T) {
+  std::vector<Turn> t;
+  for (int64_t k = 0; k < kQuestions; ++k) t.push_back({T - 3 * (kQuestions - k), 2});
+  return t;
+}
+// The prompt SnapKV compresses in the questions protocol: everything before the first answer.
+inline int64_t questions_prompt(int64_t T) { return T - 3 * kQuestions + 2; }
+// [B, kQuestions]: 1 where question k's answer is the argmax (from the logits of the fed
+// tokens tok[:, :T-1]).
+inline torch::Tensor questions_correct(const torch::Tensor& logits, const torch::Tensor& tok) {
+  const int64_t T = tok.size(1);
+  std::vector<torch::Tensor> ok;
+  for (int64_t k = 0; k < kQuestions; ++k) {
+    const int64_t a = T - 3 * (kQuestions - k) + 2;  // the answer's index
+    ok.push_back(logits.select(1, a - 1).argmax(-1).eq(tok.select(1, a)).to(torch::kFloat));
+  }
+  return torch::stack(ok, 1);
 }
 
 // Held-out text windows: BOS + T-1 bytes, n windows evenly spaced.

@@ -138,14 +138,18 @@ struct MLAImpl : torch::nn::Module {
     return out(torch::matmul(torch::softmax(logits, -1), v));
   }
 
-  // Expanded layout: keys/values decompressed per head, attention by the library.
+  // Expanded layout: keys/values decompressed per head, attention by the library. recall > 0:
+  // first up to that many tokens come back from the cache's host tier (cache.recall with this
+  // step's queries).
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last) {
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, int64_t recall = 0) {
     auto p = project(x, pos, last);
     auto [k, v] = expand(p.ckv, p.kpe);
     cache.update(layer, k.contiguous(), v.contiguous());
-    auto o = kvevict::attend(torch::cat({p.q_nope, p.q_pe}, -1).contiguous(), cache, layer, c.scale(), nullptr, observe);
+    auto q = torch::cat({p.q_nope, p.q_pe}, -1).contiguous();
+    if (recall > 0) cache.recall(layer, q, c.scale(), recall);
+    auto o = kvevict::attend(q, cache, layer, c.scale(), nullptr, observe);
     if (tap) tap(layer, o);
     return out(o);
   }
@@ -184,13 +188,14 @@ struct MLAImpl : torch::nn::Module {
   // Latent layout: q_absorbed = q_nope W_UK, output = (probs ckv) W_UV^T.
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaLatentCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last) {
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, int64_t recall = 0) {
     auto p = project(x, pos, last);
     auto w = wkv_b->weight.view({c.n_heads, c.qk_nope + c.v_dim, c.kv_lora});
     auto w_uk = w.narrow(1, 0, c.qk_nope);       // [H, nope, r]
     auto w_uv = w.narrow(1, c.qk_nope, c.v_dim);  // [H, v, r]
     cache.update(layer, p.ckv.contiguous(), p.kpe.contiguous());
     auto q_abs = torch::matmul(p.q_nope, w_uk.unsqueeze(0));  // [B, H, T, r]
+    if (recall > 0) cache.recall_absorbed(layer, q_abs, p.q_pe, c.scale(), recall);
     auto lat = kvevict::attend_absorbed(q_abs.contiguous(), p.q_pe.contiguous(), cache, layer, c.scale(), nullptr, observe);
     auto o = torch::matmul(lat, w_uv.transpose(1, 2).unsqueeze(0));  // [B, H, T, v]
     if (tap) tap(layer, o);
@@ -259,11 +264,12 @@ struct ModelImpl : torch::nn::Module {
   // tokens [B, T] appended to `cache` (either layout) at positions seen_tokens(0) ..; each
   // layer attends through the cache, calls `tap` (if any; it may add scores), then
   // cache.evict(layer) (unless `evict` is false). `observe` false: attention is not fed to the
-  // scorer (scores come only from add_scores). -> logits [B, T, vocab].
+  // scorer (scores come only from add_scores). recall > 0: each layer first recalls up to that
+  // many tokens from the cache's host tier with this append's queries. -> logits [B, T, vocab].
   // `state` belongs to this cache's sequence (a fresh DecodeState with a fresh cache).
   template <class Cache>
   torch::Tensor step(const torch::Tensor& tokens, Cache& cache, DecodeState& state, const AttnTap& tap = nullptr,
-                     bool observe = true, bool evict = true) {
+                     bool observe = true, bool evict = true, int64_t recall = 0) {
     const int64_t start = cache.seen_tokens(0) + state.offset, T = tokens.size(1);
     if (static_cast<int64_t>(state.last.size()) != c.n_layers) state.last.assign(c.n_layers, torch::Tensor());
     if (start == 0) state.last.assign(c.n_layers, torch::Tensor());
@@ -271,7 +277,7 @@ struct ModelImpl : torch::nn::Module {
     auto x = embed(tokens);
     for (int64_t l = 0; l < c.n_layers; ++l) {
       auto& b = blocks[l];
-      x = x + b->attn->cached(b->attn_norm(x), pos, cache, l, tap, observe, &state.last[l]);
+      x = x + b->attn->cached(b->attn_norm(x), pos, cache, l, tap, observe, &state.last[l], recall);
       if (evict) cache.evict(l);
       x = x + b->mlp(b->ffn_norm(x));
     }

@@ -158,6 +158,38 @@ inline Row passkey_row(Rng& r, const std::string& text, int64_t T, double depth,
   return row;
 }
 
+// Questions in turn: n (key, value) needles KEY_k VAL_v at depths (i + 0.5) / n of the filler,
+// then each asked once, in random order, as QRY KEY_k -> VAL_v (the value the target).
+// Context before the first question: T - 3n tokens; length exactly T.
+inline Row questions_row(Rng& r, const std::string& text, int64_t T, int64_t n) {
+  std::vector<int64_t> keys, vals;
+  while (static_cast<int64_t>(keys.size()) < n) {
+    const int64_t k = r.uniform(kNumSym);
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  for (int64_t i = 0; i < n; ++i) vals.push_back(r.uniform(kNumSym));
+  const int64_t nfill = T - 1 - 2 * n - 3 * n;
+  Row fill;
+  push(fill, kBos, kNone);
+  filler(r, text, nfill, fill);
+  std::vector<std::vector<int64_t>> needles;
+  std::vector<int64_t> at;
+  for (int64_t i = 0; i < n; ++i) {
+    needles.push_back({kKey0 + keys[i], kVal0 + vals[i]});
+    at.push_back(1 + static_cast<int64_t>(std::llround((i + 0.5) / n * nfill)));
+  }
+  Row row = weave(fill, needles, at);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  for (int64_t i = n - 1; i > 0; --i) std::swap(order[i], order[r.uniform(i + 1)]);  // Fisher-Yates
+  for (const int64_t i : order) {
+    push(row, kQuery, kNone);
+    push(row, kKey0 + keys[i], kNone);
+    push(row, kVal0 + vals[i], kMqar);
+  }
+  return row;
+}
+
 // Copy: filler, then CPY x1..xn CPY x1..xn with random symbols; length exactly T.
 inline Row copy_row(Rng& r, const std::string& text, int64_t T, int64_t n) {
   Row row;

@@ -47,8 +47,12 @@ struct CacheStats {
   int64_t bytes_allocated = 0;
   /// Tokens in the caches' host tier (evicted, kept in host memory), summed over rows.
   int64_t tier_tokens = 0;
-  /// Host bytes those tokens hold: rows, position, rank and scorer state.
+  /// Host bytes the tier holds: its tokens' rows, position, rank and scorer state, and the
+  /// page digests.
   int64_t tier_bytes = 0;
+  /// Tokens recall() brought back from the tier, summed over rows and calls (each moved one
+  /// token's rows from the tier into the cache, and a heavy hitter's the other way).
+  int64_t tier_recalled = 0;
 };
 
 namespace detail {

@@ -98,21 +98,30 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 /// evict_every 1; with more, up to evict_every - 1 of them still wait in the cache), each its K/V rows
 /// (as in the cache's dtype) plus 8 + 4 + 4 x state_width bytes (position, rank at eviction,
 /// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
-/// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1, or
-///         the result overflows int64.
+/// Plus the page digests (cache options' tier_page_size): an fp32 min and max per key channel
+/// (latent: kv_lora_rank + qk_rope_dim; expanded: num_heads x qk_dim) for at most
+/// min(tier tokens, ceil(seq_len / page_size)) pages per layer.
+/// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1,
+///         page_size < 1, or the result overflows int64.
 inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity,
-                          int64_t tier_tokens, int64_t state_width = 1) {
+                          int64_t tier_tokens, int64_t state_width = 1, int64_t page_size = 16) {
   KVEVICT_CHECK_VALUE(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
   KVEVICT_CHECK_VALUE(capacity >= 1, "capacity must be >= 1, got ", capacity);
   KVEVICT_CHECK_VALUE(tier_tokens >= 0, "tier_tokens must be >= 0, got ", tier_tokens);
   KVEVICT_CHECK_VALUE(state_width >= 1, "state_width must be >= 1, got ", state_width);
+  KVEVICT_CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
   using detail::checked_add;
   using detail::checked_mul;
   const int64_t tokens = std::min(std::max<int64_t>(seq_len - capacity, 0), tier_tokens);
   const int64_t per_token = checked_add(bytes_per_token_per_layer(c, layout),
                                         checked_add(12, checked_mul(4, state_width, "state bytes"), "tier bookkeeping"),
                                         "tier bytes per token and layer");
-  return checked_mul(checked_mul(tokens, per_token, "tier tokens x bytes"), c.num_layers, "tier bytes (all layers)");
+  const int64_t pages = std::min(tokens, seq_len / page_size + (seq_len % page_size != 0));
+  const int64_t key_floats = layout == Layout::kLatent ? checked_add(c.kv_lora_rank, c.qk_rope_dim, "key width")
+                                                       : checked_mul(c.num_heads, c.qk_dim, "key width");
+  const int64_t digest = checked_mul(pages, checked_mul(8, key_floats, "digest bytes per page"), "digest bytes");
+  return checked_mul(checked_add(checked_mul(tokens, per_token, "tier tokens x bytes"), digest, "tier bytes"),
+                     c.num_layers, "tier bytes (all layers)");
 }
 
 }  // namespace kvevict

@@ -44,9 +44,9 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   BasicMlaCache(const MlaCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
                 typename Policy::scorer_type scorer = typename Policy::scorer_type())
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
-             {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}},
+             {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}, true},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
-             options.dtype(), options.tier_tokens()),
+             options.dtype(), options.tier_tokens(), options.tier_page_size()),
         options_(options) {}
 
   const MlaCacheOptions& options() const noexcept { return options_; }
@@ -93,6 +93,49 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   OrderedLayer ordered(int64_t layer) const {
     auto b = Base::ordered_buffers(layer);
     return {b[0], b[1], b[2]};
+  }
+
+  /// Brings tokens back from the host tier (recall; ArkVale, Chen et al. 2024, Sec. 4, with
+  /// Quest's page digests, Tang et al. 2024, Sec. 3.2). Call it after update() and before the
+  /// attention of `layer`, with that attention's queries, whenever you want recall: every
+  /// step, every r steps, or once per multi-token append such as a new user turn.
+  ///
+  /// Per row: every tier page (tier_page_size tokens by position) is scored with the row's
+  /// real queries (right-aligned, as observe()): per head h and query, a softmax over the
+  /// pages of scale * (Quest's bound on q.k from the page's per-channel key min and max, head
+  /// h's keys), summed over heads and queries as exact fixed-point terms and, under tensor
+  /// parallelism, reduced across processes like observations (reduce_contributions), so every
+  /// process recalls the same pages. The best pages (higher score first, equal scores the
+  /// older page; never a page scored 0), each whole page that still fits, come back, at most
+  /// `tokens` tokens and at most as many as the row has heavy-hitter candidates. They take
+  /// the slots of the lowest-ranked heavy hitters (eviction order), which go to the tier with
+  /// their rank. Rows come back bit for bit, at their own positions (RoPE is untouched), so
+  /// capacity stays a cap: the cache holds no more tokens than before.
+  ///
+  /// A recalled token's scorer state is the state of the row's best-ranked heavy hitter before
+  /// the recall (its own state at eviction would rank it lowest, and the next pass would send it
+  /// straight back). With lazy_reduction, pending observations are applied first (flush(), a
+  /// collective under tensor parallelism).
+  ///
+  /// \param query  [B, H, Q, qk_dim] the attention's queries (RoPE applied), any floating
+  ///               dtype, cache device (CPU: the tier runs on the host path).
+  /// \param scale  the attention's logit scale, finite and > 0 (e.g. 1 / sqrt(qk_dim)).
+  /// \param tokens the recall budget per row, >= 0.
+  /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
+  /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
+  ///         query or scale, a negative budget, or an open observation; nothing changes then.
+  /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
+  ///       Q x pages x qk_dim)); syncs nothing (CPU). Keys views stay valid: rows change in
+  ///       place.
+  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
+    Base::policy().size(layer);
+    detail::check_tensor(query, "query", Base::device());
+    detail::check_shape(query, "query", {Base::batch_size(), Base::num_heads(), -1, options_.qk_dim()},
+                {"B", "H", "Q", "qk_dim"}, "[B, H, Q, qk_dim]");
+    KVEVICT_CHECK_TYPE(at::isFloatingType(query.scalar_type()), "query must be floating, got ", query.scalar_type());
+    KVEVICT_CHECK_VALUE(query.size(2) >= 1, "query must hold at least one query, got Q = 0");
+    Base::check_recall("recall", layer, query, scale, tokens);
+    return Base::recall_rows(layer, query.to(at::kFloat).contiguous(), scale, tokens);
   }
 
   /// The rows of the host tier's tokens of `row` in `layer` ({keys [H, n, qk_dim], values [H, n, v_dim]}), in the order of

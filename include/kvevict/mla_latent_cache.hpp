@@ -42,9 +42,9 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   BasicMlaLatentCache(const MlaLatentCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
                       typename Policy::scorer_type scorer = typename Policy::scorer_type())
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
-             {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}},
-              {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}}},
-             options.dtype(), options.tier_tokens()),
+             {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}, true},
+              {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}, true}},
+             options.dtype(), options.tier_tokens(), options.tier_page_size()),
         options_(options) {}
 
   const MlaLatentCacheOptions& options() const noexcept { return options_; }
@@ -83,6 +83,34 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   OrderedLatentLayer ordered(int64_t layer) const {
     auto b = Base::ordered_buffers(layer);
     return {b[0], b[1], b[2]};
+  }
+
+  /// Brings tokens back from the host tier: BasicMlaCache::recall() for the latent layout,
+  /// with the absorbed queries attend_absorbed() takes. A page's digest is the per-channel
+  /// min and max of its tokens' [ckv | kpe] (kv_lora_rank + qk_rope_dim wide, shared by all
+  /// heads); each head's query [q_absorbed | q_pe] is bounded against it.
+  ///
+  /// \param q_absorbed [B, H, Q, kv_lora_rank] q_nope times W_UK, any floating dtype, cache device.
+  /// \param q_pe       [B, H, Q, qk_rope_dim] the RoPE queries, same B, H, Q.
+  /// \param scale      the attention's logit scale, finite and > 0.
+  /// \param tokens     the recall budget per row, >= 0.
+  /// \return tokens recalled, summed over rows.
+  /// \throws c10::Error as BasicMlaCache::recall(); nothing changes then.
+  int64_t recall_absorbed(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
+                          int64_t tokens) {
+    Base::policy().size(layer);
+    detail::check_tensor(q_absorbed, "q_absorbed", Base::device());
+    detail::check_tensor(q_pe, "q_pe", Base::device());
+    detail::check_shape(q_absorbed, "q_absorbed", {Base::batch_size(), Base::num_heads(), -1, options_.kv_lora_rank()},
+                {"B", "H", "Q", "kv_lora_rank"}, "[B, H, Q, kv_lora_rank]");
+    detail::check_shape(q_pe, "q_pe", {Base::batch_size(), Base::num_heads(), q_absorbed.size(2), options_.qk_rope_dim()},
+                {"B", "H", "Q", "qk_rope_dim"}, "[B, H, Q, qk_rope_dim]");
+    KVEVICT_CHECK_TYPE(at::isFloatingType(q_absorbed.scalar_type()) && at::isFloatingType(q_pe.scalar_type()),
+                       "q_absorbed and q_pe must be floating, got ", q_absorbed.scalar_type(), " and ", q_pe.scalar_type());
+    KVEVICT_CHECK_VALUE(q_absorbed.size(2) >= 1, "q_absorbed must hold at least one query, got Q = 0");
+    const auto query = at::cat({q_absorbed.to(at::kFloat), q_pe.to(at::kFloat)}, -1).contiguous();
+    Base::check_recall("recall_absorbed", layer, query, scale, tokens);
+    return Base::recall_rows(layer, query, scale, tokens);
   }
 
   /// The rows of the host tier's tokens of `row` in `layer` ({ckv [n, kv_lora_rank], kpe [n, qk_rope_dim]}), in the order of

@@ -192,6 +192,8 @@ struct CacheOptionsBase {
                         ": dtype must be a floating type (float32, float16, bfloat16, float64), got ", dtype_);
     KVEVICT_CHECK_VALUE(tier_tokens_ >= 0 && tier_tokens_ <= EvictionOptions::kMaxTokens, type,
                         ": tier_tokens must be in [0, 2^40], got ", tier_tokens_);
+    KVEVICT_CHECK_VALUE(tier_page_size_ >= 1 && tier_page_size_ <= (int64_t{1} << 20), type,
+                        ": tier_page_size must be in [1, 2^20], got ", tier_page_size_);
     static_cast<const Derived&>(*this).validate_layout();
   }
 
@@ -232,6 +234,10 @@ struct CacheOptionsBase {
   /// ranked tier tokens are dropped, in the eviction order. 0: no tier. CPU host path only for
   /// now (the constructor throws c10::ValueError elsewhere). Default: 0.
   KVEVICT_ARG_AS(Derived, int64_t, tier_tokens) = 0;
+  /// Tokens per page of the host tier's digests: tier tokens at positions [k * tier_page_size,
+  /// (k + 1) * tier_page_size) share page k, whose digest (per-channel key min and max, Quest)
+  /// recall() scores and whose tokens come back together. Default: 16.
+  KVEVICT_ARG_AS(Derived, int64_t, tier_page_size) = 16;
 };
 
 }  // namespace detail

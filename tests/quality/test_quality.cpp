@@ -4,7 +4,10 @@
 //  3. SnapKV's one-shot prompt compression (Model::prefill_compressed) at capacity T keeps every
 //     token: the decode after it matches the full forward; at 25% it changes the logits;
 //  4. full-cache passkey accuracy on a fixed synthetic set matches the value stored with the
-//     weights (weights.json) within a tolerance.
+//     weights (weights.json) within a tolerance;
+//  5. the host tier and recall: at 100% budget both recall policies give logits bit-identical
+//     to H2O without a tier; at 25% every-step recall brings tokens back, and every row in the
+//     cache and in the tier is bit for bit the row first appended at its position (both layouts).
 // Usage: test_quality <weights.pt> <weights.json>
 #include "evaluate.hpp"
 
@@ -86,6 +89,71 @@ int main(int argc, char** argv) try {
     std::snprintf(msg, sizeof msg, "%s full-cache passkey accuracy %.4f vs stored %.4f (tolerance %.3f), %lld docs at %lld tokens",
                   layout_name(layout), acc, stored, tol, (long long)(5 * n), (long long)L);
     check(std::abs(acc - stored) <= tol, msg);
+  }
+
+  // 5. Recall. At 100% nothing is evicted, so nothing is in the tier and recall changes nothing.
+  for (auto layout : {Layout::Expanded, Layout::Latent}) {
+    auto plain = run_policy(m, layout, Policy::H2O, eviction_for(Policy::H2O, T, T), fed, 1, 0, nullptr, nullptr, true,
+                            passkey_turns(T + 1)).logits;
+    for (auto p : {Policy::H2ORecall, Policy::H2ORecallTurn}) {
+      auto with = run_policy(m, layout, p, eviction_for(p, T, T), fed, 1, 0, nullptr, nullptr, true, passkey_turns(T + 1)).logits;
+      check(torch::equal(with, plain), std::string("100% budget with a tier, ") + layout_name(layout) + ", " +
+                                           policy_name(p) + ": logits bit-identical to h2o without a tier");
+    }
+  }
+  // At 25% with a recall every step: record each token's rows as the model appends them, then
+  // compare every cached and every tier row with the record at its position.
+  {
+    const int64_t cap = T / 4;
+    const auto e = eviction_for(Policy::H2ORecall, cap, T);
+    const RecallSettings rs;
+    const auto rows_check = [&](auto& cache, auto&& newest, auto&& cached_rows, auto&& tier_rows, const char* name) {
+      DecodeState state;
+      std::vector<std::vector<torch::Tensor>> rec(m->c.n_layers);  // per layer: per position, the rows (cat)
+      for (int64_t t = 0; t < T; ++t) {
+        m->step(fed.narrow(1, t, 1), cache, state, nullptr, true, true, t > 0 ? rs.step_tokens : 0);
+        for (int64_t l = 0; l < m->c.n_layers; ++l) rec[l].push_back(newest(cache, l));
+      }
+      bool same = true;
+      for (int64_t l = 0; l < m->c.n_layers; ++l) {
+        const auto all = torch::stack(rec[l]);  // [T, width]
+        const auto pos = cache.positions(l)[0];
+        same = same && torch::equal(cached_rows(cache, l), all.index_select(0, pos));
+        same = same && torch::equal(tier_rows(cache, l), all.index_select(0, cache.tier_positions(l, 0)));
+      }
+      const auto st = cache.stats();
+      check(st.tier_recalled > 0, std::string(name) + ": recall every step at 25% brought " +
+                                      std::to_string(st.tier_recalled) + " tokens back");
+      check(same, std::string(name) + ": every cached and tier row is bit for bit the row appended at its position");
+    };
+    kvevict::MlaLatentCache lat(m->latent_options(1).tier_tokens(T).tier_page_size(rs.step_page), e);
+    rows_check(
+        lat,
+        [](auto& c, int64_t l) {  // the newest token: the slot with the largest position
+          const auto s = c.positions(l)[0].argmax().template item<int64_t>();
+          return torch::cat({c.ckv(l)[0][s], c.kpe(l)[0][s]});
+        },
+        [](auto& c, int64_t l) { return torch::cat({c.ckv(l)[0], c.kpe(l)[0]}, -1); },
+        [](auto& c, int64_t l) {
+          auto r = c.tier_rows(l, 0);
+          return torch::cat({r.first, r.second}, -1);
+        },
+        "latent");
+    kvevict::MlaCache ex(m->expanded_options(1).tier_tokens(T).tier_page_size(rs.step_page), e);
+    rows_check(
+        ex,
+        [](auto& c, int64_t l) {
+          const auto s = c.positions(l)[0].argmax().template item<int64_t>();
+          return torch::cat({c.keys(l)[0].select(1, s).flatten(), c.values(l)[0].select(1, s).flatten()});
+        },
+        [](auto& c, int64_t l) {  // [S, H * (qk + v)]
+          return torch::cat({c.keys(l)[0].transpose(0, 1).flatten(1), c.values(l)[0].transpose(0, 1).flatten(1)}, -1);
+        },
+        [](auto& c, int64_t l) {
+          auto r = c.tier_rows(l, 0);
+          return torch::cat({r.first.transpose(0, 1).flatten(1), r.second.transpose(0, 1).flatten(1)}, -1);
+        },
+        "expanded");
   }
   std::printf("%s\n", failures ? "FAILED" : "all passed");
   return failures ? 1 : 0;

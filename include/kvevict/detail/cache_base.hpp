@@ -13,6 +13,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -31,6 +32,7 @@ struct BufferSpec {
   std::vector<int64_t> outer;          // dims between batch and token, e.g. {H}; {} for latent
   int64_t inner;                       // row width, e.g. 192
   std::vector<std::string> dim_names;  // for messages, e.g. {"B", "H", "T", "qk_dim"}
+  bool key = false;                    // part of the keys the tier's page digests bound
 };
 
 /// Buffers of every layer over one EvictionPolicy; the base of every cache layout. Live tokens
@@ -155,6 +157,7 @@ class CacheBase {
     if (tier_tokens_ > 0) {
       s.tier_tokens = tiers_[layer].tokens();
       s.tier_bytes = tiers_[layer].bytes();
+      s.tier_recalled = tiers_[layer].recalled();
     }
     return s;
   }
@@ -168,6 +171,7 @@ class CacheBase {
       total.bytes_allocated += s.bytes_allocated;
       total.tier_tokens += s.tier_tokens;
       total.tier_bytes += s.tier_bytes;
+      total.tier_recalled += s.tier_recalled;
     }
     return total;
   }
@@ -212,12 +216,12 @@ class CacheBase {
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
     policy_.finish(row);
-    for (auto& t : tiers_) t.row(row).release();
+    for (auto& t : tiers_) t.release(row);
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
     policy_.reset(row);
-    for (auto& t : tiers_) t.row(row).release();
+    for (auto& t : tiers_) t.release(row);
   }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
@@ -234,7 +238,7 @@ class CacheBase {
     buffers_ = std::move(fresh);
     for (auto& v : live_views_) v = LiveViews{};
     for (auto& t : tiers_) {
-      for (int64_t b = 0; b < batch_size(); ++b) t.row(b).release();
+      for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
     }
   }
 
@@ -303,8 +307,10 @@ class CacheBase {
   }
 
  protected:
-  /// `tier_tokens`: the host tier's budget per row and layer (0: no tier; CPU host path only).
-  CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0)
+  /// `tier_tokens`: the host tier's budget per row and layer (0: no tier; CPU host path only);
+  /// `tier_page_size`: its digests' page size.
+  CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0,
+            int64_t tier_page_size = 16)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
     KVEVICT_CHECK_VALUE(tier_tokens_ == 0 || policy_.host_path(), "tier_tokens: the host tier runs on the CPU host "
                         "path only for now; this cache takes the tensor path (device ", device(),
@@ -314,13 +320,16 @@ class CacheBase {
       live_views_.resize(buffers_.size());
       if (tier_tokens_ > 0) {
         std::vector<int64_t> row_bytes, groups;
-        for (const auto& spec : specs_) {
+        TierKeys keys{{}, dtype_, tier_page_size};
+        for (size_t i = 0; i < specs_.size(); ++i) {
+          const auto& spec = specs_[i];
           groups.push_back(1);
           for (auto o : spec.outer) groups.back() *= o;
           row_bytes.push_back(groups.back() * spec.inner * static_cast<int64_t>(c10::elementSize(dtype_)));
+          if (spec.key) keys.buffers.push_back(i);
         }
         for (int64_t l = 0; l < num_layers(); ++l) {
-          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups);
+          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys);
         }
       }
     }, [&](const std::string& why) { fail_allocation(why); });
@@ -472,6 +481,94 @@ class CacheBase {
   }
 
   int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
+
+  /// What every layout's recall checks, naming `call` (e.g. "recall"): a tier, the layer, no
+  /// open observation, scale finite and > 0, tokens in [0, 2^40], a finite `query`.
+  void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens) const {
+    policy_.size(layer);  // checks the layer
+    KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
+    KVEVICT_CHECK(policy_.at(layer).open_q == 0, call, ": layer ", layer,
+                  " has an open observation (observe_begin without observe_end); end or discard it first");
+    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
+    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
+                        ": tokens must be in [0, 2^40], got ", tokens);
+    KVEVICT_CHECK_VALUE(at::isfinite(query).all().template item<bool>(), call,
+                        ": the queries must be finite, got a NaN or an infinity");
+  }
+
+  /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
+  /// key width] (fp32, contiguous, CPU; checked by check_recall() and the layout), reduces the
+  /// scores across processes like observations, and swaps the best pages' tokens (at most
+  /// `tokens` per row, whole pages) with the row's lowest-ranked heavy hitters. Returns the
+  /// tokens recalled, summed over rows. Everything that allocates or throws comes before the
+  /// first swap.
+  int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
+    auto& L = policy_.at(layer);
+    policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
+    auto& tier = tiers_[layer];
+    const auto& core = policy_.core_;
+    const int64_t B = batch_size(), H = query.size(1), Q = query.size(2), D = query.size(3);
+    const int64_t G = tier.key_groups();
+    int64_t P = 1;
+    for (int64_t b = 0; b < B; ++b) P = std::max(P, tier.digests(b).slots());
+    auto sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = core.first_real(L, b, Q);
+      if (first >= Q || tier.digests(b).pages() == 0) continue;
+      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
+      if (G == 1) q = q.reshape({1, H * (Q - first), D});
+      tier.digests(b).score(q.contiguous(), scale, sums.template data_ptr<double>() + b * P);
+    }
+    if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
+    // Plan every row, then swap: per row the tier tokens to recall and the victims.
+    const auto& e = core.layer_eviction[layer];
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    float* st = L.state.template data_ptr<float>();
+    const auto& scorer = policy_.scorer();
+    std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));
+    std::vector<std::vector<float>> top(static_cast<size_t>(B));
+    struct Cand {
+      float rank;
+      int64_t position, slot;
+    };
+    std::vector<Cand> cands;
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        if (!policy_.active(b) || tier.digests(b).pages() == 0) continue;
+        cands.clear();
+        const int64_t recent_from = L.seen[b] - e.n_recent();
+        for (int64_t s = 0; s < L.len[b]; ++s) {
+          const int64_t p = pos[b * L.slots + s];
+          if (p >= e.n_sink() && p < recent_from) cands.push_back({scorer.rank(st + (b * L.slots + s) * Policy::W), p, s});
+        }
+        if (cands.empty()) continue;
+        std::sort(cands.begin(), cands.end(),
+                  [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); });
+        tier.pick(b, sums.template data_ptr<double>() + b * P, std::min<int64_t>(tokens, cands.size()), picked[b]);
+        if (picked[b].empty()) continue;
+        int64_t max_position = 0;
+        for (size_t k = 0; k < picked[b].size(); ++k) {
+          victims[b].push_back(cands[k].slot);
+          max_position = std::max(max_position, cands[k].position);
+        }
+        const float* best = st + (b * L.slots + cands.back().slot) * Policy::W;
+        top[b].assign(best, best + Policy::W);
+        tier.reserve_recall(b, max_position);
+      }
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan: ", why); });
+    int64_t recalled = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      if (picked[b].empty()) continue;
+      tier.swap(b, picked[b], victims[b], buffers_[layer], L.slots, L.position.template data_ptr<int64_t>(), st,
+                top[b].data(), [&](const float* state) { return scorer.rank(state); });
+      recalled += static_cast<int64_t>(picked[b].size());
+    }
+    tier.count_recalled(recalled);
+    if (recalled > 0) {
+      for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
+    }
+    return recalled;
+  }
 
  private:
   const TierRow& tier_row(int64_t layer, int64_t row) const {

@@ -7,6 +7,7 @@
 // older position first, non-finite ranks lowest). CPU host path only, for now.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/page_digests.hpp>
 
 #include <ATen/ATen.h>
 
@@ -95,19 +96,129 @@ inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
   return pa < pb;
 }
 
+/// What a tier's digests are made of: the buffers that hold the keys (their pieces, per key
+/// group, side by side: the latent [ckv | kpe], or the expanded keys of one head), the cached
+/// dtype and the page size.
+struct TierKeys {
+  std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
+  at::ScalarType dtype = at::kFloat;
+  int64_t page_size = 16;
+};
+
 /// The tiers of one layer: one TierRow per batch row, a token budget per row, and the byte
 /// size of one token's row in each buffer.
 class LayerTier {
  public:
   LayerTier() = default;
   /// `row_bytes[i]`: one token's bytes in buffer i, `groups[i]` pieces of it (one per outer
-  /// index of a [B, outer..., slots, inner] buffer).
+  /// index of a [B, outer..., slots, inner] buffer); `keys`: what the page digests bound.
   LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes,
-            std::vector<int64_t> groups)
+            std::vector<int64_t> groups, TierKeys keys)
       : rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)),
-        groups_(std::move(groups)), evicted_(static_cast<size_t>(batch)), src_(row_bytes_.size()),
-        stride_(row_bytes_.size()) {
+        groups_(std::move(groups)), keys_(std::move(keys)), evicted_(static_cast<size_t>(batch)),
+        src_(row_bytes_.size()), stride_(row_bytes_.size()) {
     for (auto& r : rows_) r.bytes.resize(row_bytes_.size());
+    key_groups_ = groups_[keys_.buffers.at(0)];
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(keys_.dtype));
+    for (const auto i : keys_.buffers) {
+      KVEVICT_CHECK(groups_[i] == key_groups_, "tier: every key buffer must have the same groups");
+      key_width_ += row_bytes_[i] / groups_[i] / elem;
+    }
+    key_.resize(static_cast<size_t>(key_groups_ * key_width_));
+    for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_);
+  }
+
+  /// Key groups G of a token (expanded: heads; latent: 1) and the width of each.
+  int64_t key_groups() const noexcept { return key_groups_; }
+  int64_t key_width() const noexcept { return key_width_; }
+  const PageDigests& digests(int64_t b) const { return digests_[static_cast<size_t>(b)]; }
+
+  /// Token i of row b's keys as floats [groups, width] in `out`.
+  void key_of(int64_t b, int64_t i, float* out) const {
+    const auto& r = row(b);
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(keys_.dtype));
+    for (int64_t g = 0; g < key_groups_; ++g) {
+      float* o = out + g * key_width_;
+      for (const auto j : keys_.buffers) {
+        const int64_t piece = row_bytes_[j] / groups_[j], n = piece / elem;
+        to_floats(r.bytes[j].data() + i * row_bytes_[j] + g * piece, keys_.dtype, n, o);
+        o += n;
+      }
+    }
+  }
+
+  /// Row b's tier tokens to recall, by page: the pages in order of `scores` (per page slot,
+  /// higher first; equal scores the older page first; a score of 0 never), each whole page
+  /// that still fits in `limit` tokens. Their token indices go to `out` (cleared first).
+  void pick(int64_t b, const double* scores, int64_t limit, std::vector<int64_t>& out) {
+    const auto& dg = digests_[static_cast<size_t>(b)];
+    out.clear();
+    order_.clear();
+    for (int64_t s = 0; s < dg.slots(); ++s) {
+      if (dg.members(s) > 0 && scores[s] > 0) order_.push_back(s);
+    }
+    std::sort(order_.begin(), order_.end(), [&](int64_t x, int64_t y) {
+      return scores[x] != scores[y] ? scores[x] > scores[y] : dg.page_of_slot(x) < dg.page_of_slot(y);
+    });
+    int64_t left = limit;
+    for (const int64_t s : order_) {
+      if (dg.members(s) > left) continue;
+      for (int64_t t = dg.head(s); t >= 0; t = dg.next(t)) out.push_back(t);
+      left -= dg.members(s);
+      if (left == 0) break;
+    }
+  }
+
+  /// Exchanges row b's tier tokens `tokens[k]` with the cache slots `victims[k]`: every
+  /// buffer's rows bit for bit (`buffers` [B, outer..., slots, inner], contiguous), the
+  /// positions (`position` [B, slots]) and the scorer states (`state` [B, slots, W]). A
+  /// recalled token's state becomes `top_state`; a victim enters the tier with its own state and
+  /// rank(state) as its rank. The digests follow. Allocates nothing after reserve_recall().
+  template <class Rank>
+  void swap(int64_t b, const std::vector<int64_t>& tokens, const std::vector<int64_t>& victims,
+            const std::vector<at::Tensor>& buffers, int64_t slots, int64_t* position, float* state,
+            const float* top_state, Rank&& rank) {
+    auto& r = row(b);
+    auto& dg = digests_[static_cast<size_t>(b)];
+    for (size_t k = 0; k < tokens.size(); ++k) {
+      const int64_t i = tokens[k], s = victims[k];
+      dg.erase(i, r.position[i]);
+      for (size_t j = 0; j < row_bytes_.size(); ++j) {
+        const int64_t piece = row_bytes_[j] / groups_[j];
+        auto* base = static_cast<uint8_t*>(buffers[j].data_ptr());
+        uint8_t* t = r.bytes[j].data() + i * row_bytes_[j];
+        for (int64_t g = 0; g < groups_[j]; ++g) {
+          uint8_t* c = base + ((b * groups_[j] + g) * slots + s) * piece;
+          std::memcpy(swap_.data(), c, static_cast<size_t>(piece));
+          std::memcpy(c, t + g * piece, static_cast<size_t>(piece));
+          std::memcpy(t + g * piece, swap_.data(), static_cast<size_t>(piece));
+        }
+      }
+      std::swap(position[b * slots + s], r.position[i]);
+      float* cs = state + (b * slots + s) * W_;
+      float* ts = r.state.data() + i * W_;
+      std::copy(cs, cs + W_, ts);
+      std::copy(top_state, top_state + W_, cs);
+      r.rank[i] = rank(ts);
+      key_of(b, i, key_.data());
+      dg.insert(i, r.position[i], key_.data());
+    }
+    dg.refresh([&](int64_t t, float* out) { key_of(b, t, out); });
+  }
+
+  /// What swap() of row b needs, with victims up to `max_position`. Changes nothing.
+  void reserve_recall(int64_t b, int64_t max_position) {
+    digests_[static_cast<size_t>(b)].reserve(row(b).size(), max_position);
+    int64_t piece = 0;
+    for (size_t j = 0; j < row_bytes_.size(); ++j) piece = std::max(piece, row_bytes_[j] / groups_[j]);
+    swap_.resize(static_cast<size_t>(piece));
+    order_.reserve(static_cast<size_t>(digests_[static_cast<size_t>(b)].slots()));
+  }
+
+  /// Empties row b (tokens and digests) and gives its memory back.
+  void release(int64_t b) {
+    row(b).release();
+    digests_[static_cast<size_t>(b)].release();
   }
 
   /// Host path, before a pass's moves overwrite them: adds each evicted token of `pass` (its
@@ -135,6 +246,9 @@ class LayerTier {
           if (!source_[s - new_len]) ev.push_back(s);
         }
         reserve(b, pass.n[b]);
+        int64_t max_position = 0;
+        for (const int64_t s : ev) max_position = std::max(max_position, position.data_ptr<int64_t>()[b * slots + s]);
+        digests_[b].reserve(row(b).size() + pass.n[b], max_position);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
     const auto* pos = position.data_ptr<int64_t>();
@@ -178,6 +292,8 @@ class LayerTier {
         std::memcpy(out.data() + at + g * piece, src[i] + g * stride[i], static_cast<size_t>(piece));
       }
     }
+    key_of(b, r.size() - 1, key_.data());
+    digests_[static_cast<size_t>(b)].insert(r.size() - 1, position, key_.data());
   }
 
   /// Makes room in row b for `extra` more tokens and in the scratch of enforce_budget(), so
@@ -211,13 +327,13 @@ class LayerTier {
     std::nth_element(order_.begin(), order_.begin() + (over - 1), order_.end(), before);
     // order_[0, over) are the tokens to drop: sort them so a lookup is a binary search.
     std::sort(order_.begin(), order_.begin() + over);
-    remove_if(r, [&](int64_t i) { return std::binary_search(order_.begin(), order_.begin() + over, i); });
+    remove_if(b, [&](int64_t i) { return std::binary_search(order_.begin(), order_.begin() + over, i); });
   }
 
   /// Drops the tokens of row b at positions >= `from` (a truncate). Allocates nothing.
   void drop_from(int64_t b, int64_t from) {
-    auto& r = row(b);
-    remove_if(r, [&](int64_t i) { return r.position[i] >= from; });
+    const auto& r = row(b);
+    remove_if(b, [&](int64_t i) { return r.position[i] >= from; });
   }
 
   /// Tokens of row b at positions >= `from`.
@@ -226,14 +342,20 @@ class LayerTier {
     return std::count_if(p.begin(), p.end(), [&](int64_t x) { return x >= from; });
   }
 
-  /// Host bytes held by every row's tokens (positions, ranks, states and rows).
+  /// Host bytes held by every row's tokens (positions, ranks, states and rows) and by the
+  /// digests of their pages (fp32 min and max per page slot).
   int64_t bytes() const {
     int64_t per_token = 8 + 4 + 4 * W_;
     for (auto x : row_bytes_) per_token += x;
-    int64_t n = 0;
+    int64_t n = 0, digest = 0;
     for (const auto& r : rows_) n += r.size();
-    return n * per_token;
+    for (const auto& d : digests_) digest += d.bytes();
+    return n * per_token + digest;
   }
+  /// Tokens recalled so far (CacheStats::tier_recalled).
+  int64_t recalled() const noexcept { return recalled_; }
+  void count_recalled(int64_t n) noexcept { recalled_ += n; }
+
   int64_t tokens() const {
     int64_t n = 0;
     for (const auto& r : rows_) n += r.size();
@@ -245,10 +367,15 @@ class LayerTier {
   /// moves O(dropped) rows, not the whole tier (in place: allocates nothing). drop() is asked
   /// about every token once, by its index before any move.
   template <class Drop>
-  void remove_if(TierRow& r, Drop&& drop) {
+  void remove_if(int64_t b, Drop&& drop) {
+    auto& r = row(b);
+    auto& dg = digests_[static_cast<size_t>(b)];
     const int64_t n = r.size();
     drop_.assign(static_cast<size_t>(n), 0);  // within the capacity reserve() made: no allocation
-    for (int64_t i = 0; i < n; ++i) drop_[static_cast<size_t>(i)] = drop(i) ? 1 : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      drop_[static_cast<size_t>(i)] = drop(i) ? 1 : 0;
+      if (drop_[static_cast<size_t>(i)]) dg.erase(i, r.position[i]);
+    }
     int64_t last = n;  // tokens [0, last) are still candidates
     for (int64_t i = 0; i < last; ++i) {
       if (!drop_[static_cast<size_t>(i)]) continue;
@@ -256,12 +383,14 @@ class LayerTier {
       --last;
       if (last == i) break;  // i itself was the last one
       move_token(r, last, i);
+      dg.moved(last, i, r.position[i]);
       drop_[static_cast<size_t>(i)] = 0;
     }
     r.position.resize(static_cast<size_t>(last));
     r.rank.resize(static_cast<size_t>(last));
     r.state.resize(static_cast<size_t>(last * W_));
     for (size_t j = 0; j < row_bytes_.size(); ++j) r.bytes[j].resize(static_cast<size_t>(last * row_bytes_[j]));
+    dg.refresh([&](int64_t t, float* out) { key_of(b, t, out); });
   }
 
   void move_token(TierRow& r, int64_t from, int64_t to) {
@@ -278,6 +407,12 @@ class LayerTier {
   int64_t budget_ = 0;
   int64_t W_ = 1;
   std::vector<int64_t> row_bytes_, groups_;
+  TierKeys keys_;
+  int64_t key_groups_ = 1, key_width_ = 0;
+  int64_t recalled_ = 0;
+  std::vector<PageDigests> digests_;  // per row
+  std::vector<float> key_;            // one token's keys (scratch)
+  std::vector<uint8_t> swap_;         // swap() scratch: one piece of a row
   std::vector<std::vector<int64_t>> evicted_;  // take() scratch: per row, the evicted slots
   std::vector<uint8_t> source_;
   std::vector<const uint8_t*> src_;

@@ -1,0 +1,224 @@
+#pragma once
+// Page digests of one row's host tier (Quest, Tang et al. 2024, "Quest: Query-Aware Sparsity
+// for Efficient Long-Context LLM Inference", Sec. 3.2; ArkVale, Chen et al. 2024, Sec. 4.2):
+// tier tokens are grouped into pages by position (page = position / page_size), and each page
+// keeps the per-channel minimum and maximum of its tokens' keys. For any query q,
+// sum_c max(q_c min_c, q_c max_c) bounds q.k from above for every key of the page, so scoring
+// the digests finds the pages a query would attend without reading their rows.
+//
+// The keys of a token are `groups` vectors of `width` floats: one per head in the expanded
+// layout (keys [H, qk_dim]), one shared by every head in the latent layout ([ckv | kpe]).
+// Each page's members are an intrusive list over the tier's token indices, so a token leaving
+// costs O(its page's members x width), not a scan of the tier.
+
+#include <kvevict/check.hpp>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace kvevict {
+namespace detail {
+
+/// `n` values of dtype `t` at `src` as floats in `dst` (fp32, fp64, fp16 or bf16).
+inline void to_floats(const uint8_t* src, at::ScalarType t, int64_t n, float* dst) {
+  switch (t) {
+    case at::kFloat: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case at::kDouble:
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const double*>(src)[i]);
+      return;
+    case at::kHalf:
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const c10::Half*>(src)[i]);
+      return;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(reinterpret_cast<const c10::BFloat16*>(src)[i]);
+      return;
+    default: KVEVICT_CHECK(false, "tier digests: unsupported dtype ", t);
+  }
+}
+
+/// The digests of one row's tier: per page slot, lo/hi [groups, width] and the member list.
+class PageDigests {
+ public:
+  PageDigests() = default;
+  PageDigests(int64_t page_size, int64_t groups, int64_t width)
+      : page_(page_size), G_(groups), D_(width), key_(static_cast<size_t>(groups * width)) {}
+
+  int64_t page_size() const noexcept { return page_; }
+  /// Page slots in use or freed (the width P of score()).
+  int64_t slots() const noexcept { return static_cast<int64_t>(page_of_.size()); }
+  /// Pages with at least one member.
+  int64_t pages() const noexcept { return slots() - static_cast<int64_t>(free_.size()); }
+  int64_t page_of_slot(int64_t s) const { return page_of_[s]; }
+  int64_t members(int64_t s) const { return count_[s]; }
+  int64_t head(int64_t s) const { return head_[s]; }
+  int64_t next(int64_t token) const { return next_[token]; }
+  int64_t slot_of(int64_t position) const { return slot_of_page_[position / page_]; }
+  /// The digest bytes held (lo and hi, fp32).
+  int64_t bytes() const noexcept { return 2 * slots() * G_ * D_ * static_cast<int64_t>(sizeof(float)); }
+
+  /// Makes room for `tokens` tier tokens and a position up to `max_position`, so that insert(),
+  /// erase(), moved() and refresh() allocate nothing until then. Changes nothing.
+  void reserve(int64_t tokens, int64_t max_position) {
+    const auto grow = [](auto& v, size_t n) {
+      if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
+    };
+    const auto t = static_cast<size_t>(tokens);
+    grow(next_, t);
+    grow(prev_, t);
+    grow(page_of_, t);
+    grow(count_, t);
+    grow(head_, t);
+    grow(free_, t);
+    grow(dirty_, t);
+    grow(lo_, t * static_cast<size_t>(G_ * D_));
+    grow(hi_, t * static_cast<size_t>(G_ * D_));
+    const auto pages = static_cast<size_t>(max_position / page_ + 1);
+    if (slot_of_page_.size() < pages) {
+      grow(slot_of_page_, pages);
+      slot_of_page_.resize(pages, -1);
+    }
+  }
+
+  /// Adds tier token `token` at `position` with keys `key` [groups, width] to its page.
+  void insert(int64_t token, int64_t position, const float* key) {
+    if (static_cast<int64_t>(next_.size()) <= token) {
+      next_.resize(static_cast<size_t>(token) + 1, -1);
+      prev_.resize(static_cast<size_t>(token) + 1, -1);
+    }
+    const int64_t page = position / page_;
+    int64_t s = slot_of_page_[page];
+    const int64_t n = G_ * D_;
+    if (s < 0) {
+      if (!free_.empty()) {
+        s = free_.back();
+        free_.pop_back();
+      } else {
+        s = slots();
+        page_of_.push_back(-1);
+        count_.push_back(0);
+        head_.push_back(-1);
+        lo_.resize(lo_.size() + static_cast<size_t>(n));
+        hi_.resize(hi_.size() + static_cast<size_t>(n));
+      }
+      slot_of_page_[page] = s;
+      page_of_[s] = page;
+      std::copy(key, key + n, lo_.begin() + s * n);
+      std::copy(key, key + n, hi_.begin() + s * n);
+    } else {
+      float* lo = lo_.data() + s * n;
+      float* hi = hi_.data() + s * n;
+      for (int64_t c = 0; c < n; ++c) {
+        lo[c] = std::min(lo[c], key[c]);
+        hi[c] = std::max(hi[c], key[c]);
+      }
+    }
+    prev_[token] = -1;
+    next_[token] = head_[s];
+    if (head_[s] >= 0) prev_[head_[s]] = token;
+    head_[s] = token;
+    ++count_[s];
+  }
+
+  /// Takes tier token `token` at `position` out of its page; a page left empty frees its slot,
+  /// one left with members is recomputed by the next refresh().
+  void erase(int64_t token, int64_t position) {
+    const int64_t page = position / page_, s = slot_of_page_[page];
+    const int64_t p = prev_[token], x = next_[token];
+    if (p >= 0) next_[p] = x; else head_[s] = x;
+    if (x >= 0) prev_[x] = p;
+    if (--count_[s] == 0) {
+      slot_of_page_[page] = -1;
+      page_of_[s] = -1;
+      head_[s] = -1;
+      free_.push_back(s);
+    } else {
+      dirty_.push_back(s);
+    }
+  }
+
+  /// Tier token `from` (at `position`) is now token `to` (the tier moved it).
+  void moved(int64_t from, int64_t to, int64_t position) {
+    const int64_t s = slot_of_page_[position / page_];
+    const int64_t p = prev_[from], x = next_[from];
+    prev_[to] = p;
+    next_[to] = x;
+    if (p >= 0) next_[p] = to; else head_[s] = to;
+    if (x >= 0) prev_[x] = to;
+  }
+
+  /// Recomputes the digests of the pages that lost members: key_of(token, out) writes a
+  /// member's keys [groups, width]. Allocates nothing.
+  template <class KeyOf>
+  void refresh(KeyOf&& key_of) {
+    const int64_t n = G_ * D_;
+    for (const int64_t s : dirty_) {
+      if (count_[s] == 0) continue;  // freed after it was marked
+      float* lo = lo_.data() + s * n;
+      float* hi = hi_.data() + s * n;
+      std::fill(lo, lo + n, std::numeric_limits<float>::infinity());
+      std::fill(hi, hi + n, -std::numeric_limits<float>::infinity());
+      for (int64_t t = head_[s]; t >= 0; t = next_[t]) {
+        key_of(t, key_.data());
+        for (int64_t c = 0; c < n; ++c) {
+          lo[c] = std::min(lo[c], key_[c]);
+          hi[c] = std::max(hi[c], key_[c]);
+        }
+      }
+    }
+    dirty_.clear();
+  }
+
+  /// Page scores for queries q [groups, M, width] (fp32, CPU; for the latent layout M is every
+  /// head's query, for the expanded layout head g's queries meet key group g): per query, a
+  /// softmax over the pages of scale * (the Quest bound), summed over the queries as
+  /// fixed-point terms (round(p * 2^32), exact in fp64 in any order) into out[slot], 0 for a
+  /// free slot. Allocates its temporaries (tensor ops).
+  void score(const at::Tensor& q, double scale, double* out) const {
+    const int64_t P = slots();
+    if (P == 0) return;
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    // lo_/hi_ are [P, G, D]: as [G, D, P] for the matmul.
+    const auto lo = at::from_blob(const_cast<float*>(lo_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
+    const auto hi = at::from_blob(const_cast<float*>(hi_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
+    const auto pos = q.clamp_min(0);
+    auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);  // [G, M, P]
+    std::vector<uint8_t> empty(static_cast<size_t>(P));
+    for (int64_t s = 0; s < P; ++s) empty[s] = count_[s] == 0;
+    const auto mask = at::from_blob(empty.data(), {P}, at::TensorOptions().dtype(at::kBool));
+    bound.masked_fill_(mask, -std::numeric_limits<float>::infinity());
+    const auto terms = at::softmax(bound, -1).to(at::kDouble).mul_(4294967296.0).round_().sum(at::IntArrayRef{0, 1});
+    const double* t = terms.template data_ptr<double>();
+    for (int64_t s = 0; s < P; ++s) out[s] = count_[s] == 0 ? 0.0 : t[s];
+  }
+
+  /// Empties the digests and gives their memory back.
+  void release() {
+    std::vector<int64_t>().swap(next_);
+    std::vector<int64_t>().swap(prev_);
+    std::vector<int64_t>().swap(page_of_);
+    std::vector<int64_t>().swap(count_);
+    std::vector<int64_t>().swap(head_);
+    std::vector<int64_t>().swap(free_);
+    std::vector<int64_t>().swap(dirty_);
+    std::vector<int64_t>().swap(slot_of_page_);
+    std::vector<float>().swap(lo_);
+    std::vector<float>().swap(hi_);
+  }
+
+ private:
+  int64_t page_ = 16, G_ = 1, D_ = 1;
+  std::vector<int64_t> next_, prev_;                 // per tier token: its page's list
+  std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
+  std::vector<int64_t> free_, dirty_;                // free slots; slots to recompute
+  std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
+  std::vector<float> lo_, hi_;                       // [slot, G, D]
+  std::vector<float> key_;                           // refresh() scratch
+};
+
+}  // namespace detail
+}  // namespace kvevict
