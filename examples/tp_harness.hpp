@@ -261,12 +261,15 @@ struct RunOptions {
   int64_t kill_at = -1;  // this rank kills itself (SIGKILL) at the start of that step
   int64_t hang_at = -1;  // this rank stops (sleeps) at the start of that step ...
   std::chrono::milliseconds hang_for{3600000};  // ... for this long, then exits with kHungExit
+  int64_t recall_every = 0;  // > 0: a host tier of 1,000 tokens (pages of 4), and every this many
+                             // steps each layer recalls up to 8 tokens before its attention
 };
 
 struct RunResult {
   std::vector<uint64_t> expanded, latent;  // per step: digest of the kept positions
   uint64_t latent_rows = 0;                // digest of the final latent rows (ckv, kpe)
   int64_t tokens_evicted = 0;              // expanded cache, all layers
+  int64_t recalled = 0;                    // tokens recalled, both caches, all layers
 };
 
 /// Runs `o` on this rank's heads (`tp`), or on all heads in one process when `tp` is null.
@@ -282,6 +285,10 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
                    .kv_lora_rank(d.kv_lora)
                    .qk_rope_dim(d.qk_rope)
                    .qk_nope_dim(d.qk_nope);
+  if (o.recall_every > 0) {
+    eopts.tier_tokens(1000).tier_page_size(4);
+    lopts.tier_tokens(1000).tier_page_size(4);
+  }
   auto build = [&](auto opts, auto* tag) {
     using Cache = std::remove_pointer_t<decltype(tag)>;
     if (tp && o.reduce) return tp->template make<Cache>(opts, o.eviction, o.lazy);
@@ -299,10 +306,15 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
     }
     for (int64_t l = 0; l < d.layers; ++l) {
       const auto s = model.project(l, model.hidden(l, t, o.seed), t);
+      const bool recall = o.recall_every > 0 && t % o.recall_every == 0;
       expanded.update(l, s.k, s.v);
+      if (recall) out.recalled += expanded.recall(l, s.q, 1.0 / std::sqrt(static_cast<double>(d.qk())), 8);
       kvevict::attend(s.q, expanded, l);
       out.tokens_evicted += expanded.evict(l);
       latent.update(l, s.ckv, s.kpe);
+      if (recall) {
+        out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, 1.0 / std::sqrt(static_cast<double>(d.qk())), 8);
+      }
       kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l);
       latent.evict(l);
     }

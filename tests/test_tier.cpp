@@ -587,3 +587,59 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   // A good call still works afterwards.
   CHECK(cache.recall_absorbed(0, qa, qp, 1.0, 4) >= 0);
 }
+
+TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt positions, and sends the rest to the tier",
+          "[tier][cpu]") {
+  at::manual_seed(17);
+  const int64_t B = 2, H = 2, T = 40, D = 6, V = 3;
+  const auto e = EvictionOptions(8).n_sink(2).n_recent(4).evict_every(3);  // evict_every waits; the pass must not
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto causal = at::ones({T, T}, at::kBool).triu(1);
+  SECTION("expanded") {
+    const auto q = at::randn({B, H, T, D}), k = at::randn({B, H, T, D}), v = at::randn({B, H, T, V});
+    const auto lse = at::logsumexp(at::matmul(q, k.transpose(-2, -1)).mul(scale).masked_fill(causal, -INFINITY), -1);
+    const auto opts = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(D).v_dim(V);
+    kvevict::MlaCache plain(opts, e), tiered(kvevict::MlaCacheOptions(opts).tier_tokens(100), e);
+    const auto keep = kvevict::compress_prompt(plain, 0, q, k, v, lse);
+    CHECK(at::equal(kvevict::compress_prompt(tiered, 0, q, k, v, lse), keep));
+    CHECK(tiered.seen_tokens(0) == T);
+    for (int64_t b = 0; b < B; ++b) {
+      CAPTURE(b);
+      const auto kept = kvevict_test::to_vec<int64_t>(keep[b]);
+      CHECK(sorted_positions(tiered.positions(0)[b], tiered.size(0, b)) == kept);
+      const auto pos = tiered.positions(0)[b];
+      for (int64_t s = 0; s < tiered.size(0, b); ++s) {
+        const int64_t p = pos[s].item<int64_t>();
+        CHECK(at::equal(tiered.keys(0)[b].select(1, s), k[b].select(1, p)));
+        CHECK(at::equal(tiered.values(0)[b].select(1, s), v[b].select(1, p)));
+      }
+      std::vector<int64_t> rest;
+      for (int64_t t = 0; t < T; ++t) {
+        if (!std::binary_search(kept.begin(), kept.end(), t)) rest.push_back(t);
+      }
+      CHECK(kvevict_test::to_vec<int64_t>(tiered.tier_positions(0, b)) == rest);
+      const auto idx = at::tensor(rest, at::kLong);
+      CHECK(at::equal(tiered.tier_rows(0, b).first, k[b].index_select(1, idx)));
+      CHECK(at::equal(tiered.tier_rows(0, b).second, v[b].index_select(1, idx)));
+    }
+  }
+  SECTION("latent") {
+    const int64_t W = 5, R = 3;
+    const auto qa = at::randn({B, H, T, W}), qp = at::randn({B, H, T, R});
+    const auto ckv = at::randn({B, T, W}), kpe = at::randn({B, T, R});
+    const auto logits = at::matmul(qa, ckv.unsqueeze(1).transpose(-2, -1)).add(at::matmul(qp, kpe.unsqueeze(1).transpose(-2, -1)));
+    const auto lse = at::logsumexp(logits.mul(scale).masked_fill(causal, -INFINITY), -1);
+    const auto opts = kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(W).qk_rope_dim(R);
+    kvevict::MlaLatentCache plain(opts, e), tiered(kvevict::MlaLatentCacheOptions(opts).tier_tokens(100), e);
+    const auto keep = kvevict::compress_prompt_absorbed(plain, 0, qa, qp, ckv, kpe, lse, scale);
+    CHECK(at::equal(kvevict::compress_prompt_absorbed(tiered, 0, qa, qp, ckv, kpe, lse, scale), keep));
+    for (int64_t b = 0; b < B; ++b) {
+      const auto kept = kvevict_test::to_vec<int64_t>(keep[b]);
+      CHECK(sorted_positions(tiered.positions(0)[b], tiered.size(0, b)) == kept);
+      CHECK(tiered.tier_size(0, b) == T - static_cast<int64_t>(kept.size()));
+      const auto tp = tiered.tier_positions(0, b);
+      CHECK(at::equal(tiered.tier_rows(0, b).first, ckv[b].index_select(0, tp)));
+      CHECK(at::equal(tiered.tier_rows(0, b).second, kpe[b].index_select(0, tp)));
+    }
+  }
+}

@@ -41,15 +41,15 @@ Options (default in brackets):
   --budgets P,...        cache capacities, percent of the context, 1 .. 100 [5,10,25,50,100]
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
-                         sinks_window, random, snapkv, h2o_recall, h2o_recall_turn; snapkv and
-                         h2o_recall_turn: retrieval only)
+                         sinks_window, random, snapkv, h2o_recall, h2o_recall_turn,
+                         snapkv_recall_turn; snapkv and the _turn ones: retrieval only)
                          [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
-                          h2o_recall,h2o_recall_turn]
+                          h2o_recall,h2o_recall_turn,snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
   --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [4]
-  --turn-page N          h2o_recall_turn's tier page size, tokens, 1 .. 4096 [8]
-  --turn-share X         h2o_recall_turn's recall budget per question, a share of the
-                         heavy-hitter budget, 0 .. 1 [0.5]
+  --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [8]
+  --turn-share X         their recall budget per question, a share of the heavy-hitter
+                         budget, 0 .. 1 [0.5]
   --layouts L,...        expanded, latent [expanded,latent]
   --docs N               passkey documents per context and depth, >= 1 [4]
   --text-windows N       held-out text windows, >= 1 [8]
@@ -70,7 +70,8 @@ struct Args {
   std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 100};
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
   std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
-                                    "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_turn"};
+                                    "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_turn",
+                                    "snapkv_recall_turn"};
   RecallSettings recall;
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
@@ -197,7 +198,7 @@ int main(int argc, char** argv) try {
   // split and no question, so SnapKV and h2o_recall_turn are measured on retrieval only.
   const auto text_policy = [](const std::string& pname) {
     const Policy p = policy_from(pname);
-    return p != Policy::SnapKV && p != Policy::H2ORecallTurn;
+    return p != Policy::SnapKV && p != Policy::H2ORecallTurn && p != Policy::SnapKVRecallTurn;
   };
   const int64_t n_text_policies = std::count_if(a.policies.begin(), a.policies.end(), text_policy);
   // Work items, for progress: per layout, per context (two retrieval tasks) + text, per policy x budget.
@@ -301,7 +302,7 @@ int main(int argc, char** argv) try {
           const int64_t cap = std::max<int64_t>(1, (budget * context + 50) / 100);
           auto e = eviction_for(p, cap, T);
           // SnapKV: the prompt, then compress
-          const int64_t prefill = p != Policy::SnapKV          ? cap
+          const int64_t prefill = !compresses_prompt(p)        ? cap
                                   : task.kind == Kind::Passkey ? T - kPassLen
                                                                : questions_prompt(T);
           auto r = run_policy(m, layout, p, e, fed, prefill, 77 + budget, &ref_attn, nullptr, true, turns, a.recall);

@@ -17,8 +17,11 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 // Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
 // with_cache() below. h2o_recall and h2o_recall_turn: H2O with a host tier that keeps every
 // evicted token, recalled (cache.recall) every step, or once per question (each question is one
-// multi-token append, as a new user turn would be).
-enum class Policy { Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallTurn };
+// multi-token append, as a new user turn would be). snapkv_recall_turn: SnapKV's prompt
+// compression sends the prompt tokens it drops to the tier, and each question recalls.
+enum class Policy {
+  Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallTurn, SnapKVRecallTurn
+};
 inline const char* policy_name(Policy p) {
   switch (p) {
     case Policy::Full: return "full";
@@ -32,13 +35,19 @@ inline const char* policy_name(Policy p) {
     case Policy::SnapKV: return "snapkv";
     case Policy::H2ORecall: return "h2o_recall";
     case Policy::H2ORecallTurn: return "h2o_recall_turn";
+    case Policy::SnapKVRecallTurn: return "snapkv_recall_turn";
   }
   return "?";
 }
-inline bool recalls(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallTurn; }
+inline bool recalls(Policy p) {
+  return p == Policy::H2ORecall || p == Policy::H2ORecallTurn || p == Policy::SnapKVRecallTurn;
+}
+// SnapKV's prompt compression (Model::prefill_compressed) instead of a prefill chunk.
+inline bool compresses_prompt(Policy p) { return p == Policy::SnapKV || p == Policy::SnapKVRecallTurn; }
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
-                 Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallTurn})
+                 Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallTurn,
+                 Policy::SnapKVRecallTurn})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -113,7 +122,8 @@ void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOption
     case Policy::MeanObserved: run(kvevict::MeanObservedAttention{}); break;
     case Policy::Tova: run(kvevict::LatestAttention{}); break;
     case Policy::Decay: run(kvevict::DecayedAttention{}); break;  // the library's default gamma (0.9)
-    case Policy::SnapKV: run(snapkv_for(e)); break;
+    case Policy::SnapKV:
+    case Policy::SnapKVRecallTurn: run(snapkv_for(e)); break;
     default: run(kvevict::CumulativeAttention{}); break;  // Full, H2O, Window, Random, the recall policies
   }
 }
@@ -173,7 +183,7 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
           res.ref_sq += r.pow(2).sum().item<double>();
         }
       };
-      if (t == 0 && p == Policy::SnapKV)
+      if (t == 0 && compresses_prompt(p))
         chunks.push_back(m->prefill_compressed(tok.narrow(1, 0, n), cache, state));
       else
         chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict, recall));

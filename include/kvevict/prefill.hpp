@@ -183,6 +183,11 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 /// add_scores() observation: CumulativeAttention keeps the accumulated prompt attention).
 /// The cache numbers the kept tokens 0 .. n-1 (their order is kept; positions() are cache
 /// positions, not prompt positions, which only RoPE needs and the keys already carry).
+/// With a host tier (cache options' tier_tokens > 0) the tokens not kept go to the tier: every
+/// prompt token is appended at its prompt position with its rank, and one pass (evict_now())
+/// keeps the same tokens as above and sends the rest to the tier; positions() are then prompt
+/// positions and seen_tokens(layer) is T. The layer holds all T rows until that pass (as the
+/// caller's k and v do); an allocation failure in the pass leaves the prompt appended.
 ///
 /// \param q, k  [B, H, T, qk_dim], v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param lse   [B, H, T] LSE of the prefill kernel (see prompt_scores()).
@@ -207,6 +212,12 @@ at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at
   detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
   at::NoGradGuard no_grad;
+  if (cache.tier_tokens() > 0) {
+    cache.update(layer, k, v);
+    cache.add_scores(layer, scores);
+    cache.evict_now(layer);
+    return keep;
+  }
   cache.update(layer, detail::gather_tokens(k, keep, 2), detail::gather_tokens(v, keep, 2));
   cache.add_scores(layer, scores.gather(1, keep));
   return keep;
@@ -231,6 +242,12 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
   detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
   at::NoGradGuard no_grad;
+  if (cache.tier_tokens() > 0) {  // see compress_prompt()
+    cache.update(layer, ckv, kpe);
+    cache.add_scores(layer, scores);
+    cache.evict_now(layer);
+    return keep;
+  }
   cache.update(layer, detail::gather_tokens(ckv, keep, 1), detail::gather_tokens(kpe, keep, 1));
   cache.add_scores(layer, scores.gather(1, keep));
   return keep;

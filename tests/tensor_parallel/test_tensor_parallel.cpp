@@ -41,6 +41,8 @@ struct Args {
   int64_t steps = kSteps, timeout_ms = 60000;
 };
 
+constexpr int64_t kRecallEvery = 3;  // mode "recall": a host tier, recall every 3 steps
+
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; ++i) {
@@ -59,10 +61,11 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-tp_harness::RunOptions run_options(bool lazy, int64_t steps) {
+tp_harness::RunOptions run_options(bool lazy, int64_t steps, bool recall = false) {
   tp_harness::RunOptions o;
   o.lazy = lazy;
   o.steps = steps;
+  o.recall_every = recall ? kRecallEvery : 0;
   return o;
 }
 
@@ -78,7 +81,7 @@ int worker_main(const Args& a) {
     auto store = c10::make_intrusive<c10d::FileStore>(a.dir + "/store", a.world);
     const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, tp_harness::Dims().heads, at::kCPU,
                                                      std::chrono::milliseconds(a.timeout_ms));
-    auto o = run_options(a.lazy, a.steps);
+    auto o = run_options(a.lazy, a.steps, a.mode == "recall");
     const bool last = a.rank == a.world - 1;
     if (a.mode == "noreduce") o.reduce = false;
     if (a.mode == "kill" && last) o.kill_at = 50;
@@ -95,7 +98,7 @@ int worker_main(const Args& a) {
       for (const auto d : *v) out << d << ' ';
       out << '\n';
     }
-    out << result.latent_rows << '\n' << result.tokens_evicted << '\n';
+    out << result.latent_rows << '\n' << result.tokens_evicted << '\n' << result.recalled << '\n';
     out.flush();
     ::_exit(0);  // skip the group's teardown: the peers may be gone already
   } catch (const c10::Error& e) {
@@ -112,7 +115,7 @@ struct RankOutput {
   bool ok = false;
   std::vector<uint64_t> expanded, latent;
   uint64_t latent_rows = 0;
-  int64_t tokens_evicted = 0;
+  int64_t tokens_evicted = 0, recalled = 0;
   int64_t error_ms = -1, error_step = -1;
   std::string error;
 };
@@ -132,7 +135,7 @@ RankOutput read_rank(const std::string& dir, int rank) {
       uint64_t d;
       while (ls >> d) v->push_back(d);
     }
-    in >> r.latent_rows >> r.tokens_evicted;
+    in >> r.latent_rows >> r.tokens_evicted >> r.recalled;
   } else if (head == "error") {
     in >> r.error_ms >> r.error_step;
     std::getline(in, r.error);
@@ -160,15 +163,15 @@ Launch launch(int world, const std::string& mode, bool lazy, int64_t timeout_ms 
   return l;
 }
 
-/// The expected run: one process, all heads, no reducer (memoised per lazy flag).
-const tp_harness::RunResult& reference(bool lazy) {
-  static std::map<bool, tp_harness::RunResult> memo;
-  auto it = memo.find(lazy);
+/// The expected run: one process, all heads, no reducer (memoised per lazy and recall flag).
+const tp_harness::RunResult& reference(bool lazy, bool recall = false) {
+  static std::map<std::pair<bool, bool>, tp_harness::RunResult> memo;
+  auto it = memo.find({lazy, recall});
   if (it == memo.end()) {
     at::set_num_threads(1);
     tp_harness::RunResult r;
-    tp_harness::run(run_options(lazy, kSteps), nullptr, r);
-    it = memo.emplace(lazy, std::move(r)).first;
+    tp_harness::run(run_options(lazy, kSteps, recall), nullptr, r);
+    it = memo.emplace(std::make_pair(lazy, recall), std::move(r)).first;
   }
   return it->second;
 }
@@ -181,10 +184,11 @@ int64_t first_difference(const std::vector<uint64_t>& a, const std::vector<uint6
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
-void check_agreement(int world, bool lazy) {
-  const auto& ref = reference(lazy);
+void check_agreement(int world, bool lazy, bool recall = false) {
+  const auto& ref = reference(lazy, recall);
   REQUIRE(ref.tokens_evicted > 0);  // the run evicts: capacity 60, 1,000 tokens
-  const auto l = launch(world, "agree", lazy);
+  if (recall) REQUIRE(ref.recalled > 0);  // and recalls
+  const auto l = launch(world, recall ? "recall" : "agree", lazy);
   INFO("world " << world << (lazy ? " lazy" : " eager") << ", " << l.seconds << " s");
   for (int r = 0; r < world; ++r) {
     INFO("rank " << r << ": status " << l.status[r] << ", error: " << l.ranks[r].error);
@@ -198,6 +202,7 @@ void check_agreement(int world, bool lazy) {
     CHECK(l.ranks[r].latent_rows == l.ranks[0].latent_rows);
     CHECK(l.ranks[r].latent_rows == ref.latent_rows);
     CHECK(l.ranks[r].tokens_evicted == ref.tokens_evicted);
+    CHECK(l.ranks[r].recalled == ref.recalled);
   }
 }
 
@@ -239,6 +244,11 @@ TEST_CASE("2 ranks, lazy: every rank keeps what one lazy process with all heads 
 
 TEST_CASE("4 ranks, lazy: every rank keeps what one lazy process with all heads keeps", "[tensor_parallel][agree]") {
   check_agreement(4, true);
+}
+
+TEST_CASE("2 ranks, a host tier, recall every 3 steps: every rank recalls what one process with all heads recalls",
+          "[tensor_parallel][agree][tier]") {
+  check_agreement(2, false, true);
 }
 
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {

@@ -120,10 +120,23 @@ class CacheBase {
   /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
   ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
   ///       shapes in the steady state.
-  int64_t evict(int64_t layer) {
-    if (!policy_.due(layer)) return 0;
+  int64_t evict(int64_t layer) { return run_pass(layer, false); }
+
+  /// evict() without waiting for evict_every: a pass on `layer` now if any row is over its
+  /// capacity (compress_prompt() with a host tier uses it). Same returns and guarantees.
+  int64_t evict_now(int64_t layer) { return run_pass(layer, true); }
+
+ private:
+  int64_t run_pass(int64_t layer, bool now) {
+    if (now) {
+      bool over = false;
+      for (int64_t b = 0; b < batch_size(); ++b) over = over || size(layer, b) > capacity(layer);
+      if (!over) return 0;
+    } else if (!policy_.due(layer)) {
+      return 0;
+    }
     auto& pass = pass_;
-    policy_.plan(layer, pass);
+    policy_.plan(layer, pass, now);
     auto& bufs = buffers_[layer];
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
@@ -150,6 +163,7 @@ class CacheBase {
     return evicted;
   }
 
+ public:
   /// Counters of one layer. \throws c10::IndexError for a bad layer.
   CacheStats stats(int64_t layer) const {
     auto s = policy_.stats(layer);

@@ -145,12 +145,14 @@ class PolicyState {
   /// Plans a pass on `layer` into `pass` (the caller checked due()), reusing its vectors' room;
   /// changes nothing but, with lazy_reduction, first applies the pending observations (flush():
   /// may throw as it does).
-  void plan(int64_t layer, Pass& pass) {
+  /// `now`: every row over capacity, whatever evict_every says (CacheBase::evict_now()).
+  void plan(int64_t layer, Pass& pass, bool now = false) {
     auto& L = at(layer);
     flush_layer(L, layer);
     reset_pass(L, pass);
+    const int64_t cap = core_.layer_eviction[layer].capacity();
     for (int64_t b = 0; b < rows(); ++b) {
-      pass.n[b] = core_.row_due(L, b, core_.layer_eviction[layer].capacity()) ? L.len[b] - core_.layer_eviction[layer].capacity() : 0;
+      pass.n[b] = (now ? L.len[b] > cap : core_.row_due(L, b, cap)) ? L.len[b] - cap : 0;
       pass.new_len[b] = L.len[b] - pass.n[b];
     }
     on_path([&](auto& p) { p.plan(core_, L, layer, pass); });
