@@ -643,3 +643,84 @@ TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt po
     }
   }
 }
+
+TEST_CASE("a request with a tier and recall in a shared batch equals its solo run, bit for bit", "[tier][recall][cpu]") {
+  // Global steps t = 0..39. Row 0 runs sequence 0 (one token a step) throughout; row 1 runs
+  // sequence 2 (two tokens a step) for t < 12, is finished, and runs sequence 1 (two tokens a
+  // step) from t = 15 (continuous batching; ragged appends). Every sequence's rows and queries
+  // depend on (sequence, its own step), its scores on (sequence, position, t); recall every
+  // third t. Each sequence also runs alone in a one-row cache over the same t.
+  const int64_t W = 4, R = 2, H = 2, T = 2, steps = 40;
+  const auto opts = kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(W).qk_rope_dim(R).tier_tokens(12).tier_page_size(2);
+  const auto e = EvictionOptions(4).n_sink(1).n_recent(2);
+  struct Work {
+    int64_t seq, step, n;  // seq -1: nothing
+  };
+  const auto work = [](int64_t row, int64_t seq, int64_t t) -> Work {
+    if (row == 0) return seq == 0 ? Work{0, t, 1} : Work{-1, 0, 0};
+    if (seq == 2 && t < 12) return {2, t, 2};
+    if (seq == 1 && t >= 15) return {1, t - 15, 2};
+    return {-1, 0, 0};
+  };
+  const auto randn = [](std::vector<int64_t> shape, int64_t seq, int64_t step, int64_t what) {
+    auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(seq * 100000 + step * 10 + what));
+    return at::randn(shape, g);
+  };
+  // One global step on `c`: rows_work[r] is what row r does.
+  const auto run_step = [&](kvevict::MlaLatentCache& c, const std::vector<Work>& rows_work, int64_t t) {
+    const int64_t B = c.batch_size();
+    auto ckv = at::zeros({B, T, W}), kpe = at::zeros({B, T, R});
+    auto qa = at::zeros({B, H, T, W}), qp = at::zeros({B, H, T, R});
+    std::vector<int64_t> counts(static_cast<size_t>(B), 0);
+    for (int64_t r = 0; r < B; ++r) {
+      const auto& w = rows_work[r];
+      if (w.seq < 0) continue;
+      counts[r] = w.n;
+      ckv[r].narrow(0, T - w.n, w.n).copy_(randn({w.n, W}, w.seq, w.step, 0));
+      kpe[r].narrow(0, T - w.n, w.n).copy_(randn({w.n, R}, w.seq, w.step, 1));
+      qa[r].narrow(1, T - w.n, w.n).copy_(randn({H, w.n, W}, w.seq, w.step, 2));
+      qp[r].narrow(1, T - w.n, w.n).copy_(randn({H, w.n, R}, w.seq, w.step, 3));
+    }
+    c.update(0, ckv, kpe, counts);
+    const auto pos = c.positions(0);
+    auto sc = at::zeros({B, c.size(0)});
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t seq = rows_work[r].seq;
+      for (int64_t j = 0; j < c.size(0, r) && seq >= 0; ++j) {
+        const int64_t p = pos[r][j].item<int64_t>();
+        sc[r][j] = static_cast<float>(((seq + 1) * 7919 + p * 104729 + t * 31) % 1000) / 1000.0f;
+      }
+    }
+    c.add_scores(0, sc);
+    if (t % 3 == 2) c.recall_absorbed(0, qa, qp, 0.5, 4);
+    c.evict(0);
+  };
+  kvevict::MlaLatentCache batch(kvevict::MlaLatentCacheOptions(opts).batch_size(2), e);
+  std::vector<kvevict::MlaLatentCache> solo;
+  for (int i = 0; i < 3; ++i) solo.emplace_back(opts, e);
+  std::vector<std::vector<int64_t>> recalled_positions(3);  // some recall must happen in each
+  for (int64_t t = 0; t < steps; ++t) {
+    if (t == 12) batch.finish(1);
+    if (t == 15) REQUIRE(batch.add_sequence() == 1);
+    const int64_t seq1 = t < 12 ? 2 : 1;
+    run_step(batch, {work(0, 0, t), work(1, seq1, t)}, t);
+    for (int64_t q = 0; q < 3; ++q) run_step(solo[q], {work(q == 0 ? 0 : 1, q, t)}, t);
+    if (t == 11 || t == steps - 1) {
+      // Row r of the batch against its sequence's solo run: positions, scores, rows, tier.
+      for (int64_t r = 0; r < 2; ++r) {
+        const auto& s = solo[r == 0 ? 0 : seq1];
+        CAPTURE(t, r);
+        REQUIRE(batch.size(0, r) == s.size(0, 0));
+        const int64_t n = s.size(0, 0);
+        CHECK(at::equal(batch.positions(0)[r].narrow(0, 0, n), s.positions(0)[0].narrow(0, 0, n)));
+        CHECK(at::equal(batch.scores(0)[r].narrow(0, 0, n), s.scores(0)[0].narrow(0, 0, n)));
+        CHECK(at::equal(batch.ckv(0)[r].narrow(0, 0, n), s.ckv(0)[0].narrow(0, 0, n)));
+        CHECK(at::equal(batch.kpe(0)[r].narrow(0, 0, n), s.kpe(0)[0].narrow(0, 0, n)));
+        CHECK(at::equal(batch.tier_positions(0, r), s.tier_positions(0, 0)));
+        CHECK(at::equal(batch.tier_rows(0, r).first, s.tier_rows(0, 0).first));
+        CHECK(at::equal(batch.tier_scores(0, r), s.tier_scores(0, 0)));
+      }
+    }
+  }
+  for (int64_t q = 0; q < 3; ++q) CHECK(solo[q].stats().tier_recalled > 0);
+}

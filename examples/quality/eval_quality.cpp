@@ -38,7 +38,7 @@ Options (default in brackets):
   --data DIR             brown_heldout.txt [build-quality/data]
   --out DIR              results [build-quality/eval]
   --contexts L,...       passkey document lengths, 12 .. 2^20 [256,512,1024]
-  --budgets P,...        cache capacities, percent of the context, 1 .. 100 [5,10,25,50,100]
+  --budgets P,...        cache capacities, percent of the context, 1 .. 100 [10,25,50]
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
                          sinks_window, random, snapkv, h2o_recall, h2o_recall_turn,
@@ -67,7 +67,7 @@ Options (default in brackets):
 
 struct Args {
   std::string weights = "examples/quality/weights.pt", data = "build-quality/data", out = "build-quality/eval";
-  std::vector<int64_t> contexts{256, 512, 1024}, budgets{5, 10, 25, 50, 100};
+  std::vector<int64_t> contexts{256, 512, 1024}, budgets{10, 25, 50};
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
   std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
                                     "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_turn",

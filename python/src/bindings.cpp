@@ -285,6 +285,28 @@ void def_cache_common(py::class_<Py>& c) {
           },
           py::arg("layer") = py::none(), "CacheStats of one layer, or summed over layers.")
       .def(
+          "evict_now", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return x.evict_now(layer); }); },
+          py::arg("layer"), "evict() without waiting for evict_every: a pass now if a row is over capacity.")
+      .def_property_readonly("tier_tokens", [](Py& s) { return with(s, [](auto& x) { return x.tier_tokens(); }); },
+                             "Tokens a row keeps in its host tier per layer (0: no tier).")
+      .def(
+          "tier_size", [](Py& s, int64_t layer, int64_t row) { return with(s, [&](auto& x) { return x.tier_size(layer, row); }); },
+          py::arg("layer"), py::arg("row"), "Tokens of `row` in the host tier of `layer`. Raises IndexError.")
+      .def(
+          "tier_positions",
+          [](Py& s, int64_t layer, int64_t row) { return with(s, [&](auto& x) { return x.tier_positions(layer, row); }); },
+          py::arg("layer"), py::arg("row"), "[n] int64 positions of the tier tokens of `row`, ascending (CPU, a copy).")
+      .def(
+          "tier_scores",
+          [](Py& s, int64_t layer, int64_t row) { return with(s, [&](auto& x) { return x.tier_scores(layer, row); }); },
+          py::arg("layer"), py::arg("row"), "[n] fp32 rank of each tier token when it was evicted, in tier_positions() order.")
+      .def(
+          "tier_rows",
+          [](Py& s, int64_t layer, int64_t row) { return with(s, [&](auto& x) { return x.tier_rows(layer, row); }); },
+          py::arg("layer"), py::arg("row"),
+          "The rows of the tier tokens of `row`, in tier_positions() order, bit for bit as cached (CPU copies): "
+          "(keys [H, n, qk_dim], values [H, n, v_dim]) or (ckv [n, kv_lora_rank], kpe [n, qk_rope_dim]).")
+      .def(
           "truncate", [](Py& s, int64_t row, int64_t k) { with(s, [&](auto& x) { x.truncate(row, k); }); },
           py::arg("row"), py::arg("k"),
           "Rolls back the k newest tokens of `row` in every layer (rejected speculative drafts). Raises "
@@ -364,6 +386,9 @@ void def_cache_options_common(py::class_<O>& c) {
       .def_property("total_heads", [](const O& o) { return o.total_heads(); }, [](O& o, int64_t v) { o.total_heads(v); })
       .def_property("lazy_reduction", [](const O& o) { return o.lazy_reduction(); },
                     [](O& o, bool v) { o.lazy_reduction(v); })
+      .def_property("tier_tokens", [](const O& o) { return o.tier_tokens(); }, [](O& o, int64_t v) { o.tier_tokens(v); })
+      .def_property("tier_page_size", [](const O& o) { return o.tier_page_size(); },
+                    [](O& o, int64_t v) { o.tier_page_size(v); })
       .def("validate", [](const O& o) { o.validate(); }, "Raises ValueError naming a bad value.");
 }
 
@@ -438,17 +463,19 @@ void def_options(py::module_& m) {
                                      "64 RoPE, and 128).");
   eo.def(py::init([](int64_t layers, int64_t heads, int64_t qk_dim, int64_t v_dim, int64_t batch, at::ScalarType dtype,
                      py::object device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
-                     bool lazy) {
+                     bool lazy, int64_t tier_tokens, int64_t tier_page_size) {
            kv::MlaCacheOptions o(layers, heads);
            o.qk_dim(qk_dim).v_dim(v_dim);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
+           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size);
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("qk_dim") = 192, py::arg("v_dim") = 128,
          py::arg("batch_size") = 1, py::arg("dtype") = at::kFloat, py::arg("device") = "cpu",
          py::arg("check_observations") = py::none(), py::arg("layer_budgets") = std::vector<int64_t>{},
-         py::arg("total_heads") = 0, py::arg("lazy_reduction") = false)
+         py::arg("total_heads") = 0, py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0,
+         py::arg("tier_page_size") = 16)
       .def_property("qk_dim", [](const kv::MlaCacheOptions& o) { return o.qk_dim(); },
                     [](kv::MlaCacheOptions& o, int64_t v) { o.qk_dim(v); })
       .def_property("v_dim", [](const kv::MlaCacheOptions& o) { return o.v_dim(); },
@@ -461,18 +488,19 @@ void def_options(py::module_& m) {
                                            "heads (DeepSeek-V3: 512 and 64).");
   lo.def(py::init([](int64_t layers, int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t batch,
                      at::ScalarType dtype, py::object device, c10::optional<bool> check, std::vector<int64_t> budgets,
-                     int64_t total_heads, bool lazy) {
+                     int64_t total_heads, bool lazy, int64_t tier_tokens, int64_t tier_page_size) {
            kv::MlaLatentCacheOptions o(layers, heads);
            o.kv_lora_rank(rank).qk_rope_dim(rope).qk_nope_dim(nope);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
+           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size);
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("kv_lora_rank") = 512,
          py::arg("qk_rope_dim") = 64, py::arg("qk_nope_dim") = 128, py::arg("batch_size") = 1,
          py::arg("dtype") = at::kFloat, py::arg("device") = "cpu", py::arg("check_observations") = py::none(),
          py::arg("layer_budgets") = std::vector<int64_t>{}, py::arg("total_heads") = 0,
-         py::arg("lazy_reduction") = false)
+         py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0, py::arg("tier_page_size") = 16)
       .def_property("kv_lora_rank", [](const kv::MlaLatentCacheOptions& o) { return o.kv_lora_rank(); },
                     [](kv::MlaLatentCacheOptions& o, int64_t v) { o.kv_lora_rank(v); })
       .def_property("qk_rope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_rope_dim(); },
@@ -596,7 +624,18 @@ void def_caches(py::module_& m) {
           py::arg("layer"), "[B, H, S, v_dim] live values: a view of the buffer, slot order.")
       .def(
           "ordered", [](Expanded& s, int64_t layer) { return with(s, [&](auto& x) { return x.ordered(layer); }); },
-          py::arg("layer"), "Copies of the live keys, values and positions sorted by position per row.");
+          py::arg("layer"), "Copies of the live keys, values and positions sorted by position per row.")
+      .def(
+          "recall",
+          [](Expanded& s, int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
+            return with(s, [&](auto& x) { return x.recall(layer, query, scale, tokens); });
+          },
+          py::arg("layer"), py::arg("query"), py::arg("scale"), py::arg("tokens"),
+          "Brings tokens back from the host tier (C++ BasicMlaCache::recall; ArkVale with Quest's page digests): "
+          "query [B, H, Q, qk_dim] this step's queries; the best tier pages, at most `tokens` tokens per row in whole "
+          "pages, take the slots of the lowest-ranked heavy hitters. Call after update() and before attend(). "
+          "Returns the tokens recalled. Raises RuntimeError / ValueError without a tier or on bad input; nothing "
+          "changes then.");
   def_cache_common(e);
 
   py::class_<Latent> l(m, "MlaLatentCache",
@@ -630,7 +669,16 @@ void def_caches(py::module_& m) {
           py::arg("layer"), "[B, S, qk_rope_dim] live RoPE keys: a view of the buffer, slot order.")
       .def(
           "ordered", [](Latent& s, int64_t layer) { return with(s, [&](auto& x) { return x.ordered(layer); }); },
-          py::arg("layer"), "Copies of the live ckv, kpe and positions sorted by position per row.");
+          py::arg("layer"), "Copies of the live ckv, kpe and positions sorted by position per row.")
+      .def(
+          "recall_absorbed",
+          [](Latent& s, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
+             int64_t tokens) {
+            return with(s, [&](auto& x) { return x.recall_absorbed(layer, q_absorbed, q_pe, scale, tokens); });
+          },
+          py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("scale"), py::arg("tokens"),
+          "MlaCache.recall() for the latent layout, with the absorbed queries attend_absorbed() takes: q_absorbed "
+          "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled.");
   def_cache_common(l);
 }
 
@@ -854,7 +902,10 @@ void def_tools(py::module_& m) {
   py::class_<kv::CacheStats>(m, "CacheStats", "Counters of one layer or, summed, of a whole cache.")
       .def_readonly("eviction_events", &kv::CacheStats::eviction_events)
       .def_readonly("tokens_evicted", &kv::CacheStats::tokens_evicted)
-      .def_readonly("bytes_allocated", &kv::CacheStats::bytes_allocated);
+      .def_readonly("bytes_allocated", &kv::CacheStats::bytes_allocated)
+      .def_readonly("tier_tokens", &kv::CacheStats::tier_tokens)
+      .def_readonly("tier_bytes", &kv::CacheStats::tier_bytes)
+      .def_readonly("tier_recalled", &kv::CacheStats::tier_recalled);
 
   py::class_<kv::SlotMoves>(m, "SlotMoves",
                             "The row moves of one pass on one layer: slot dst[b, j] receives slot src[b, j] (all reads "

@@ -408,3 +408,37 @@ def test_snapkv_pool_hand_worked():
     assert torch.allclose(avg, torch.tensor([[1.0, 2.0, 3.0, 4.0, 3.0]]))  # zero padding counts
     mx = kvevict.SnapKV(4, 3, kvevict.SnapKV.Pooling.kMax).pool(ranks)
     assert mx.tolist() == [[2.0, 3.0, 4.0, 5.0, 5.0]]
+
+
+def test_tier_and_recall_hand_worked():
+    # As the C++ case "recall by hand": one head, 2-wide keys, pages of 2, 2 heavy hitters.
+    # Positions 2..5 go to the tier as pages {2, 3} (keys (1, 0), (0, 1)) and {4, 5} ((2, -1),
+    # (3, -2)); q = (1, 0) bounds them by 1 and 3, so page {4, 5} comes back in place of the
+    # heavy hitters 0 and 1, which go to the tier with their scores.
+    opts = kvevict.MlaCacheOptions(1, 1, qk_dim=2, v_dim=1, tier_tokens=10, tier_page_size=2)
+    assert (opts.tier_tokens, opts.tier_page_size) == (10, 2)
+    cache = kvevict.MlaCache(opts, kvevict.EvictionOptions(2, n_sink=0, n_recent=0))
+    keys = torch.tensor([5., 5., 5., 5., 1., 0., 0., 1., 2., -1., 3., -2.]).view(1, 1, 6, 2)
+    cache.update(0, keys, torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1))
+    cache.add_scores(0, torch.tensor([[9., 8., 0., 0., 0., 0.]]))
+    cache.evict(0)
+    assert cache.tier_tokens == 10
+    assert cache.tier_positions(0, 0).tolist() == [2, 3, 4, 5]
+    assert cache.recall(0, torch.tensor([1., 0.]).view(1, 1, 1, 2), 1.0, 2) == 2
+    assert sorted(cache.positions(0)[0].tolist()) == [4, 5]
+    assert cache.tier_positions(0, 0).tolist() == [0, 1, 2, 3]
+    assert cache.tier_scores(0, 0).tolist() == [9., 8., 0., 0.]
+    k, v = cache.tier_rows(0, 0)
+    assert torch.equal(k[0], keys[0, 0, :4])
+    assert v[0, :, 0].tolist() == [0., 1., 2., 3.]
+    st = cache.stats()
+    assert (st.tier_tokens, st.tier_recalled) == (4, 2)
+    with pytest.raises(RuntimeError, match="no host tier"):
+        kvevict.MlaCache(kvevict.MlaCacheOptions(1, 1, qk_dim=2, v_dim=1)).recall(
+            0, torch.zeros(1, 1, 1, 2), 1.0, 2)
+    latent = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 1, kv_lora_rank=2, qk_rope_dim=1, tier_tokens=4, tier_page_size=1),
+                                    kvevict.EvictionOptions(1, n_sink=0, n_recent=0))
+    latent.update(0, torch.randn(1, 3, 2), torch.randn(1, 3, 1))
+    latent.evict_now(0)
+    assert latent.tier_size(0, 0) == 2
+    assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16) == 1

@@ -1,0 +1,145 @@
+// kvevict_tier_bench: what the host tier and recall cost next to the attention they serve
+// (issue 15), measured side by side in one run. A timing CLI of our own (std::chrono, printf),
+// like kvevict_bench.
+//
+// One latent-layout layer (H heads, kv_lora_rank 512, qk_rope_dim 64, fp32, CPU host path) at
+// --capacity tokens with a host tier of --tier tokens, filled first: capacity + tier tokens
+// appended in chunks of 512 with random scores, each chunk's pass sending 512 tokens to the tier
+// (untimed). Then per configuration (page size x when):
+//   every step   each decode step appends one token, recalls up to --recall-tokens tokens with
+//                its queries (Q = 1), attends (attend_absorbed, observing) and evicts;
+//   per question a --question-tokens append (a new user turn) recalls once with its Q queries,
+//                then attends; the decode steps between questions do not recall.
+// Reported, means over --steps steps (or questions): attend ms (of the same Q), recall ms
+// (digest scoring + the swap), recall / attend, tokens recalled per call (the recall budget is
+// max(--recall-tokens, page): at least one whole page), bytes moved from
+// host to device per call (recalled rows, fp32 here; bf16 halves it) and the host memory the
+// tier holds (rows, bookkeeping and digests, CacheStats::tier_bytes).
+#include "cli.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Args {
+  int64_t heads = 64, capacity = 4612, tier = 32768, steps = 20, threads = 1, recall_tokens = 64, question = 16;
+  std::vector<int64_t> pages = {1, 16, 64, 256};
+};
+
+constexpr int64_t kW = 512, kR = 64;
+
+/// A latent cache at capacity with `a.tier` tokens in its tier.
+kvevict::MlaLatentCache filled(const Args& a, int64_t page) {
+  kvevict::MlaLatentCache cache(
+      kvevict::MlaLatentCacheOptions(1, a.heads).kv_lora_rank(kW).qk_rope_dim(kR).tier_tokens(a.tier).tier_page_size(page),
+      kvevict::EvictionOptions(a.capacity - 20).n_sink(4).n_recent(16));
+  at::manual_seed(3);
+  const int64_t chunk = 512;
+  for (int64_t done = 0; done < a.capacity + a.tier; done += chunk) {
+    cache.update(0, at::randn({1, chunk, kW}), at::randn({1, chunk, kR}));
+    cache.add_scores(0, at::rand({1, cache.size(0)}));
+    cache.evict_now(0);
+  }
+  return cache;
+}
+
+struct Row {
+  double attend_ms = 0, recall_ms = 0, recalled = 0;
+};
+
+/// Mean attend and recall time over `n` appends of `q_len` tokens, recalling up to `budget`
+/// tokens at every one.
+Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_t n, int64_t budget) {
+  const double scale = 1.0 / std::sqrt(192.0);
+  Row r;
+  const int64_t warmup = 2;
+  for (int64_t i = 0; i < warmup + n; ++i) {
+    cache.update(0, at::randn({1, q_len, kW}), at::randn({1, q_len, kR}));
+    const auto qa = at::randn({1, a.heads, q_len, kW}), qp = at::randn({1, a.heads, q_len, kR});
+    const int64_t before = cache.stats(0).tier_recalled;
+    auto t0 = Clock::now();
+    cache.recall_absorbed(0, qa, qp, scale, budget);
+    const double rec = seconds_since(t0);
+    t0 = Clock::now();
+    kvevict::attend_absorbed(qa, qp, cache, 0, scale);
+    const double att = seconds_since(t0);
+    cache.evict_now(0);
+    if (i >= warmup) {
+      r.attend_ms += 1e3 * att / n;
+      r.recall_ms += 1e3 * rec / n;
+      r.recalled += static_cast<double>(cache.stats(0).tier_recalled - before) / n;
+    }
+  }
+  return r;
+}
+
+void run(const Args& a) {
+  std::printf("latent layout, %lld heads, capacity %lld, tier %lld tokens, fp32, CPU, %lld thread(s); recall budget "
+              "max(%lld, page) tokens per call; question appends of %lld tokens; means over %lld calls\n",
+              static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
+              static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
+              static_cast<long long>(a.question), static_cast<long long>(a.steps));
+  std::printf("%6s %13s %10s %10s %14s %10s %14s %15s %14s\n", "page", "when", "pages", "attend ms", "recall ms",
+              "recall/att", "tokens/call", "H2D bytes/call", "host MiB");
+  const double row_bytes = (kW + kR) * 4.0;
+  for (const int64_t page : a.pages) {
+    auto cache = filled(a, page);
+    const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
+    for (const bool question : {false, true}) {
+      const Row r = measure(cache, a, question ? a.question : 1, a.steps, std::max(a.recall_tokens, page));
+      std::printf("%6lld %13s %10lld %10.3f %14.3f %9.1f%% %14.1f %15.0f %14.1f\n", static_cast<long long>(page),
+                  question ? "per question" : "every step", pages, r.attend_ms, r.recall_ms,
+                  100.0 * r.recall_ms / r.attend_ms, r.recalled, r.recalled * row_bytes,
+                  static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  try {
+    const bool go = kvevict_cli::parse_flags(
+        argc, argv,
+        {{"--heads", [&](auto& f, auto& v) { a.heads = kvevict_cli::parse_int(f, v, 1, 1024); }},
+         {"--capacity", [&](auto& f, auto& v) { a.capacity = kvevict_cli::parse_int(f, v, 21, int64_t{1} << 24); }},
+         {"--tier", [&](auto& f, auto& v) { a.tier = kvevict_cli::parse_int(f, v, 512, int64_t{1} << 24); }},
+         {"--steps", [&](auto& f, auto& v) { a.steps = kvevict_cli::parse_int(f, v, 1, 100000); }},
+         {"--threads", [&](auto& f, auto& v) { a.threads = kvevict_cli::parse_int(f, v, 1, 1024); }},
+         {"--recall-tokens", [&](auto& f, auto& v) { a.recall_tokens = kvevict_cli::parse_int(f, v, 0, 1 << 20); }},
+         {"--question-tokens", [&](auto& f, auto& v) { a.question = kvevict_cli::parse_int(f, v, 1, 4096); }},
+         {"--pages", [&](auto& f, auto& v) { a.pages = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }}});
+    if (!go) {
+      std::printf(
+          "usage: kvevict_tier_bench [--heads N] [--capacity N] [--tier N] [--pages 1,16,64,256] [--steps N]\n"
+          "                          [--recall-tokens N] [--question-tokens N] [--threads N]\n"
+          "Defaults: 64 heads, capacity 4612, tier 32768, pages 1,16,64,256, 20 calls, recall 64 tokens, questions of\n"
+          "16 tokens, 1 thread.\n");
+      return 0;
+    }
+  } catch (const kvevict_cli::UsageError& e) {
+    std::fprintf(stderr, "kvevict_tier_bench: %s (see --help)\n", e.what());
+    return 2;
+  }
+  at::set_num_threads(static_cast<int>(a.threads));
+  at::NoGradGuard no_grad;
+  run(a);
+  return 0;
+}
