@@ -47,9 +47,9 @@ Options (default in brackets):
                           h2o_recall,h2o_recall_turn,snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
   --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [4]
-  --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [8]
+  --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [4]
   --turn-share X         their recall budget per question, a share of the heavy-hitter
-                         budget, 0 .. 1 [0.5]
+                         budget, 0 .. 1 [0.25]
   --layouts L,...        expanded, latent [expanded,latent]
   --docs N               passkey documents per context and depth, >= 1 [4]
   --text-windows N       held-out text windows, >= 1 [8]

@@ -89,8 +89,8 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
 // recalls (it comes back for the next answer token); a recall once per question wants pages, so
 // that the tokens after the one the question finds come too.
 struct RecallSettings {
-  int64_t step_page = 1, step_tokens = 4, turn_page = 8;
-  double turn_share = 0.5;
+  int64_t step_page = 1, step_tokens = 4, turn_page = 4;
+  double turn_share = 0.25;
   int64_t page(Policy p) const { return p == Policy::H2ORecall ? step_page : turn_page; }
   int64_t tokens(Policy p, const kvevict::EvictionOptions& e) const {
     if (p == Policy::H2ORecall) return step_tokens;
