@@ -112,15 +112,20 @@ inline std::vector<int64_t> sorted_offsets(Rng& r, int64_t n, int64_t lo, int64_
   return v;
 }
 
+// n distinct key symbols and n value symbols (any), drawn in this order.
+inline void key_values(Rng& r, int64_t n, std::vector<int64_t>& keys, std::vector<int64_t>& vals) {
+  while (static_cast<int64_t>(keys.size()) < n) {
+    const int64_t k = r.uniform(kNumSym);
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  for (int64_t i = 0; i < n; ++i) vals.push_back(r.uniform(kNumSym));
+}
+
 // Multi-query associative recall: `pairs` (key, value) needles scattered through filler, then
 // `queries` of them asked at the end: QRY key -> value. Length exactly T.
 inline Row mqar_row(Rng& r, const std::string& text, int64_t T, int64_t pairs, int64_t queries) {
   std::vector<int64_t> keys, vals;
-  while (static_cast<int64_t>(keys.size()) < pairs) {
-    const int64_t k = r.uniform(kNumSym);
-    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-  }
-  for (int64_t i = 0; i < pairs; ++i) vals.push_back(r.uniform(kNumSym));
+  key_values(r, pairs, keys, vals);
   const int64_t nfill = T - 1 - 2 * pairs - 3 * queries;
   Row fill;
   push(fill, kBos, kNone);
@@ -163,11 +168,7 @@ inline Row passkey_row(Rng& r, const std::string& text, int64_t T, double depth,
 // Context before the first question: T - 3n tokens; length exactly T.
 inline Row questions_row(Rng& r, const std::string& text, int64_t T, int64_t n) {
   std::vector<int64_t> keys, vals;
-  while (static_cast<int64_t>(keys.size()) < n) {
-    const int64_t k = r.uniform(kNumSym);
-    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-  }
-  for (int64_t i = 0; i < n; ++i) vals.push_back(r.uniform(kNumSym));
+  key_values(r, n, keys, vals);
   const int64_t nfill = T - 1 - 2 * n - 3 * n;
   Row fill;
   push(fill, kBos, kNone);
