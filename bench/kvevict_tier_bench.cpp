@@ -10,8 +10,9 @@
 //                its queries (Q = 1), attends (attend_absorbed, observing) and evicts;
 //   per question a --question-tokens append (a new user turn) recalls once with its Q queries,
 //                then attends; the decode steps between questions do not recall.
-// Reported, means over --steps steps (or questions): attend ms (of the same Q), recall ms
-// (digest scoring + the swap), recall / attend, tokens recalled per call (the recall budget is
+// Reported, means over --steps steps (or questions): attend ms (of the same Q), score ms (a
+// recall with a budget of 0: the checks and the digest scoring alone), recall ms (digest
+// scoring + the swap), each as a share of attend, tokens recalled per call (the recall budget is
 // max(--recall-tokens, page): at least one whole page), bytes moved from
 // host to device per call (recalled rows, fp32 here; bf16 halves it) and the host memory the
 // tier holds (rows, bookkeeping and digests, CacheStats::tier_bytes).
@@ -59,7 +60,7 @@ kvevict::MlaLatentCache filled(const Args& a, int64_t page) {
 }
 
 struct Row {
-  double attend_ms = 0, recall_ms = 0, recalled = 0;
+  double attend_ms = 0, score_ms = 0, recall_ms = 0, recalled = 0;
 };
 
 /// Mean attend and recall time over `n` appends of `q_len` tokens, recalling up to `budget`
@@ -73,6 +74,9 @@ Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_
     const auto qa = at::randn({1, a.heads, q_len, kW}), qp = at::randn({1, a.heads, q_len, kR});
     const int64_t before = cache.stats(0).tier_recalled;
     auto t0 = Clock::now();
+    cache.recall_absorbed(0, qa, qp, scale, 0);  // a budget of 0: the checks and the digest scoring only
+    const double score = seconds_since(t0);
+    t0 = Clock::now();
     cache.recall_absorbed(0, qa, qp, scale, budget);
     const double rec = seconds_since(t0);
     t0 = Clock::now();
@@ -82,6 +86,7 @@ Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_
     if (i >= warmup) {
       r.attend_ms += 1e3 * att / n;
       r.recall_ms += 1e3 * rec / n;
+      r.score_ms += 1e3 * score / n;
       r.recalled += static_cast<double>(cache.stats(0).tier_recalled - before) / n;
     }
   }
@@ -94,17 +99,18 @@ void run(const Args& a) {
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
-  std::printf("%6s %13s %10s %10s %14s %10s %14s %15s %14s\n", "page", "when", "pages", "attend ms", "recall ms",
-              "recall/att", "tokens/call", "H2D bytes/call", "host MiB");
+  std::printf("%6s %13s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "when", "pages", "attend ms", "score ms",
+              "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call", "host MiB");
   const double row_bytes = (kW + kR) * 4.0;
   for (const int64_t page : a.pages) {
     auto cache = filled(a, page);
     const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
     for (const bool question : {false, true}) {
       const Row r = measure(cache, a, question ? a.question : 1, a.steps, std::max(a.recall_tokens, page));
-      std::printf("%6lld %13s %10lld %10.3f %14.3f %9.1f%% %14.1f %15.0f %14.1f\n", static_cast<long long>(page),
-                  question ? "per question" : "every step", pages, r.attend_ms, r.recall_ms,
-                  100.0 * r.recall_ms / r.attend_ms, r.recalled, r.recalled * row_bytes,
+      std::printf("%6lld %13s %7lld %10.3f %10.3f %9.1f%% %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
+                  static_cast<long long>(page), question ? "per question" : "every step", pages, r.attend_ms,
+                  r.score_ms, 100.0 * r.score_ms / r.attend_ms, r.recall_ms, 100.0 * r.recall_ms / r.attend_ms,
+                  r.recalled, r.recalled * row_bytes,
                   static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
       std::fflush(stdout);
     }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Measures what eviction does to the shipped quality model's answers (examples/quality/):
 # retrieval by needle depth and context, held-out perplexity and attention-output error, for
-# every policy at budgets 5..100% of the context, in both cache layouts; then the speed table.
+# every policy at budgets 10, 25 and 50% of the context (and the full cache), under two
+# protocols (one passkey question; four questions in turn), in both cache layouts; then the
+# speed table.
 #   scripts/eval_quality.sh [extra eval_quality flags]
 # Output: build-quality/eval/quality.csv and *.png (gnuplot), build-quality/eval/speed.md.
 set -euo pipefail

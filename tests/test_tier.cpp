@@ -432,7 +432,7 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
           plans.push_back(oracle_recall(tier_keys(cache, r), cache.tier_positions(0, r),
                                         query[r].narrow(1, T - counts[r], counts[r]), scale, tokens, page,
                                         pos[r].narrow(0, 0, len), sc[r].narrow(0, 0, len), 1,
-                                        cache.seen_tokens(0, r) - 2));
+                                        cache.seen_tokens(0, r) - counts[r] - 2));  // the window before this append
         }
         int64_t expected = 0;
         for (auto& p : plans) expected += static_cast<int64_t>(p.recalled.size());
@@ -510,7 +510,8 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
   // with scores 9, 8, 0, 0, 0, 0 evict positions 2..5 into the tier as pages {2, 3} and {4, 5}.
   // Page 1 (positions 2, 3): keys (1, 0), (0, 1): lo (0, 0), hi (1, 1).
   // Page 2 (positions 4, 5): keys (2, -1), (3, -2): lo (2, -2), hi (3, -1).
-  // q = (1, 0): bounds 1 (page 1) and 3 (page 2); q = (0, 1): 1 and -1.
+  // q = (1, 0): bounds 1 (page 1) and 3 (page 2); q = (0, 1): 1 and -1. Then one more token
+  // (position 6): victims come from below the window before that append, positions 0 and 1.
   kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(10).tier_page_size(2),
                           EvictionOptions(2).n_sink(0).n_recent(0));
   const auto keys = at::tensor({5.f, 5.f, 5.f, 5.f, 1.f, 0.f, 0.f, 1.f, 2.f, -1.f, 3.f, -2.f}).view({1, 1, 6, 2});
@@ -518,26 +519,28 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
   cache.add_scores(0, at::tensor({9.f, 8.f, 0.f, 0.f, 0.f, 0.f}).view({1, 6}));
   cache.evict(0);
   REQUIRE(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{2, 3, 4, 5});
+  cache.update(0, at::zeros({1, 1, 1, 2}), at::full({1, 1, 1, 1}, 6.f));
   SECTION("q = (1, 0) recalls page 2 in place of the two heavy hitters, lowest (position 1) first") {
     CHECK(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
-    CHECK(sorted_positions(cache.positions(0)[0], 2) == std::vector<int64_t>{4, 5});
+    CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{4, 5, 6});
     CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{0, 1, 2, 3});
     // The recalled tokens take the best heavy hitter's state (9); the victims keep theirs in the tier.
-    CHECK(at::equal(cache.scores(0), at::full({1, 2}, 9.f)));
     CHECK(at::equal(cache.tier_scores(0, 0), at::tensor({9.f, 8.f, 0.f, 0.f})));
     // Rows and values bit for bit at their positions (value = position).
     const auto pos = cache.positions(0);
+    const auto sc = cache.scores(0);
     for (int64_t s = 0; s < 2; ++s) {
       const int64_t p = pos[0][s].item<int64_t>();
       CHECK(cache.values(0)[0][0][s][0].item<float>() == static_cast<float>(p));
       CHECK(at::equal(cache.keys(0)[0][0][s], keys[0][0][p]));
+      CHECK(sc[0][s].item<float>() == 9.f);
     }
   }
   SECTION("q = (0, 1) recalls page 1; a budget of 1 token recalls nothing (whole pages only)") {
     CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1) == 0);
     CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 0) == 0);
     CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
-    CHECK(sorted_positions(cache.positions(0)[0], 2) == std::vector<int64_t>{2, 3});
+    CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{2, 3, 6});
   }
   SECTION("at a 100% budget nothing is in the tier and recall changes nothing") {
     kvevict::MlaCache full(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(10).tier_page_size(2),
@@ -723,4 +726,53 @@ TEST_CASE("a request with a tier and recall in a shared batch equals its solo ru
     }
   }
   for (int64_t q = 0; q < 3; ++q) CHECK(solo[q].stats().tier_recalled > 0);
+}
+
+TEST_CASE("recall with speculative decoding: a truncate after a recall keeps the recent window whole",
+          "[tier][recall][cpu]") {
+  // Four drafts a step, recall, one rejected (truncate), then the pass. Victims come from below
+  // the window as it was before the drafts, so the window after the truncate is all cached.
+  at::manual_seed(19);
+  kvevict::MlaLatentCache c(
+      kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(8).qk_rope_dim(4).qk_nope_dim(4).tier_tokens(64).tier_page_size(1),
+      EvictionOptions(4).n_sink(1).n_recent(4));
+  for (int step = 0; step < 40; ++step) {
+    c.update(0, at::randn({1, 4, 8}), at::randn({1, 4, 4}));
+    const auto qa = at::randn({1, 2, 4, 8}), qp = at::randn({1, 2, 4, 4});
+    c.recall_absorbed(0, qa, qp, 0.3, 4);
+    kvevict::attend_absorbed(qa, qp, c, 0, 0.3);
+    c.truncate(0, 1 + step % 3);
+    REQUIRE_NOTHROW(c.evict(0));
+    CAPTURE(step);
+    CHECK(c.size(0, 0) <= c.capacity());
+    const auto now = sorted_positions(c.positions(0)[0], c.size(0, 0));
+    for (int64_t p = std::max<int64_t>(0, c.seen_tokens(0) - 4); p < c.seen_tokens(0); ++p) {
+      CHECK(std::binary_search(now.begin(), now.end(), p));
+    }
+  }
+  CHECK(c.stats().tier_recalled > 0);
+}
+
+TEST_CASE("the digests hold only the pages in use, after a long append too; pads may hold anything",
+          "[tier][recall][cpu]") {
+  at::manual_seed(23);
+  kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(8).tier_page_size(1),
+                            EvictionOptions(4).n_sink(1).n_recent(1));
+  c.update(0, at::randn({1, 512, 4}), at::randn({1, 512, 2}));
+  c.evict(0);  // 506 evicted, 8 kept by the tier: 8 pages of one token
+  REQUIRE(c.tier_size(0, 0) == 8);
+  // Per token 8 + 4 + 4 + 6 x 4 bytes, per page 2 x 6 x 4.
+  CHECK(c.stats().tier_bytes == 8 * 40 + 8 * 48);
+  CHECK(c.stats().tier_bytes <= kvevict::tier_bytes(kvevict::MlaMemoryConfig{1, 1, 1, 1, 4, 2, 4}, kvevict::Layout::kLatent, 512,
+                                                    6, 8, 1, 1));
+  // A ragged batch's pad columns are not queries: NaN there is fine.
+  kvevict::MlaLatentCache r(kvevict::MlaLatentCacheOptions(1, 1).batch_size(2).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(8),
+                            EvictionOptions(2).n_sink(1).n_recent(1));
+  r.update(0, at::randn({2, 2, 4}), at::randn({2, 2, 2}), std::vector<int64_t>{1, 2});
+  auto qa = at::randn({2, 1, 2, 4});
+  qa[0][0][0].fill_(NAN);  // row 0's pad column
+  CHECK_NOTHROW(r.recall_absorbed(0, qa, at::randn({2, 1, 2, 2}), 1.0, 4));
+  qa[1][0][0].fill_(NAN);  // row 1's real column
+  CHECK_THAT(kvevict_test::message_of([&] { r.recall_absorbed(0, qa, at::randn({2, 1, 2, 2}), 1.0, 4); }),
+             Contains("queries of row 1 must be finite"));
 }

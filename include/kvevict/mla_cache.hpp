@@ -108,14 +108,16 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// process recalls the same pages. The best pages (higher score first, equal scores the
   /// older page; never a page scored 0), each whole page that still fits, come back, at most
   /// `tokens` tokens and at most as many as the row has heavy-hitter candidates. They take
-  /// the slots of the lowest-ranked heavy hitters (eviction order), which go to the tier with
-  /// their rank. Rows come back bit for bit, at their own positions (RoPE is untouched), so
+  /// the slots of the lowest-ranked heavy hitters (eviction order) below the recent window as
+  /// it was before the latest append (so that a truncate of that append, rejected drafts,
+  /// keeps its window whole), which go to the tier with their rank. Rows come back bit for bit, at their own positions (RoPE is untouched), so
   /// capacity stays a cap: the cache holds no more tokens than before.
   ///
   /// A recalled token's scorer state is the state of the row's best-ranked heavy hitter before
   /// the recall (its own state at eviction would rank it lowest, and the next pass would send it
   /// straight back). With lazy_reduction, pending observations are applied first (flush(), a
-  /// collective under tensor parallelism).
+  /// collective under tensor parallelism). With an LseRing, flush() it first: its buffered
+  /// queries were scored against the rows recall replaces.
   ///
   /// \param query  [B, H, Q, qk_dim] the attention's queries (RoPE applied), any floating
   ///               dtype, cache device (CPU: the tier runs on the host path).
@@ -123,7 +125,8 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \param tokens the recall budget per row, >= 0.
   /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
-  ///         query or scale, a negative budget, or an open observation; nothing changes then.
+  ///         real query (pads and free rows may hold anything) or scale, a negative budget, or
+  ///         an open observation; nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
   ///       Q x pages x qk_dim)); syncs nothing (CPU). Keys views stay valid: rows change in
   ///       place.

@@ -424,8 +424,9 @@ def test_tier_and_recall_hand_worked():
     cache.evict(0)
     assert cache.tier_tokens == 10
     assert cache.tier_positions(0, 0).tolist() == [2, 3, 4, 5]
+    cache.update(0, torch.zeros(1, 1, 1, 2), torch.full((1, 1, 1, 1), 6.))  # victims: below the window before it
     assert cache.recall(0, torch.tensor([1., 0.]).view(1, 1, 1, 2), 1.0, 2) == 2
-    assert sorted(cache.positions(0)[0].tolist()) == [4, 5]
+    assert sorted(cache.positions(0)[0].tolist()) == [4, 5, 6]
     assert cache.tier_positions(0, 0).tolist() == [0, 1, 2, 3]
     assert cache.tier_scores(0, 0).tolist() == [9., 8., 0., 0.]
     k, v = cache.tier_rows(0, 0)
@@ -441,4 +442,5 @@ def test_tier_and_recall_hand_worked():
     latent.update(0, torch.randn(1, 3, 2), torch.randn(1, 3, 1))
     latent.evict_now(0)
     assert latent.tier_size(0, 0) == 2
+    latent.update(0, torch.randn(1, 1, 2), torch.randn(1, 1, 1))
     assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16) == 1

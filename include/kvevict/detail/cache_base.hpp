@@ -253,6 +253,7 @@ class CacheBase {
     for (auto& v : live_views_) v = LiveViews{};
     for (auto& t : tiers_) {
       for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
+      t.clear_recalled();
     }
   }
 
@@ -506,8 +507,15 @@ class CacheBase {
     KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
     KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
                         ": tokens must be in [0, 2^40], got ", tokens);
-    KVEVICT_CHECK_VALUE(at::isfinite(query).all().template item<bool>(), call,
-                        ": the queries must be finite, got a NaN or an infinity");
+    // Only the real query columns count (as in observe()): pads and free rows may hold anything.
+    const auto& L = policy_.at(layer);
+    const int64_t Q = query.size(2);
+    for (int64_t b = 0; b < batch_size(); ++b) {
+      const int64_t first = policy_.core_.first_real(L, b, Q);
+      if (first >= Q) continue;
+      KVEVICT_CHECK_VALUE(at::isfinite(query.select(0, b).narrow(1, first, Q - first)).all().template item<bool>(), call,
+                          ": the queries of row ", b, " must be finite, got a NaN or an infinity");
+    }
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
@@ -519,70 +527,13 @@ class CacheBase {
   int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    auto& tier = tiers_[layer];
-    const auto& core = policy_.core_;
-    const int64_t B = batch_size(), H = query.size(1), Q = query.size(2), D = query.size(3);
-    const int64_t G = tier.key_groups();
-    int64_t P = 1;
-    for (int64_t b = 0; b < B; ++b) P = std::max(P, tier.digests(b).slots());
-    auto sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = core.first_real(L, b, Q);
-      if (first >= Q || tier.digests(b).pages() == 0) continue;
-      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
-      if (G == 1) q = q.reshape({1, H * (Q - first), D});
-      tier.digests(b).score(q.contiguous(), scale, sums.template data_ptr<double>() + b * P);
-    }
-    if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
-    // Plan every row, then swap: per row the tier tokens to recall and the victims.
-    const auto& e = core.layer_eviction[layer];
-    const int64_t* pos = L.position.template data_ptr<int64_t>();
-    float* st = L.state.template data_ptr<float>();
-    const auto& scorer = policy_.scorer();
-    std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));
-    std::vector<std::vector<float>> top(static_cast<size_t>(B));
-    struct Cand {
-      float rank;
-      int64_t position, slot;
-    };
-    std::vector<Cand> cands;
-    allocating([&] {
-      for (int64_t b = 0; b < B; ++b) {
-        if (!policy_.active(b) || tier.digests(b).pages() == 0) continue;
-        cands.clear();
-        const int64_t recent_from = L.seen[b] - e.n_recent();
-        for (int64_t s = 0; s < L.len[b]; ++s) {
-          const int64_t p = pos[b * L.slots + s];
-          if (p >= e.n_sink() && p < recent_from) cands.push_back({scorer.rank(st + (b * L.slots + s) * Policy::W), p, s});
-        }
-        if (cands.empty()) continue;
-        std::sort(cands.begin(), cands.end(),
-                  [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); });
-        tier.pick(b, sums.template data_ptr<double>() + b * P, std::min<int64_t>(tokens, cands.size()), picked[b]);
-        if (picked[b].empty()) continue;
-        int64_t max_position = 0;
-        for (size_t k = 0; k < picked[b].size(); ++k) {
-          victims[b].push_back(cands[k].slot);
-          max_position = std::max(max_position, cands[k].position);
-        }
-        const float* best = st + (b * L.slots + cands.back().slot) * Policy::W;
-        top[b].assign(best, best + Policy::W);
-        tier.reserve_recall(b, max_position);
-      }
-    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan: ", why); });
-    int64_t recalled = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      if (picked[b].empty()) continue;
-      tier.swap(b, picked[b], victims[b], buffers_[layer], L.slots, L.position.template data_ptr<int64_t>(), st,
-                top[b].data(), [&](const float* state) { return scorer.rank(state); });
-      recalled += static_cast<int64_t>(picked[b].size());
-    }
-    tier.count_recalled(recalled);
+    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, L, policy_.core_, buffers_[layer]);
     if (recalled > 0) {
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }
     return recalled;
   }
+
 
  private:
   const TierRow& tier_row(int64_t layer, int64_t row) const {

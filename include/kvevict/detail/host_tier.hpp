@@ -7,6 +7,7 @@
 // older position first, non-finite ranks lowest). CPU host path only, for now.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 
 #include <ATen/ATen.h>
@@ -145,6 +146,77 @@ class LayerTier {
         o += n;
       }
     }
+  }
+
+  /// Recall on the host path (CacheBase::recall_rows(), after the checks and the flush): scores
+  /// every active row's pages with `query` [B, H, Q, key width] (fp32, contiguous; the row's
+  /// real columns, as observe()), reduces the scores across processes like observations
+  /// (core's reduce_contributions), and swaps the best pages' tokens (at most `tokens` per row,
+  /// whole pages) with the row's lowest-ranked heavy hitters in `L` and `buffers`. Every
+  /// allocation comes before the first swap. Returns the tokens recalled, summed over rows.
+  template <class Core>
+  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, LayerState& L, const Core& core,
+                 const std::vector<at::Tensor>& buffers) {
+    const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
+    int64_t P = 1;
+    for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
+    auto sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
+    double* sum = sums.template data_ptr<double>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = core.first_real(L, b, Q);
+      if (first >= Q || digests(b).pages() == 0) continue;
+      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
+      if (key_groups_ == 1) q = q.reshape({1, H * (Q - first), D});
+      digests(b).score(q.contiguous(), scale, sum + b * P);
+    }
+    if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
+    sum = sums.template data_ptr<double>();
+    // Plan every row, then swap: per row the tier tokens to recall and the victims.
+    const auto& e = core.layer_eviction[layer];
+    const int64_t* pos = L.position.template data_ptr<int64_t>();
+    float* st = L.state.template data_ptr<float>();
+    std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));
+    std::vector<std::vector<float>> top(static_cast<size_t>(B));
+    struct Cand {
+      float rank;
+      int64_t position, slot;
+    };
+    std::vector<Cand> cands;
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        if (!core.active[b] || digests(b).pages() == 0) continue;
+        cands.clear();
+        // Victims lie below the recent window as it was before the latest append: a truncate of
+        // that append (rejected drafts) then never finds a tier token inside its window.
+        const int64_t recent_from = L.seen[b] - L.last_new[b] - e.n_recent();
+        for (int64_t s = 0; s < L.len[b]; ++s) {
+          const int64_t p = pos[b * L.slots + s];
+          if (p >= e.n_sink() && p < recent_from) cands.push_back({core.scorer.rank(st + (b * L.slots + s) * W_), p, s});
+        }
+        if (cands.empty()) continue;
+        std::sort(cands.begin(), cands.end(),
+                  [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); });
+        pick(b, sum + b * P, std::min<int64_t>(tokens, static_cast<int64_t>(cands.size())), picked[b]);
+        if (picked[b].empty()) continue;
+        int64_t max_position = 0;
+        for (size_t k = 0; k < picked[b].size(); ++k) {
+          victims[b].push_back(cands[k].slot);
+          max_position = std::max(max_position, cands[k].position);
+        }
+        const float* best = st + (b * L.slots + cands.back().slot) * W_;
+        top[b].assign(best, best + W_);
+        reserve_recall(b, max_position);
+      }
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan: ", why); });
+    int64_t recalled = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      if (picked[b].empty()) continue;
+      swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(),
+           [&](const float* state) { return core.scorer.rank(state); });
+      recalled += static_cast<int64_t>(picked[b].size());
+    }
+    recalled_ += recalled;
+    return recalled;
   }
 
   /// Row b's tier tokens to recall, by page: the pages in order of `scores` (per page slot,
@@ -352,9 +424,9 @@ class LayerTier {
     for (const auto& d : digests_) digest += d.bytes();
     return n * per_token + digest;
   }
-  /// Tokens recalled so far (CacheStats::tier_recalled).
+  /// Tokens recalled so far (CacheStats::tier_recalled); reset() clears it, as the other counters.
   int64_t recalled() const noexcept { return recalled_; }
-  void count_recalled(int64_t n) noexcept { recalled_ += n; }
+  void clear_recalled() noexcept { recalled_ = 0; }
 
   int64_t tokens() const {
     int64_t n = 0;

@@ -68,16 +68,17 @@ class PageDigests {
       if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
     };
     const auto t = static_cast<size_t>(tokens);
+    const auto pages = static_cast<size_t>(max_position / page_ + 1);
+    const auto slots = std::min(t, pages);  // a page slot holds at least one token
     grow(next_, t);
     grow(prev_, t);
-    grow(page_of_, t);
-    grow(count_, t);
-    grow(head_, t);
-    grow(free_, t);
+    grow(page_of_, slots);
+    grow(count_, slots);
+    grow(head_, slots);
+    grow(free_, slots);
     grow(dirty_, t);
-    grow(lo_, t * static_cast<size_t>(G_ * D_));
-    grow(hi_, t * static_cast<size_t>(G_ * D_));
-    const auto pages = static_cast<size_t>(max_position / page_ + 1);
+    grow(lo_, slots * static_cast<size_t>(G_ * D_));
+    grow(hi_, slots * static_cast<size_t>(G_ * D_));
     if (slot_of_page_.size() < pages) {
       grow(slot_of_page_, pages);
       slot_of_page_.resize(pages, -1);
@@ -171,6 +172,34 @@ class PageDigests {
       }
     }
     dirty_.clear();
+    compact();
+  }
+
+  /// Moves the last page slots into the freed ones until no slot is free, so that slots() (what
+  /// score() reads and bytes() counts) is the pages in use. Allocates nothing.
+  void compact() {
+    const int64_t n = G_ * D_;
+    std::sort(free_.begin(), free_.end());
+    while (!free_.empty()) {
+      const int64_t last = slots() - 1;
+      if (free_.back() == last) {  // the last slot is free: drop it
+        free_.pop_back();
+      } else {  // the last slot is in use: it takes the lowest free slot
+        const int64_t f = free_.front();
+        free_.erase(free_.begin());
+        page_of_[f] = page_of_[last];
+        count_[f] = count_[last];
+        head_[f] = head_[last];
+        std::copy(lo_.begin() + last * n, lo_.begin() + (last + 1) * n, lo_.begin() + f * n);
+        std::copy(hi_.begin() + last * n, hi_.begin() + (last + 1) * n, hi_.begin() + f * n);
+        slot_of_page_[page_of_[f]] = f;
+      }
+      page_of_.pop_back();
+      count_.pop_back();
+      head_.pop_back();
+      lo_.resize(lo_.size() - static_cast<size_t>(n));
+      hi_.resize(hi_.size() - static_cast<size_t>(n));
+    }
   }
 
   /// Page scores for queries q [groups, M, width] (fp32, CPU; for the latent layout M is every
