@@ -307,14 +307,13 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
     for (int64_t l = 0; l < d.layers; ++l) {
       const auto s = model.project(l, model.hidden(l, t, o.seed), t);
       const bool recall = o.recall_every > 0 && t % o.recall_every == 0;
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d.qk()));
       expanded.update(l, s.k, s.v);
-      if (recall) out.recalled += expanded.recall(l, s.q, 1.0 / std::sqrt(static_cast<double>(d.qk())), 8);
+      if (recall) out.recalled += expanded.recall(l, s.q, scale, 8);
       kvevict::attend(s.q, expanded, l);
       out.tokens_evicted += expanded.evict(l);
       latent.update(l, s.ckv, s.kpe);
-      if (recall) {
-        out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, 1.0 / std::sqrt(static_cast<double>(d.qk())), 8);
-      }
+      if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, 8);
       kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l);
       latent.evict(l);
     }

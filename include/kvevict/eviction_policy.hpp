@@ -53,6 +53,17 @@ struct CacheStats {
   /// Tokens recall() brought back from the tier, summed over rows and calls (each moved one
   /// token's rows from the tier into the cache, and a heavy hitter's the other way).
   int64_t tier_recalled = 0;
+
+  /// Adds every counter of `o` (stats summed over layers).
+  CacheStats& operator+=(const CacheStats& o) noexcept {
+    eviction_events += o.eviction_events;
+    tokens_evicted += o.tokens_evicted;
+    bytes_allocated += o.bytes_allocated;
+    tier_tokens += o.tier_tokens;
+    tier_bytes += o.tier_bytes;
+    tier_recalled += o.tier_recalled;
+    return *this;
+  }
 };
 
 namespace detail {

@@ -141,7 +141,11 @@ class CacheBase {
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
     if (policy_.host_path()) {
-      if (tier_tokens_ > 0) to_tier(layer, pass);  // before the moves overwrite the evicted rows
+      if (tier_tokens_ > 0) {  // the evicted tokens to the tier, before the moves overwrite their rows
+        const auto& L = policy_.at(layer);
+        tiers_[layer].take(pass, L.position, L.state, bufs, slots(layer),
+                           [&](const float* state) { return policy_.scorer().rank(state); });
+      }
       for (size_t i = 0; i < specs_.size(); ++i) {
         apply_moves_host(pass.src.data(), pass.dst.data(), batch_size(), pass.columns, pass.columns,
                          bufs[i], token_dim(i));
@@ -168,25 +172,13 @@ class CacheBase {
   CacheStats stats(int64_t layer) const {
     auto s = policy_.stats(layer);
     for (const auto& t : buffers_.at(layer)) s.bytes_allocated += t.nbytes();
-    if (tier_tokens_ > 0) {
-      s.tier_tokens = tiers_[layer].tokens();
-      s.tier_bytes = tiers_[layer].bytes();
-      s.tier_recalled = tiers_[layer].recalled();
-    }
+    if (tier_tokens_ > 0) tiers_[layer].add_stats(s);
     return s;
   }
   /// Counters summed over layers.
   CacheStats stats() const {
     CacheStats total;
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      const auto s = stats(l);
-      total.eviction_events += s.eviction_events;
-      total.tokens_evicted += s.tokens_evicted;
-      total.bytes_allocated += s.bytes_allocated;
-      total.tier_tokens += s.tier_tokens;
-      total.tier_bytes += s.tier_bytes;
-      total.tier_recalled += s.tier_recalled;
-    }
+    for (int64_t l = 0; l < num_layers(); ++l) total += stats(l);
     return total;
   }
 
@@ -502,20 +494,7 @@ class CacheBase {
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens) const {
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    KVEVICT_CHECK(policy_.at(layer).open_q == 0, call, ": layer ", layer,
-                  " has an open observation (observe_begin without observe_end); end or discard it first");
-    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
-    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
-                        ": tokens must be in [0, 2^40], got ", tokens);
-    // Only the real query columns count (as in observe()): pads and free rows may hold anything.
-    const auto& L = policy_.at(layer);
-    const int64_t Q = query.size(2);
-    for (int64_t b = 0; b < batch_size(); ++b) {
-      const int64_t first = policy_.core_.first_real(L, b, Q);
-      if (first >= Q) continue;
-      KVEVICT_CHECK_VALUE(at::isfinite(query.select(0, b).narrow(1, first, Q - first)).all().template item<bool>(), call,
-                          ": the queries of row ", b, " must be finite, got a NaN or an infinity");
-    }
+    LayerTier::check_recall(call, layer, query, scale, tokens, policy_.at(layer), policy_.core_);
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
@@ -540,15 +519,6 @@ class CacheBase {
     policy_.size(layer, row);  // checks both
     KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
     return tiers_[layer].row(row);
-  }
-  /// Host path, before a pass's moves: copies each evicted token (rows, position, rank and
-  /// state, read from the slots the pass frees) into its row's tier, then drops what is over
-  /// the tier's budget. Every allocation comes first (a throw changes nothing).
-  void to_tier(int64_t layer, const Pass& pass) {
-    const auto& L = policy_.at(layer);
-    const auto& scorer = policy_.scorer();
-    tiers_[layer].take(pass, L.position, L.state, buffers_[layer], slots(layer),
-                       [&](const float* state) { return scorer.rank(state); });
   }
 
   [[noreturn]] void fail_allocation(const std::string& why) const {

@@ -148,6 +148,34 @@ class LayerTier {
     }
   }
 
+  /// recall()'s input checks past the layout's shapes, naming `call`: no open observation on `L`,
+  /// scale finite and > 0, tokens in [0, 2^40], and every row's real query columns [B, H, Q, D]
+  /// finite (as in observe(), pads and free rows may hold anything). Throws c10::Error.
+  template <class Core>
+  static void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
+                           const LayerState& L, const Core& core) {
+    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
+                  " has an open observation (observe_begin without observe_end); end or discard it first");
+    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
+    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
+                        ": tokens must be in [0, 2^40], got ", tokens);
+    const int64_t Q = query.size(2);
+    for (int64_t b = 0; b < query.size(0); ++b) {
+      const int64_t first = core.first_real(L, b, Q);
+      if (first >= Q) continue;
+      KVEVICT_CHECK_VALUE(at::isfinite(query.select(0, b).narrow(1, first, Q - first)).all().template item<bool>(),
+                          call, ": the queries of row ", b, " must be finite, got a NaN or an infinity");
+    }
+  }
+
+  /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_recalled).
+  template <class Stats>
+  void add_stats(Stats& s) const {
+    s.tier_tokens += tokens();
+    s.tier_bytes += bytes();
+    s.tier_recalled += recalled();
+  }
+
   /// Recall on the host path (CacheBase::recall_rows(), after the checks and the flush): scores
   /// every active row's pages with `query` [B, H, Q, key width] (fp32, contiguous; the row's
   /// real columns, as observe()), reduces the scores across processes like observations

@@ -12,6 +12,7 @@
 // costs O(its page's members x width), not a scan of the tier.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/reduction.hpp>
 
 #include <ATen/ATen.h>
 
@@ -180,13 +181,13 @@ class PageDigests {
   void compact() {
     const int64_t n = G_ * D_;
     std::sort(free_.begin(), free_.end());
-    while (!free_.empty()) {
+    size_t next = 0;  // free_[0, next) are filled already
+    while (next < free_.size()) {
       const int64_t last = slots() - 1;
       if (free_.back() == last) {  // the last slot is free: drop it
         free_.pop_back();
-      } else {  // the last slot is in use: it takes the lowest free slot
-        const int64_t f = free_.front();
-        free_.erase(free_.begin());
+      } else {  // the last slot is in use: it takes the lowest free slot not yet filled
+        const int64_t f = free_[next++];
         page_of_[f] = page_of_[last];
         count_[f] = count_[last];
         head_[f] = head_[last];
@@ -200,13 +201,14 @@ class PageDigests {
       lo_.resize(lo_.size() - static_cast<size_t>(n));
       hi_.resize(hi_.size() - static_cast<size_t>(n));
     }
+    free_.clear();
   }
 
   /// Page scores for queries q [groups, M, width] (fp32, CPU; for the latent layout M is every
   /// head's query, for the expanded layout head g's queries meet key group g): per query, a
   /// softmax over the pages of scale * (the Quest bound), summed over the queries as
-  /// fixed-point terms (round(p * 2^32), exact in fp64 in any order) into out[slot], 0 for a
-  /// free slot. Allocates its temporaries (tensor ops).
+  /// fixed-point terms (detail::fixed_terms, exact in fp64 in any order) into out[slot].
+  /// Allocates its temporaries (tensor ops).
   void score(const at::Tensor& q, double scale, double* out) const {
     const int64_t P = slots();
     if (P == 0) return;
@@ -215,14 +217,10 @@ class PageDigests {
     const auto lo = at::from_blob(const_cast<float*>(lo_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
     const auto hi = at::from_blob(const_cast<float*>(hi_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
     const auto pos = q.clamp_min(0);
-    auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);  // [G, M, P]
-    std::vector<uint8_t> empty(static_cast<size_t>(P));
-    for (int64_t s = 0; s < P; ++s) empty[s] = count_[s] == 0;
-    const auto mask = at::from_blob(empty.data(), {P}, at::TensorOptions().dtype(at::kBool));
-    bound.masked_fill_(mask, -std::numeric_limits<float>::infinity());
-    const auto terms = at::softmax(bound, -1).to(at::kDouble).mul_(4294967296.0).round_().sum(at::IntArrayRef{0, 1});
-    const double* t = terms.template data_ptr<double>();
-    for (int64_t s = 0; s < P; ++s) out[s] = count_[s] == 0 ? 0.0 : t[s];
+    const auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);  // [G, M, P]
+    // Every slot holds a page here: each removal ends in refresh(), which compacts the slots.
+    const auto sums = at::sum(fixed_terms(at::softmax(bound, -1)), at::IntArrayRef{0, 1}, false, at::kDouble);
+    std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
   }
 
   /// Empties the digests and gives their memory back.
