@@ -16,6 +16,10 @@
 // max(--recall-tokens, page): at least one whole page), bytes moved from
 // host to device per call (recalled rows, fp32 here; bf16 halves it) and the host memory the
 // tier holds (rows, bookkeeping and digests, CacheStats::tier_bytes).
+// --rescore N adds, per page size, the two-level recall (recall's rescore): the best pages up
+// to N tokens scored again token by token, --recall-tokens of them back. Its scoring cannot be
+// timed apart from the swap (a budget of 0 rescores nothing), so those rows give recall ms
+// only: an upper bound on their scoring.
 #include "cli.hpp"
 
 #include <kvevict/kvevict.hpp>
@@ -38,7 +42,8 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Args {
-  int64_t heads = 64, capacity = 4612, tier = 32768, steps = 20, threads = 1, recall_tokens = 64, question = 16;
+  int64_t heads = 64, capacity = 4612, tier = 32768, steps = 20, threads = 1, recall_tokens = 64, question = 16,
+          rescore = 0;
   std::vector<int64_t> pages = {1, 16, 64, 256};
 };
 
@@ -64,8 +69,9 @@ struct Row {
 };
 
 /// Mean attend and recall time over `n` appends of `q_len` tokens, recalling up to `budget`
-/// tokens at every one.
-Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_t n, int64_t budget) {
+/// tokens at every one (two-level with a pool of `rescore` tokens when rescore > budget).
+Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_t n, int64_t budget,
+            int64_t rescore) {
   const double scale = 1.0 / std::sqrt(192.0);
   Row r;
   const int64_t warmup = 2;
@@ -77,7 +83,7 @@ Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_
     cache.recall_absorbed(0, qa, qp, scale, 0);  // a budget of 0: the checks and the digest scoring only
     const double score = seconds_since(t0);
     t0 = Clock::now();
-    cache.recall_absorbed(0, qa, qp, scale, budget);
+    cache.recall_absorbed(0, qa, qp, scale, budget, rescore);
     const double rec = seconds_since(t0);
     t0 = Clock::now();
     kvevict::attend_absorbed(qa, qp, cache, 0, scale);
@@ -99,20 +105,29 @@ void run(const Args& a) {
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
-  std::printf("%6s %13s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "when", "pages", "attend ms", "score ms",
-              "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call", "host MiB");
+  std::printf("%6s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "when", "recall", "pages",
+              "attend ms", "score ms", "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call",
+              "host MiB");
   const double row_bytes = (kW + kR) * 4.0;
   for (const int64_t page : a.pages) {
     auto cache = filled(a, page);
     const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
-    for (const bool question : {false, true}) {
-      const Row r = measure(cache, a, question ? a.question : 1, a.steps, std::max(a.recall_tokens, page));
-      std::printf("%6lld %13s %7lld %10.3f %10.3f %9.1f%% %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
-                  static_cast<long long>(page), question ? "per question" : "every step", pages, r.attend_ms,
-                  r.score_ms, 100.0 * r.score_ms / r.attend_ms, r.recall_ms, 100.0 * r.recall_ms / r.attend_ms,
-                  r.recalled, r.recalled * row_bytes,
-                  static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
-      std::fflush(stdout);
+    const int64_t pool = std::max(a.rescore, page);
+    for (const bool two_level : {false, true}) {
+      if (two_level && (a.rescore == 0 || pool <= a.recall_tokens)) continue;
+      for (const bool question : {false, true}) {
+        const int64_t budget = two_level ? a.recall_tokens : std::max(a.recall_tokens, page);
+        const Row r = measure(cache, a, question ? a.question : 1, a.steps, budget, two_level ? pool : 0);
+        char score[2][16];
+        std::snprintf(score[0], sizeof score[0], "%.3f", r.score_ms);
+        std::snprintf(score[1], sizeof score[1], "%.1f%%", 100.0 * r.score_ms / r.attend_ms);
+        std::printf("%6lld %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
+                    static_cast<long long>(page), question ? "per question" : "every step",
+                    two_level ? "two-level" : "pages", pages, r.attend_ms, two_level ? "-" : score[0],
+                    two_level ? "-" : score[1], r.recall_ms, 100.0 * r.recall_ms / r.attend_ms, r.recalled,
+                    r.recalled * row_bytes, static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
+        std::fflush(stdout);
+      }
     }
   }
 }
@@ -131,13 +146,14 @@ int main(int argc, char** argv) {
          {"--threads", [&](auto& f, auto& v) { a.threads = kvevict_cli::parse_int(f, v, 1, 1024); }},
          {"--recall-tokens", [&](auto& f, auto& v) { a.recall_tokens = kvevict_cli::parse_int(f, v, 0, 1 << 20); }},
          {"--question-tokens", [&](auto& f, auto& v) { a.question = kvevict_cli::parse_int(f, v, 1, 4096); }},
+         {"--rescore", [&](auto& f, auto& v) { a.rescore = kvevict_cli::parse_int(f, v, 0, 1 << 20); }},
          {"--pages", [&](auto& f, auto& v) { a.pages = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }}});
     if (!go) {
       std::printf(
           "usage: kvevict_tier_bench [--heads N] [--capacity N] [--tier N] [--pages 1,16,64,256] [--steps N]\n"
-          "                          [--recall-tokens N] [--question-tokens N] [--threads N]\n"
+          "                          [--recall-tokens N] [--question-tokens N] [--rescore N] [--threads N]\n"
           "Defaults: 64 heads, capacity 4612, tier 32768, pages 1,16,64,256, 20 calls, recall 64 tokens, questions of\n"
-          "16 tokens, 1 thread.\n");
+          "16 tokens, no two-level rows (--rescore 0), 1 thread.\n");
       return 0;
     }
   } catch (const kvevict_cli::UsageError& e) {

@@ -262,7 +262,8 @@ struct RunOptions {
   int64_t hang_at = -1;  // this rank stops (sleeps) at the start of that step ...
   std::chrono::milliseconds hang_for{3600000};  // ... for this long, then exits with kHungExit
   int64_t recall_every = 0;  // > 0: a host tier of 1,000 tokens (pages of 4), and every this many
-                             // steps each layer recalls up to 8 tokens before its attention
+                             // steps each layer recalls before its attention: whole pages, up to
+                             // 8 tokens, and every other time two-level, 3 of a pool of 16
 };
 
 struct RunResult {
@@ -307,13 +308,15 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
     for (int64_t l = 0; l < d.layers; ++l) {
       const auto s = model.project(l, model.hidden(l, t, o.seed), t);
       const bool recall = o.recall_every > 0 && t % o.recall_every == 0;
+      const bool two_level = (t / std::max<int64_t>(1, o.recall_every)) % 2 == 1;
+      const int64_t tokens = two_level ? 3 : 8, rescore = two_level ? 16 : 0;
       const double scale = 1.0 / std::sqrt(static_cast<double>(d.qk()));
       expanded.update(l, s.k, s.v);
-      if (recall) out.recalled += expanded.recall(l, s.q, scale, 8);
+      if (recall) out.recalled += expanded.recall(l, s.q, scale, tokens, rescore);
       kvevict::attend(s.q, expanded, l);
       out.tokens_evicted += expanded.evict(l);
       latent.update(l, s.ckv, s.kpe);
-      if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, 8);
+      if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, tokens, rescore);
       kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l);
       latent.evict(l);
     }

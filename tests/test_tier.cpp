@@ -289,7 +289,10 @@ namespace {
 /// cache. Pages by position / page_size; per page the channel min and max of its keys; per head
 /// and query, the bound sum_c max(q_c lo_c, q_c hi_c) * scale, softmax over the pages (double),
 /// summed over heads and queries; pages by score (higher first, then older), each whole page
-/// that fits in min(tokens, heavy-hitter candidates). `keys` [n, G, D] (positions ascending),
+/// that fits in min(tokens, heavy-hitter candidates). Two-level (rescore > tokens): the whole
+/// pages that fit in `rescore` tokens are the pool; per head and query a softmax over the pool
+/// of scale * q.k (double), summed; the best min(tokens, candidates) pool tokens (higher score
+/// first, then older) come back. `keys` [n, G, D] (positions ascending),
 /// `query` [H, Q, D] (G == 1: every head meets the one key; G == H: head h meets group h).
 struct RecallPlan {
   std::vector<int64_t> recalled;  // positions, ascending
@@ -298,7 +301,8 @@ struct RecallPlan {
 };
 
 RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, const at::Tensor& query, double scale,
-                         int64_t tokens, int64_t page_size, const at::Tensor& cache_pos, const at::Tensor& cache_scores,
+                         int64_t tokens, int64_t rescore, int64_t page_size, const at::Tensor& cache_pos,
+                         const at::Tensor& cache_scores,
                          int64_t n_sink, int64_t recent_from) {
   const auto k = keys.to(at::kDouble), q = query.to(at::kDouble);
   const int64_t n = k.size(0), G = k.size(1), H = q.size(0), Q = q.size(1);
@@ -345,13 +349,39 @@ RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, con
     return score[a] != score[b] ? score[a] > score[b] : pages[a] < pages[b];
   });
   RecallPlan plan;
-  int64_t left = std::min<int64_t>(tokens, static_cast<int64_t>(cands.size()));
+  const int64_t limit = std::min<int64_t>(tokens, static_cast<int64_t>(cands.size()));
+  const bool two_level = tokens > 0 && rescore > tokens;
+  int64_t left = two_level ? rescore : limit;
+  std::vector<int64_t> pool;  // tier indices
   for (const size_t p : order) {
     const auto m = static_cast<int64_t>(members[pages[p]].size());
     if (m > left || left == 0) continue;
-    for (const int64_t i : members[pages[p]]) plan.recalled.push_back(tier_pos[i].item<int64_t>());
+    for (const int64_t i : members[pages[p]]) pool.push_back(i);
     left -= m;
   }
+  if (two_level) {
+    std::sort(pool.begin(), pool.end());  // tier indices ascend with position
+    std::vector<double> exact(pool.size(), 0.0);
+    for (int64_t h = 0; h < H && !pool.empty(); ++h) {
+      const int64_t g = G == 1 ? 0 : h;
+      for (int64_t j = 0; j < Q; ++j) {
+        std::vector<double> logit;
+        for (const int64_t i : pool) logit.push_back((q[h][j] * k[i][g]).sum().item<double>() * scale);
+        const double mx = *std::max_element(logit.begin(), logit.end());
+        double z = 0;
+        for (double l : logit) z += std::exp(l - mx);
+        for (size_t t = 0; t < pool.size(); ++t) exact[t] += std::exp(logit[t] - mx) / z;
+      }
+    }
+    std::vector<size_t> by(pool.size());
+    std::iota(by.begin(), by.end(), size_t{0});
+    std::stable_sort(by.begin(), by.end(), [&](size_t a, size_t b) { return exact[a] > exact[b]; });
+    by.resize(std::min<size_t>(by.size(), static_cast<size_t>(limit)));
+    std::vector<int64_t> kept;
+    for (const size_t t : by) kept.push_back(pool[t]);
+    pool = kept;
+  }
+  for (const int64_t i : pool) plan.recalled.push_back(tier_pos[i].item<int64_t>());
   std::sort(plan.recalled.begin(), plan.recalled.end());
   for (size_t i = 0; i < plan.recalled.size(); ++i) plan.victims.push_back(cands[i].position);
   std::sort(plan.victims.begin(), plan.victims.end());
@@ -406,7 +436,8 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
   const int64_t tier_budget = GENERATE(int64_t{1000}, int64_t{12});  // unbounded, and dropping (digests shrink)
   const int64_t page = GENERATE(int64_t{1}, int64_t{3});
   const int64_t tokens = GENERATE(int64_t{2}, int64_t{6});
-  CAPTURE(tier_budget, page, tokens);
+  const int64_t rescore = GENERATE(int64_t{0}, int64_t{7});  // whole pages; two-level
+  CAPTURE(tier_budget, page, tokens, rescore);
   const auto eviction = EvictionOptions(5).n_sink(1).n_recent(2);
   const int64_t B = 2, H = 2;
   const std::vector<int64_t> counts{1, 2};  // ragged rows
@@ -430,7 +461,7 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
           const int64_t len = cache.size(0, r);
           // the row's real queries: the last counts[r] columns
           plans.push_back(oracle_recall(tier_keys(cache, r), cache.tier_positions(0, r),
-                                        query[r].narrow(1, T - counts[r], counts[r]), scale, tokens, page,
+                                        query[r].narrow(1, T - counts[r], counts[r]), scale, tokens, rescore, page,
                                         pos[r].narrow(0, 0, len), sc[r].narrow(0, 0, len), 1,
                                         cache.seen_tokens(0, r) - counts[r] - 2));  // the window before this append
         }
@@ -482,7 +513,7 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
           return at::cat({t.first, t.second}, -1).unsqueeze(1);  // [n, 1, W + R]
         },
         [&](kvevict::MlaLatentCache& c, const at::Tensor& q) {
-          return c.recall_absorbed(0, q.narrow(-1, 0, W), q.narrow(-1, W, R), scale, tokens);
+          return c.recall_absorbed(0, q.narrow(-1, 0, W), q.narrow(-1, W, R), scale, tokens, rescore);
         });
   }
   SECTION("expanded") {
@@ -501,7 +532,7 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
           return std::make_pair(a[r].select(1, t).clone(), b[r].select(1, t).clone());
         },
         [](const kvevict::MlaCache& c, int64_t r) { return c.tier_rows(0, r).first.transpose(0, 1); },  // [n, H, D]
-        [&](kvevict::MlaCache& c, const at::Tensor& q) { return c.recall(0, q, scale, tokens); });
+        [&](kvevict::MlaCache& c, const at::Tensor& q) { return c.recall(0, q, scale, tokens, rescore); });
   }
 }
 
@@ -542,6 +573,20 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
     CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{2, 3, 6});
   }
+  SECTION("two-level: the best pages are the pool, and the pool's best tokens come back one by one") {
+    // q = (1, 0), 1 token, a pool of 2: page 2 (bound 3) is the pool; exact logits 2 (position
+    // 4) and 3 (position 5): position 5 comes back, in place of position 1 (score 8).
+    CHECK(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 1, 2) == 1);
+    CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{0, 5, 6});
+    CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{1, 2, 3, 4});
+    // Now the cache holds 0 (score 9), 5 (9, the best heavy hitter's) and 6; the tier 1 (its key
+    // (5, 5)), 2, 3, 4. q = (0, 1), 1 token, a pool of 4: page 0 = {1} (bound 5), page 1 =
+    // {2, 3} (bound 1), page 2 = {4} (bound -1) all fit; exact logits 5, 0, 1, -1: position 1
+    // comes back, in place of position 0 (equal scores: the older goes first).
+    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1, 4) == 1);
+    CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{1, 5, 6});
+    CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{0, 2, 3, 4});
+  }
   SECTION("at a 100% budget nothing is in the tier and recall changes nothing") {
     kvevict::MlaCache full(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(10).tier_page_size(2),
                            EvictionOptions(6).n_sink(0).n_recent(0));
@@ -573,6 +618,7 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa.mul(NAN), qp, 1.0, 4); }), Contains("finite"));
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 0.0, 4); }), Contains("scale must be finite and > 0, got 0"));
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, -1); }), Contains("tokens must be in [0, 2^40], got -1"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, 4, -1); }), Contains("rescore must be in [0, 2^40], got -1"));
   CHECK_THROWS_AS(cache.recall_absorbed(1, qa, qp, 1.0, 4), c10::IndexError);
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa.to(at::kLong), qp, 1.0, 4); }), Contains("floating"));
   cache.observe_begin(0, 1);

@@ -41,12 +41,15 @@ Options (default in brackets):
   --budgets P,...        cache capacities, percent of the context, 1 .. 100 [10,25,50]
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
-                         sinks_window, random, snapkv, h2o_recall, h2o_recall_turn,
-                         snapkv_recall_turn; snapkv and the _turn ones: retrieval only)
+                         sinks_window, random, snapkv, h2o_recall, h2o_recall_paged,
+                         h2o_recall_turn, snapkv_recall_turn; snapkv and the _turn ones:
+                         retrieval only)
                          [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
-                          h2o_recall,h2o_recall_turn,snapkv_recall_turn]
+                          h2o_recall,h2o_recall_paged,h2o_recall_turn,snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
-  --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [4]
+  --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [3]
+  --paged-page N         h2o_recall_paged's tier page size, tokens, 1 .. 4096 [16]
+  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [64]
   --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [4]
   --turn-share X         their recall budget per question, a share of the heavy-hitter
                          budget, 0 .. 1 [0.25]
@@ -70,8 +73,8 @@ struct Args {
   std::vector<int64_t> contexts{256, 512, 1024}, budgets{10, 25, 50};
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
   std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
-                                    "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_turn",
-                                    "snapkv_recall_turn"};
+                                    "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_paged",
+                                    "h2o_recall_turn", "snapkv_recall_turn"};
   RecallSettings recall;
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
@@ -129,6 +132,8 @@ bool parse(int argc, char** argv, Args& a) {
           {"--ci-docs", [&](auto& f, auto& v) { a.ci_docs = parse_int(f, v, 1); }},
           {"--recall-page", [&](auto& f, auto& v) { a.recall.step_page = parse_int(f, v, 1, 4096); }},
           {"--recall-tokens", [&](auto& f, auto& v) { a.recall.step_tokens = parse_int(f, v, 1, 1 << 20); }},
+          {"--paged-page", [&](auto& f, auto& v) { a.recall.paged_page = parse_int(f, v, 1, 4096); }},
+          {"--paged-rescore", [&](auto& f, auto& v) { a.recall.paged_rescore = parse_int(f, v, 1, 1 << 20); }},
           {"--turn-page", [&](auto& f, auto& v) { a.recall.turn_page = parse_int(f, v, 1, 4096); }},
           {"--turn-share", [&](auto& f, auto& v) { a.recall.turn_share = kvevict_cli::parse_double(f, v, 0, 1); }},
       },

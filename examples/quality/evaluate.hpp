@@ -20,7 +20,8 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 // multi-token append, as a new user turn would be). snapkv_recall_turn: SnapKV's prompt
 // compression sends the prompt tokens it drops to the tier, and each question recalls.
 enum class Policy {
-  Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallTurn, SnapKVRecallTurn
+  Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallPaged, H2ORecallTurn,
+  SnapKVRecallTurn
 };
 inline const char* policy_name(Policy p) {
   switch (p) {
@@ -34,20 +35,25 @@ inline const char* policy_name(Policy p) {
     case Policy::Pyramid: return "h2o_pyramid";
     case Policy::SnapKV: return "snapkv";
     case Policy::H2ORecall: return "h2o_recall";
+    case Policy::H2ORecallPaged: return "h2o_recall_paged";
     case Policy::H2ORecallTurn: return "h2o_recall_turn";
     case Policy::SnapKVRecallTurn: return "snapkv_recall_turn";
   }
   return "?";
 }
 inline bool recalls(Policy p) {
-  return p == Policy::H2ORecall || p == Policy::H2ORecallTurn || p == Policy::SnapKVRecallTurn;
+  return p == Policy::H2ORecall || p == Policy::H2ORecallPaged || p == Policy::H2ORecallTurn ||
+         p == Policy::SnapKVRecallTurn;
+}
+// The recall policies that recall at every append after the prefill (the others: at questions).
+inline bool recalls_every_step(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallPaged;
 }
 // SnapKV's prompt compression (Model::prefill_compressed) instead of a prefill chunk.
 inline bool compresses_prompt(Policy p) { return p == Policy::SnapKV || p == Policy::SnapKVRecallTurn; }
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
-                 Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallTurn,
-                 Policy::SnapKVRecallTurn})
+                 Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallPaged,
+                 Policy::H2ORecallTurn, Policy::SnapKVRecallTurn})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -83,18 +89,23 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
 
 // Recall settings of the recall policies. The tier keeps every evicted token (tier_tokens = the
 // document length). h2o_recall: pages of `step_page` tokens, at most `step_tokens` back per step.
-// h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget back
-// per question (whole pages, at least one). The defaults are the best of a small sweep on
-// 1,024-token documents (examples/quality/README.md): a recall every step wants exact, small
-// recalls (it comes back for the next answer token); a recall once per question wants pages, so
-// that the tokens after the one the question finds come too.
+// h2o_recall_paged: the same every step, two-level (recall's rescore): pages of `paged_page`,
+// the best pages up to `paged_rescore` tokens scored again token by token, `step_tokens` of them
+// back. h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget
+// back per question (whole pages, at least one). The defaults are the best of small sweeps
+// (examples/quality/README.md): a recall every step wants exact, small recalls (it comes back
+// for the next answer token); a recall once per question wants pages, so that the tokens after
+// the one the question finds come too.
 struct RecallSettings {
-  int64_t step_page = 1, step_tokens = 4, turn_page = 4;
+  int64_t step_page = 1, step_tokens = 3, paged_page = 16, paged_rescore = 64, turn_page = 4;
   double turn_share = 0.25;
-  int64_t page(Policy p) const { return p == Policy::H2ORecall ? step_page : turn_page; }
-  int64_t tokens(Policy p, const kvevict::EvictionOptions& e) const {
-    if (p == Policy::H2ORecall) return step_tokens;
-    return std::max<int64_t>(turn_page, static_cast<int64_t>(turn_share * static_cast<double>(e.budget())));
+  int64_t page(Policy p) const {
+    return p == Policy::H2ORecall ? step_page : p == Policy::H2ORecallPaged ? paged_page : turn_page;
+  }
+  Recall recall(Policy p, const kvevict::EvictionOptions& e) const {
+    if (p == Policy::H2ORecall) return {step_tokens, 0};
+    if (p == Policy::H2ORecallPaged) return {step_tokens, paged_rescore};
+    return {std::max<int64_t>(turn_page, static_cast<int64_t>(turn_share * static_cast<double>(e.budget()))), 0};
   }
 };
 
@@ -168,7 +179,7 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
       for (const auto& u : turns) {
         if (t > 0 && u.start == t) n = u.len, turn = true;
       }
-      const int64_t recall = recalls(p) && t > 0 && (p == Policy::H2ORecall || turn) ? rs.tokens(p, e) : 0;
+      const Recall recall = recalls(p) && t > 0 && (recalls_every_step(p) || turn) ? rs.recall(p, e) : Recall{};
       const int64_t t0 = t;
       AttnTap tap = [&](int64_t layer, const torch::Tensor& o) {
         if (p == Policy::Random) {

@@ -51,6 +51,12 @@ struct Config {
 // projection), for measuring the attention-output error of an evicting cache.
 using AttnTap = std::function<void(int64_t layer, const torch::Tensor& out)>;
 
+// A recall before a layer's attention: up to `tokens` tokens per row from the host tier
+// (none at 0), two-level with a pool of `rescore` tokens when rescore > tokens.
+struct Recall {
+  int64_t tokens = 0, rescore = 0;
+};
+
 // Per-sequence decode state outside the KV cache: each layer's last attention input
 // [B, 1, dim] (for the smeared keys of the next token), and the RoPE position of the next token
 // minus the cache's seen tokens (0, except after a compressed prompt: compress_prompt numbers
@@ -138,17 +144,17 @@ struct MLAImpl : torch::nn::Module {
     return out(torch::matmul(torch::softmax(logits, -1), v));
   }
 
-  // Expanded layout: keys/values decompressed per head, attention by the library. recall > 0:
-  // first up to that many tokens come back from the cache's host tier (cache.recall with this
-  // step's queries).
+  // Expanded layout: keys/values decompressed per head, attention by the library. recall.tokens
+  // > 0: first up to that many tokens come back from the cache's host tier (cache.recall with
+  // this step's queries and recall.rescore).
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, int64_t recall = 0) {
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, const Recall& recall = {}) {
     auto p = project(x, pos, last);
     auto [k, v] = expand(p.ckv, p.kpe);
     cache.update(layer, k.contiguous(), v.contiguous());
     auto q = torch::cat({p.q_nope, p.q_pe}, -1).contiguous();
-    if (recall > 0) cache.recall(layer, q, c.scale(), recall);
+    if (recall.tokens > 0) cache.recall(layer, q, c.scale(), recall.tokens, recall.rescore);
     auto o = kvevict::attend(q, cache, layer, c.scale(), nullptr, observe);
     if (tap) tap(layer, o);
     return out(o);
@@ -188,14 +194,14 @@ struct MLAImpl : torch::nn::Module {
   // Latent layout: q_absorbed = q_nope W_UK, output = (probs ckv) W_UV^T.
   template <class P>
   torch::Tensor cached(const torch::Tensor& x, const torch::Tensor& pos, kvevict::BasicMlaLatentCache<P>& cache,
-                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, int64_t recall = 0) {
+                        int64_t layer, const AttnTap& tap, bool observe, torch::Tensor* last, const Recall& recall = {}) {
     auto p = project(x, pos, last);
     auto w = wkv_b->weight.view({c.n_heads, c.qk_nope + c.v_dim, c.kv_lora});
     auto w_uk = w.narrow(1, 0, c.qk_nope);       // [H, nope, r]
     auto w_uv = w.narrow(1, c.qk_nope, c.v_dim);  // [H, v, r]
     cache.update(layer, p.ckv.contiguous(), p.kpe.contiguous());
     auto q_abs = torch::matmul(p.q_nope, w_uk.unsqueeze(0));  // [B, H, T, r]
-    if (recall > 0) cache.recall_absorbed(layer, q_abs, p.q_pe, c.scale(), recall);
+    if (recall.tokens > 0) cache.recall_absorbed(layer, q_abs, p.q_pe, c.scale(), recall.tokens, recall.rescore);
     auto lat = kvevict::attend_absorbed(q_abs.contiguous(), p.q_pe.contiguous(), cache, layer, c.scale(), nullptr, observe);
     auto o = torch::matmul(lat, w_uv.transpose(1, 2).unsqueeze(0));  // [B, H, T, v]
     if (tap) tap(layer, o);
@@ -264,12 +270,12 @@ struct ModelImpl : torch::nn::Module {
   // tokens [B, T] appended to `cache` (either layout) at positions seen_tokens(0) ..; each
   // layer attends through the cache, calls `tap` (if any; it may add scores), then
   // cache.evict(layer) (unless `evict` is false). `observe` false: attention is not fed to the
-  // scorer (scores come only from add_scores). recall > 0: each layer first recalls up to that
-  // many tokens from the cache's host tier with this append's queries. -> logits [B, T, vocab].
+  // scorer (scores come only from add_scores). recall.tokens > 0: each layer first recalls up
+  // to that many tokens from the cache's host tier with this append's queries. -> logits [B, T, vocab].
   // `state` belongs to this cache's sequence (a fresh DecodeState with a fresh cache).
   template <class Cache>
   torch::Tensor step(const torch::Tensor& tokens, Cache& cache, DecodeState& state, const AttnTap& tap = nullptr,
-                     bool observe = true, bool evict = true, int64_t recall = 0) {
+                     bool observe = true, bool evict = true, const Recall& recall = {}) {
     const int64_t start = cache.seen_tokens(0) + state.offset, T = tokens.size(1);
     if (static_cast<int64_t>(state.last.size()) != c.n_layers) state.last.assign(c.n_layers, torch::Tensor());
     if (start == 0) state.last.assign(c.n_layers, torch::Tensor());

@@ -113,6 +113,14 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// keeps its window whole), which go to the tier with their rank. Rows come back bit for bit, at their own positions (RoPE is untouched), so
   /// capacity stays a cap: the cache holds no more tokens than before.
   ///
+  /// Two-level recall (rescore > tokens): the pages are only a first cut. The best whole pages
+  /// up to `rescore` tokens per row form a pool; every pool token is scored again with its own
+  /// keys (the same softmax, over the pool, of scale * q.k, summed the same way and reduced
+  /// the same way), and the best `tokens` come back one by one (higher score first, equal
+  /// scores the older position; never a score of 0). Large pages keep scoring cheap, and the
+  /// recall stays exact: scoring costs O(pages x width) plus O(rescore x width) per head and
+  /// query, instead of O(tier tokens x width) for pages of one token.
+  ///
   /// A recalled token's scorer state is the state of the row's best-ranked heavy hitter before
   /// the recall (its own state at eviction would rank it lowest, and the next pass would send it
   /// straight back). With lazy_reduction, pending observations are applied first (flush(), a
@@ -123,22 +131,25 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///               dtype, cache device (CPU: the tier runs on the host path).
   /// \param scale  the attention's logit scale, finite and > 0 (e.g. 1 / sqrt(qk_dim)).
   /// \param tokens the recall budget per row, >= 0.
+  /// \param rescore 0 (or <= tokens): whole pages come back; > tokens: the two-level recall's
+  ///               pool per row, in tokens.
   /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
-  ///         real query (pads and free rows may hold anything) or scale, a negative budget, or
+  ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore, or
   ///         an open observation; nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
-  ///       Q x pages x qk_dim)); syncs nothing (CPU). Keys views stay valid: rows change in
+  ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
+  ///       x qk_dim) more); syncs nothing (CPU). Keys views stay valid: rows change in
   ///       place.
-  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
+  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
     Base::policy().size(layer);
     detail::check_tensor(query, "query", Base::device());
     detail::check_shape(query, "query", {Base::batch_size(), Base::num_heads(), -1, options_.qk_dim()},
                 {"B", "H", "Q", "qk_dim"}, "[B, H, Q, qk_dim]");
     KVEVICT_CHECK_TYPE(at::isFloatingType(query.scalar_type()), "query must be floating, got ", query.scalar_type());
     KVEVICT_CHECK_VALUE(query.size(2) >= 1, "query must hold at least one query, got Q = 0");
-    Base::check_recall("recall", layer, query, scale, tokens);
-    return Base::recall_rows(layer, query.to(at::kFloat).contiguous(), scale, tokens);
+    Base::check_recall("recall", layer, query, scale, tokens, rescore);
+    return Base::recall_rows(layer, query.to(at::kFloat).contiguous(), scale, tokens, rescore);
   }
 
   /// The rows of the host tier's tokens of `row` in `layer` ({keys [H, n, qk_dim], values [H, n, v_dim]}), in the order of

@@ -94,10 +94,11 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \param q_pe       [B, H, Q, qk_rope_dim] the RoPE queries, same B, H, Q.
   /// \param scale      the attention's logit scale, finite and > 0.
   /// \param tokens     the recall budget per row, >= 0.
+  /// \param rescore    0, or the two-level recall's pool per row (BasicMlaCache::recall()).
   /// \return tokens recalled, summed over rows.
   /// \throws c10::Error as BasicMlaCache::recall(); nothing changes then.
   int64_t recall_absorbed(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
-                          int64_t tokens) {
+                          int64_t tokens, int64_t rescore = 0) {
     Base::policy().size(layer);
     detail::check_tensor(q_absorbed, "q_absorbed", Base::device());
     detail::check_tensor(q_pe, "q_pe", Base::device());
@@ -109,8 +110,8 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
                        "q_absorbed and q_pe must be floating, got ", q_absorbed.scalar_type(), " and ", q_pe.scalar_type());
     KVEVICT_CHECK_VALUE(q_absorbed.size(2) >= 1, "q_absorbed must hold at least one query, got Q = 0");
     const auto query = at::cat({q_absorbed.to(at::kFloat), q_pe.to(at::kFloat)}, -1).contiguous();
-    Base::check_recall("recall_absorbed", layer, query, scale, tokens);
-    return Base::recall_rows(layer, query, scale, tokens);
+    Base::check_recall("recall_absorbed", layer, query, scale, tokens, rescore);
+    return Base::recall_rows(layer, query, scale, tokens, rescore);
   }
 
   /// The rows of the host tier's tokens of `row` in `layer` ({ckv [n, kv_lora_rank], kpe [n, qk_rope_dim]}), in the order of

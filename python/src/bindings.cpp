@@ -627,13 +627,15 @@ void def_caches(py::module_& m) {
           py::arg("layer"), "Copies of the live keys, values and positions sorted by position per row.")
       .def(
           "recall",
-          [](Expanded& s, int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
-            return with(s, [&](auto& x) { return x.recall(layer, query, scale, tokens); });
+          [](Expanded& s, int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
+            return with(s, [&](auto& x) { return x.recall(layer, query, scale, tokens, rescore); });
           },
-          py::arg("layer"), py::arg("query"), py::arg("scale"), py::arg("tokens"),
+          py::arg("layer"), py::arg("query"), py::arg("scale"), py::arg("tokens"), py::arg("rescore") = 0,
           "Brings tokens back from the host tier (C++ BasicMlaCache::recall; ArkVale with Quest's page digests): "
           "query [B, H, Q, qk_dim] this step's queries; the best tier pages, at most `tokens` tokens per row in whole "
-          "pages, take the slots of the lowest-ranked heavy hitters. Call after update() and before attend(). "
+          "pages, take the slots of the lowest-ranked heavy hitters. rescore > tokens: two-level, the best pages up "
+          "to `rescore` tokens are scored again token by token with their exact keys and the best `tokens` of them "
+          "come back. Call after update() and before attend(). "
           "Returns the tokens recalled. Raises RuntimeError / ValueError without a tier or on bad input; nothing "
           "changes then.");
   def_cache_common(e);
@@ -673,10 +675,11 @@ void def_caches(py::module_& m) {
       .def(
           "recall_absorbed",
           [](Latent& s, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
-             int64_t tokens) {
-            return with(s, [&](auto& x) { return x.recall_absorbed(layer, q_absorbed, q_pe, scale, tokens); });
+             int64_t tokens, int64_t rescore) {
+            return with(s, [&](auto& x) { return x.recall_absorbed(layer, q_absorbed, q_pe, scale, tokens, rescore); });
           },
           py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("scale"), py::arg("tokens"),
+          py::arg("rescore") = 0,
           "MlaCache.recall() for the latent layout, with the absorbed queries attend_absorbed() takes: q_absorbed "
           "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled.");
   def_cache_common(l);

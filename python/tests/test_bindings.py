@@ -434,6 +434,14 @@ def test_tier_and_recall_hand_worked():
     assert v[0, :, 0].tolist() == [0., 1., 2., 3.]
     st = cache.stats()
     assert (st.tier_tokens, st.tier_recalled) == (4, 2)
+    # Two-level: one token, a pool of 4. The tier is 0 ((5, 5)), 1 ((5, 5)), 2 ((1, 0)), 3 ((0, 1));
+    # q = (0, 1) bounds page {0, 1} by 5 and page {2, 3} by 1: the pool is all four, exact
+    # logits 5, 5, 0, 1; position 0 (the older of the two best) comes back, in place of position
+    # 4 (score 9, as 5; the older goes first).
+    assert cache.recall(0, torch.tensor([0., 1.]).view(1, 1, 1, 2), 1.0, 1, rescore=4) == 1
+    assert sorted(cache.positions(0)[0].tolist()) == [0, 5, 6]
+    with pytest.raises(ValueError, match="rescore must be in"):
+        cache.recall(0, torch.zeros(1, 1, 1, 2), 1.0, 1, rescore=-1)
     with pytest.raises(RuntimeError, match="no host tier"):
         kvevict.MlaCache(kvevict.MlaCacheOptions(1, 1, qk_dim=2, v_dim=1)).recall(
             0, torch.zeros(1, 1, 1, 2), 1.0, 2)

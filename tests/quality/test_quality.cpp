@@ -111,7 +111,7 @@ int main(int argc, char** argv) try {
       DecodeState state;
       std::vector<std::vector<torch::Tensor>> rec(m->c.n_layers);  // per layer: per position, the rows (cat)
       for (int64_t t = 0; t < T; ++t) {
-        m->step(fed.narrow(1, t, 1), cache, state, nullptr, true, true, t > 0 ? rs.step_tokens : 0);
+        m->step(fed.narrow(1, t, 1), cache, state, nullptr, true, true, t > 0 ? rs.recall(Policy::H2ORecall, e) : Recall{});
         for (int64_t l = 0; l < m->c.n_layers; ++l) rec[l].push_back(newest(cache, l));
       }
       bool same = true;

@@ -490,23 +490,25 @@ class CacheBase {
   int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
 
   /// What every layout's recall checks, naming `call` (e.g. "recall"): a tier, the layer, no
-  /// open observation, scale finite and > 0, tokens in [0, 2^40], a finite `query`.
-  void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens) const {
+  /// open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a finite `query`.
+  void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
+                    int64_t rescore) const {
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    LayerTier::check_recall(call, layer, query, scale, tokens, policy_.at(layer), policy_.core_);
+    LayerTier::check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
   /// key width] (fp32, contiguous, CPU; checked by check_recall() and the layout), reduces the
   /// scores across processes like observations, and swaps the best pages' tokens (at most
-  /// `tokens` per row, whole pages) with the row's lowest-ranked heavy hitters. Returns the
-  /// tokens recalled, summed over rows. Everything that allocates or throws comes before the
-  /// first swap.
-  int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens) {
+  /// `tokens` per row: whole pages, or with rescore > tokens the best tokens of the best pages
+  /// up to `rescore` tokens, scored again exactly) with the row's lowest-ranked heavy hitters.
+  /// Returns the tokens recalled, summed over rows. Everything that allocates or throws comes
+  /// before the first swap.
+  int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, L, policy_.core_, buffers_[layer]);
+    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer]);
     if (recalled > 0) {
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }

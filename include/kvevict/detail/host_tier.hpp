@@ -149,16 +149,19 @@ class LayerTier {
   }
 
   /// recall()'s input checks past the layout's shapes, naming `call`: no open observation on `L`,
-  /// scale finite and > 0, tokens in [0, 2^40], and every row's real query columns [B, H, Q, D]
-  /// finite (as in observe(), pads and free rows may hold anything). Throws c10::Error.
+  /// scale finite and > 0, tokens and rescore in [0, 2^40], and every row's real query columns
+  /// [B, H, Q, D] finite (as in observe(), pads and free rows may hold anything). Throws
+  /// c10::Error.
   template <class Core>
   static void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
-                           const LayerState& L, const Core& core) {
+                           int64_t rescore, const LayerState& L, const Core& core) {
     KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
                   " has an open observation (observe_begin without observe_end); end or discard it first");
     KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
     KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
                         ": tokens must be in [0, 2^40], got ", tokens);
+    KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
+                        ": rescore must be in [0, 2^40], got ", rescore);
     const int64_t Q = query.size(2);
     for (int64_t b = 0; b < query.size(0); ++b) {
       const int64_t first = core.first_real(L, b, Q);
@@ -182,9 +185,15 @@ class LayerTier {
   /// (core's reduce_contributions), and swaps the best pages' tokens (at most `tokens` per row,
   /// whole pages) with the row's lowest-ranked heavy hitters in `L` and `buffers`. Every
   /// allocation comes before the first swap. Returns the tokens recalled, summed over rows.
+  ///
+  /// rescore > tokens (two-level recall): the best whole pages up to `rescore` tokens per row
+  /// are the pool, each pool token is scored again with its own keys (the exact logits, the
+  /// same softmax and fixed-point sum over the pool, reduced the same way), and the best
+  /// `tokens` of the pool come back one by one (higher score first, equal scores the older
+  /// position; never a score of 0). Otherwise whole pages come back.
   template <class Core>
-  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, LayerState& L, const Core& core,
-                 const std::vector<at::Tensor>& buffers) {
+  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
+                 const Core& core, const std::vector<at::Tensor>& buffers) {
     const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
     int64_t P = 1;
     for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
@@ -199,6 +208,36 @@ class LayerTier {
     }
     if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
     sum = sums.template data_ptr<double>();
+    // Two-level recall: the pool of every row (tokens of its best pages, by position) and the
+    // pool's exact scores, reduced like the page scores (every process holds the same pools).
+    const bool two_level = tokens > 0 && rescore > tokens;
+    std::vector<std::vector<int64_t>> pool(static_cast<size_t>(two_level ? B : 0));
+    at::Tensor exact;
+    if (two_level) {
+      int64_t N = 1;
+      for (int64_t b = 0; b < B; ++b) {
+        if (!core.active[b] || digests(b).pages() == 0) continue;
+        auto& pb = pool[static_cast<size_t>(b)];
+        pick(b, sum + b * P, rescore, pb);
+        const auto& r = row(b);
+        std::sort(pb.begin(), pb.end(), [&](int64_t x, int64_t y) { return r.position[x] < r.position[y]; });
+        N = std::max(N, static_cast<int64_t>(pb.size()));
+      }
+      exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
+      for (int64_t b = 0; b < B; ++b) {
+        const auto& pb = pool[static_cast<size_t>(b)];
+        const int64_t first = core.first_real(L, b, Q), n = static_cast<int64_t>(pb.size());
+        if (first >= Q || n == 0) continue;
+        auto keys = at::empty({n, key_groups_, key_width_});  // fp32
+        for (int64_t j = 0; j < n; ++j) key_of(b, pb[static_cast<size_t>(j)], keys.data_ptr<float>() + j * key_groups_ * key_width_);
+        auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
+        if (key_groups_ == 1) q = q.reshape({1, H * (Q - first), D});
+        const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
+        exact.select(0, b).narrow(0, 0, n).copy_(
+            at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
+      }
+      if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, exact);
+    }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
     const auto& e = core.layer_eviction[layer];
     const int64_t* pos = L.position.template data_ptr<int64_t>();
@@ -224,7 +263,11 @@ class LayerTier {
         if (cands.empty()) continue;
         std::sort(cands.begin(), cands.end(),
                   [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); });
-        pick(b, sum + b * P, std::min<int64_t>(tokens, static_cast<int64_t>(cands.size())), picked[b]);
+        const int64_t limit = std::min<int64_t>(tokens, static_cast<int64_t>(cands.size()));
+        if (two_level)
+          pick_tokens(pool[static_cast<size_t>(b)], exact.template data_ptr<double>() + b * exact.size(1), limit, picked[b]);
+        else
+          pick(b, sum + b * P, limit, picked[b]);
         if (picked[b].empty()) continue;
         int64_t max_position = 0;
         for (size_t k = 0; k < picked[b].size(); ++k) {
@@ -267,6 +310,20 @@ class LayerTier {
       left -= dg.members(s);
       if (left == 0) break;
     }
+  }
+
+  /// Two-level recall's pick: of `pool` (tier token indices by ascending position, `scores[j]`
+  /// pool token j's exact score), the best `limit` (higher score first, equal scores the older
+  /// position; never a score of 0) go to `out` (cleared first).
+  static void pick_tokens(const std::vector<int64_t>& pool, const double* scores, int64_t limit,
+                          std::vector<int64_t>& out) {
+    std::vector<int64_t> order;
+    for (size_t j = 0; j < pool.size(); ++j) {
+      if (scores[j] > 0) order.push_back(static_cast<int64_t>(j));
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return scores[x] > scores[y]; });
+    out.clear();
+    for (size_t k = 0; k < order.size() && static_cast<int64_t>(k) < limit; ++k) out.push_back(pool[order[k]]);
   }
 
   /// Exchanges row b's tier tokens `tokens[k]` with the cache slots `victims[k]`: every
