@@ -229,6 +229,11 @@ void def_state_common(py::class_<Py>& c) {
           "observe_end", [](Py& s, int64_t layer) { with(s, [&](auto& x) { x.observe_end(layer); }); },
           py::arg("layer"), "Applies the observation opened by observe_begin() to the scorer.")
       .def(
+          "observe_discard", [](Py& s, int64_t layer) { with(s, [&](auto& x) { x.observe_discard(layer); }); },
+          py::arg("layer"),
+          "Discards the observation opened by observe_begin(), if any (e.g. after an error while computing its "
+          "pieces): the scorer state is unchanged.")
+      .def(
           "due", [](Py& s, int64_t layer) { return with(s, [&](auto& x) { return state_of(x).due(layer); }); },
           py::arg("layer"),
           "Whether evict(layer) would run a pass now: a row over capacity that appended in at least evict_every "
@@ -983,6 +988,12 @@ void def_tools(py::module_& m) {
         "Bytes a full cache of seq_len tokens takes for one sequence, all layers.");
   m.def("capped_cache_bytes", &kv::capped_cache_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"),
         py::arg("capacity"), "Bytes a cache capped at `capacity` tokens takes after seq_len tokens.");
+  m.def("tier_bytes", &kv::tier_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"), py::arg("capacity"),
+        py::arg("tier_tokens"), py::arg("state_width") = 1, py::arg("page_size") = 16,
+        "Host bytes the host tier holds for one sequence, all layers, after seq_len tokens with device capacity "
+        "`capacity` and at most `tier_tokens` per layer: the tokens' rows, 12 + 4 x state_width bytes of bookkeeping "
+        "each, and the page digests (an fp32 min and max per key channel per page of page_size positions). "
+        "Raises ValueError on a bad argument or an overflow.");
 }
 
 }  // namespace

@@ -400,6 +400,13 @@ def test_memory_model_hand_worked():
         kvevict.capped_cache_bytes(c, kvevict.Layout.kLatent, 10, 0)
     with pytest.raises(ValueError, match="overflows int64"):
         kvevict.full_cache_bytes(c, kvevict.Layout.kExpanded, 2**62)
+    # Host tier: 10,000 tokens at capacity 4,612 leave 5,388 in the tier, 1,152 + 12 + 4 bytes each,
+    # plus 625 pages (16 positions each) x 8 x 576 bytes of digests, per layer.
+    assert kvevict.tier_bytes(c, kvevict.Layout.kLatent, 10_000, 4_612, 32_768) == \
+        61 * (5_388 * 1_168 + 625 * 8 * 576) == 559_564_224
+    assert kvevict.tier_bytes(c, kvevict.Layout.kLatent, 10_000, 4_612, 0) == 0
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        kvevict.tier_bytes(c, kvevict.Layout.kLatent, 10, 4, 8, page_size=0)
 
 
 def test_snapkv_pool_hand_worked():
@@ -452,3 +459,19 @@ def test_tier_and_recall_hand_worked():
     assert latent.tier_size(0, 0) == 2
     latent.update(0, torch.randn(1, 1, 2), torch.randn(1, 1, 1))
     assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16) == 1
+
+
+def test_observe_discard_leaves_the_scores_as_they_were():
+    cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=4, qk_rope_dim=2),
+                                   kvevict.EvictionOptions(8, n_sink=1, n_recent=1))
+    cache.update(0, torch.randn(1, 3, 4), torch.randn(1, 3, 2))
+    cache.add_scores(0, torch.tensor([[1., 2., 3.]]))
+    cache.observe_begin(0, 1)
+    cache.observe_add(0, torch.full((1, 1, 1, 3), 0.25), 0, 0)  # head 0 of 2: half the observation
+    cache.observe_discard(0)
+    assert cache.scores(0).tolist() == [[1., 2., 3.]]
+    with pytest.raises(RuntimeError, match="no observation is open"):
+        cache.observe_add(0, torch.full((1, 1, 1, 3), 0.25), 0, 1)
+    with pytest.raises(RuntimeError, match="no observation is open"):
+        cache.observe_end(0)
+    assert cache.scores(0).tolist() == [[1., 2., 3.]]
