@@ -110,16 +110,19 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// `tokens` tokens and at most as many as the row has heavy-hitter candidates. They take
   /// the slots of the lowest-ranked heavy hitters (eviction order) below the recent window as
   /// it was before the latest append (so that a truncate of that append, rejected drafts,
-  /// keeps its window whole), which go to the tier with their rank. Rows come back bit for bit, at their own positions (RoPE is untouched), so
-  /// capacity stays a cap: the cache holds no more tokens than before.
+  /// keeps its window whole), which go to the tier with their rank. Rows come back bit for
+  /// bit, at their own positions (RoPE is untouched), so capacity stays a cap: the cache holds
+  /// no more tokens than before.
   ///
   /// Two-level recall (rescore > tokens): the pages are only a first cut. The best whole pages
   /// up to `rescore` tokens per row form a pool; every pool token is scored again with its own
   /// keys (the same softmax, over the pool, of scale * q.k, summed the same way and reduced
   /// the same way), and the best `tokens` come back one by one (higher score first, equal
   /// scores the older position; never a score of 0). Large pages keep scoring cheap, and the
-  /// recall stays exact: scoring costs O(pages x width) plus O(rescore x width) per head and
-  /// query, instead of O(tier tokens x width) for pages of one token.
+  /// tokens that come back are chosen by their exact logits, not by their page's bound:
+  /// scoring costs O(pages x width) plus O(rescore x width) per head and query, instead of
+  /// O(tier tokens x width) for pages of one token. A token outside the pool is never
+  /// considered, so the pool, not the pages, bounds what one call can find.
   ///
   /// A recalled token's scorer state is the state of the row's best-ranked heavy hitter before
   /// the recall (its own state at eviction would rank it lowest, and the next pass would send it
