@@ -619,6 +619,9 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 0.0, 4); }), Contains("scale must be finite and > 0, got 0"));
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, -1); }), Contains("tokens must be in [0, 2^40], got -1"));
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, 4, -1); }), Contains("rescore must be in [0, 2^40], got -1"));
+  CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa, qp, 1.0, 0, 1); }),
+             Contains("rescore must be <= tokens (0, whole pages) or hold at least one page (tier_page_size 2)") &&
+                 Contains("got 1"));
   CHECK_THROWS_AS(cache.recall_absorbed(1, qa, qp, 1.0, 4), c10::IndexError);
   CHECK_THAT(msg([&] { cache.recall_absorbed(0, qa.to(at::kLong), qp, 1.0, 4); }), Contains("floating"));
   cache.observe_begin(0, 1);

@@ -135,10 +135,11 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \param scale  the attention's logit scale, finite and > 0 (e.g. 1 / sqrt(qk_dim)).
   /// \param tokens the recall budget per row, >= 0.
   /// \param rescore 0 (or <= tokens): whole pages come back; > tokens: the two-level recall's
-  ///               pool per row, in tokens.
+  ///               pool per row, in tokens, at least tier_page_size.
   /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
-  ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore, or
+  ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore,
+  ///         a two-level rescore smaller than a page, or
   ///         an open observation; nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
   ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore

@@ -490,12 +490,17 @@ class CacheBase {
   int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
 
   /// What every layout's recall checks, naming `call` (e.g. "recall"): a tier, the layer, no
-  /// open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a finite `query`.
+  /// open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a two-level
+  /// rescore (> tokens) of at least one page, a finite `query`.
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore) const {
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
     LayerTier::check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
+    const int64_t page = tiers_[layer].page_size();
+    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page, call, ": rescore must be <= tokens (", tokens,
+                        ", whole pages) or hold at least one page (tier_page_size ", page, ") for two-level recall, got ",
+                        rescore);
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,

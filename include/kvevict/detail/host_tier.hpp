@@ -129,6 +129,8 @@ class LayerTier {
     for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_);
   }
 
+  /// The digests' page size, tokens (cache options' tier_page_size).
+  int64_t page_size() const noexcept { return keys_.page_size; }
   /// Key groups G of a token (expanded: heads; latent: 1) and the width of each.
   int64_t key_groups() const noexcept { return key_groups_; }
   int64_t key_width() const noexcept { return key_width_; }
