@@ -41,12 +41,10 @@ inline const char* policy_name(Policy p) {
   }
   return "?";
 }
-inline bool recalls(Policy p) {
-  return p == Policy::H2ORecall || p == Policy::H2ORecallPaged || p == Policy::H2ORecallTurn ||
-         p == Policy::SnapKVRecallTurn;
-}
 // The recall policies that recall at every append after the prefill (the others: at questions).
-inline bool recalls_every_step(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallPaged;
+inline bool recalls_every_step(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallPaged; }
+inline bool recalls(Policy p) {
+  return recalls_every_step(p) || p == Policy::H2ORecallTurn || p == Policy::SnapKVRecallTurn;
 }
 // SnapKV's prompt compression (Model::prefill_compressed) instead of a prefill chunk.
 inline bool compresses_prompt(Policy p) { return p == Policy::SnapKV || p == Policy::SnapKVRecallTurn; }

@@ -638,9 +638,9 @@ void def_caches(py::module_& m) {
           py::arg("layer"), py::arg("query"), py::arg("scale"), py::arg("tokens"), py::arg("rescore") = 0,
           "Brings tokens back from the host tier (C++ BasicMlaCache::recall; ArkVale with Quest's page digests): "
           "query [B, H, Q, qk_dim] this step's queries; the best tier pages, at most `tokens` tokens per row in whole "
-          "pages, take the slots of the lowest-ranked heavy hitters. rescore > tokens: two-level, the best pages up "
-          "to `rescore` tokens are scored again token by token with their exact keys and the best `tokens` of them "
-          "come back. Call after update() and before attend(). "
+          "pages, take the slots of the lowest-ranked heavy hitters. rescore > tokens (at least tier_page_size): "
+          "two-level, the best pages up to `rescore` tokens are scored again token by token with their exact keys "
+          "and the best `tokens` of them come back. Call after update() and before attend(). "
           "Returns the tokens recalled. Raises RuntimeError / ValueError without a tier or on bad input; nothing "
           "changes then.");
   def_cache_common(e);

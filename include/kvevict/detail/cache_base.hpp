@@ -496,11 +496,7 @@ class CacheBase {
                     int64_t rescore) const {
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    LayerTier::check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
-    const int64_t page = tiers_[layer].page_size();
-    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page, call, ": rescore must be <= tokens (", tokens,
-                        ", whole pages) or hold at least one page (tier_page_size ", page, ") for two-level recall, got ",
-                        rescore);
+    tiers_[layer].check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
@@ -519,7 +515,6 @@ class CacheBase {
     }
     return recalled;
   }
-
 
  private:
   const TierRow& tier_row(int64_t layer, int64_t row) const {

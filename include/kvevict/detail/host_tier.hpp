@@ -151,12 +151,12 @@ class LayerTier {
   }
 
   /// recall()'s input checks past the layout's shapes, naming `call`: no open observation on `L`,
-  /// scale finite and > 0, tokens and rescore in [0, 2^40], and every row's real query columns
-  /// [B, H, Q, D] finite (as in observe(), pads and free rows may hold anything). Throws
-  /// c10::Error.
+  /// scale finite and > 0, tokens and rescore in [0, 2^40], a two-level rescore (> tokens) of
+  /// at least one page, and every row's real query columns [B, H, Q, D] finite (as in
+  /// observe(), pads and free rows may hold anything). Throws c10::Error.
   template <class Core>
-  static void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
-                           int64_t rescore, const LayerState& L, const Core& core) {
+  void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
+                    int64_t rescore, const LayerState& L, const Core& core) const {
     KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
                   " has an open observation (observe_begin without observe_end); end or discard it first");
     KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
@@ -164,6 +164,9 @@ class LayerTier {
                         ": tokens must be in [0, 2^40], got ", tokens);
     KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
                         ": rescore must be in [0, 2^40], got ", rescore);
+    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size(), call, ": rescore must be <= tokens (", tokens,
+                        ", whole pages) or hold at least one page (tier_page_size ", page_size(),
+                        ") for two-level recall, got ", rescore);
     const int64_t Q = query.size(2);
     for (int64_t b = 0; b < query.size(0); ++b) {
       const int64_t first = core.first_real(L, b, Q);
@@ -197,16 +200,20 @@ class LayerTier {
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
                  const Core& core, const std::vector<at::Tensor>& buffers) {
     const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
+    // Row b's real queries as [key groups, M, D] (undefined when the row has none).
+    const auto row_queries = [&](int64_t b) {
+      const int64_t first = core.first_real(L, b, Q);
+      if (first >= Q) return at::Tensor();
+      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
+      return (key_groups_ == 1 ? q.reshape({1, H * (Q - first), D}) : q).contiguous();
+    };
     int64_t P = 1;
     for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
     auto sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
     double* sum = sums.template data_ptr<double>();
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = core.first_real(L, b, Q);
-      if (first >= Q || digests(b).pages() == 0) continue;
-      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
-      if (key_groups_ == 1) q = q.reshape({1, H * (Q - first), D});
-      digests(b).score(q.contiguous(), scale, sum + b * P);
+      const auto q = row_queries(b);
+      if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sum + b * P);
     }
     if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
     sum = sums.template data_ptr<double>();
@@ -228,15 +235,8 @@ class LayerTier {
       exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
       for (int64_t b = 0; b < B; ++b) {
         const auto& pb = pool[static_cast<size_t>(b)];
-        const int64_t first = core.first_real(L, b, Q), n = static_cast<int64_t>(pb.size());
-        if (first >= Q || n == 0) continue;
-        auto keys = at::empty({n, key_groups_, key_width_});  // fp32
-        for (int64_t j = 0; j < n; ++j) key_of(b, pb[static_cast<size_t>(j)], keys.data_ptr<float>() + j * key_groups_ * key_width_);
-        auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
-        if (key_groups_ == 1) q = q.reshape({1, H * (Q - first), D});
-        const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
-        exact.select(0, b).narrow(0, 0, n).copy_(
-            at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
+        const auto q = row_queries(b);
+        if (q.defined() && !pb.empty()) score_tokens(b, pb, q, scale, exact.select(0, b));
       }
       if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, exact);
     }
@@ -312,6 +312,20 @@ class LayerTier {
       left -= dg.members(s);
       if (left == 0) break;
     }
+  }
+
+  /// Two-level recall's exact scores of row b's tier tokens `pool` for queries q [G, M, width]
+  /// (fp32, CPU, as PageDigests::score()): per query a softmax over the pool of scale * q.k,
+  /// summed over the queries as fixed-point terms (detail::fixed_terms) into out[j] (fp64,
+  /// out[j] for pool[j]). Allocates its temporaries (tensor ops).
+  void score_tokens(int64_t b, const std::vector<int64_t>& pool, const at::Tensor& q, double scale,
+                    const at::Tensor& out) const {
+    const auto n = static_cast<int64_t>(pool.size());
+    auto keys = at::empty({n, key_groups_, key_width_});  // fp32
+    float* k = keys.data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) key_of(b, pool[static_cast<size_t>(j)], k + j * key_groups_ * key_width_);
+    const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
+    out.narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
   }
 
   /// Two-level recall's pick: of `pool` (tier token indices by ascending position, `scores[j]`
