@@ -105,6 +105,9 @@ void run_and_check(Cache& cache, Oracle& o, int64_t steps, const std::vector<int
 }  // namespace
 
 TEST_CASE("a pass sends its evicted tokens to the host tier, rows bit for bit, with their rank", "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(3);
   const int64_t budget = GENERATE(int64_t{1000}, int64_t{5});  // unbounded here, and tight
   const int64_t ee = GENERATE(int64_t{1}, int64_t{3});
@@ -137,6 +140,9 @@ TEST_CASE("a pass sends its evicted tokens to the host tier, rows bit for bit, w
 }
 
 TEST_CASE("with an unbounded tier nothing is lost: cache and tier hold every position once", "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(5);
   kvevict::MlaLatentCache cache(kvevict::MlaLatentCacheOptions(2, 2).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(1000),
                                 EvictionOptions(4).n_sink(2).n_recent(2));
@@ -170,6 +176,9 @@ TEST_CASE("with an unbounded tier nothing is lost: cache and tier hold every pos
 }
 
 TEST_CASE("finish, reset(row) and reset() release the tier; other rows keep theirs", "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(7);
   kvevict::MlaLatentCache cache(
       kvevict::MlaLatentCacheOptions(1, 1).batch_size(3).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(100),
@@ -196,6 +205,9 @@ TEST_CASE("finish, reset(row) and reset() release the tier; other rows keep thei
 }
 
 TEST_CASE("truncate rolls back tokens that sit in the tier too", "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(9);
   auto options = kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(4).qk_rope_dim(2);
   const auto eviction = EvictionOptions(2).n_sink(1).n_recent(1);
@@ -237,6 +249,9 @@ TEST_CASE("truncate rolls back tokens that sit in the tier too", "[tier][cpu]") 
 }
 
 TEST_CASE("the tier drops a non-finite rank first, as a pass does (+inf included)", "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   // Capacity 1 (no sink, no recent window), a tier of 1. Two tokens with ranks +inf and 5: the
   // pass evicts position 0 (non-finite ranks lowest). A third token, rank 0 against 5: the pass
   // evicts position 2; the tier, over its budget, drops the +inf token and keeps position 2.
@@ -263,13 +278,6 @@ TEST_CASE("tier options and accessors: clear errors that change nothing", "[tier
                kvevict::MlaCache(kvevict::MlaCacheOptions(1, 1).tier_tokens(-1), eviction);
              }),
              Contains("tier_tokens must be in [0, 2^40], got -1"));
-  {
-    kvevict_test::ForceTensorPath tensor_path(true);
-    CHECK_THAT(kvevict_test::message_of([&] {
-                 kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 1).tier_tokens(4), eviction);
-               }),
-               Contains("CPU host path only") && Contains("forced for tests"));
-  }
   kvevict::MlaLatentCache none(kvevict::MlaLatentCacheOptions(1, 1), eviction);
   CHECK(none.tier_tokens() == 0);
   CHECK_THAT(kvevict_test::message_of([&] { none.tier_size(0, 0); }), Contains("no host tier"));
@@ -432,6 +440,9 @@ std::vector<int64_t> sorted_positions(const at::Tensor& pos_row, int64_t n) {
 
 TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hitters, rows bit for bit",
           "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(11);
   const int64_t tier_budget = GENERATE(int64_t{1000}, int64_t{12});  // unbounded, and dropping (digests shrink)
   const int64_t page = GENERATE(int64_t{1}, int64_t{3});
@@ -537,6 +548,9 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
 }
 
 TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   // One head, 2-wide keys, pages of 2. No sink, no recent window, 2 heavy hitters: tokens 0..5
   // with scores 9, 8, 0, 0, 0, 0 evict positions 2..5 into the tier as pages {2, 3} and {4, 5}.
   // Page 1 (positions 2, 3): keys (1, 0), (0, 1): lo (0, 0), hi (1, 1).
@@ -599,6 +613,9 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
 }
 
 TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(13);
   kvevict::MlaLatentCache cache(
       kvevict::MlaLatentCacheOptions(1, 2).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(20).tier_page_size(2),
@@ -642,6 +659,9 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
 
 TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt positions, and sends the rest to the tier",
           "[tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(17);
   const int64_t B = 2, H = 2, T = 40, D = 6, V = 3;
   const auto e = EvictionOptions(8).n_sink(2).n_recent(4).evict_every(3);  // evict_every waits; the pass must not
@@ -697,6 +717,9 @@ TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt po
 }
 
 TEST_CASE("a request with a tier and recall in a shared batch equals its solo run, bit for bit", "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   // Global steps t = 0..39. Row 0 runs sequence 0 (one token a step) throughout; row 1 runs
   // sequence 2 (two tokens a step) for t < 12, is finished, and runs sequence 1 (two tokens a
   // step) from t = 15 (continuous batching; ragged appends). Every sequence's rows and queries
@@ -779,6 +802,9 @@ TEST_CASE("a request with a tier and recall in a shared batch equals its solo ru
 
 TEST_CASE("recall with speculative decoding: a truncate after a recall keeps the recent window whole",
           "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   // Four drafts a step, recall, one rejected (truncate), then the pass. Victims come from below
   // the window as it was before the drafts, so the window after the truncate is all cached.
   at::manual_seed(19);
@@ -804,6 +830,9 @@ TEST_CASE("recall with speculative decoding: a truncate after a recall keeps the
 
 TEST_CASE("the digests hold only the pages in use, after a long append too; pads may hold anything",
           "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
   at::manual_seed(23);
   kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(4).qk_rope_dim(2).tier_tokens(8).tier_page_size(1),
                             EvictionOptions(4).n_sink(1).n_recent(1));
@@ -824,4 +853,120 @@ TEST_CASE("the digests hold only the pages in use, after a long append too; pads
   qa[1][0][0].fill_(NAN);  // row 1's real column
   CHECK_THAT(kvevict_test::message_of([&] { r.recall_absorbed(0, qa, at::randn({2, 1, 2, 2}), 1.0, 4); }),
              Contains("queries of row 1 must be finite"));
+}
+
+namespace {
+
+/// Two caches fed the same inputs: one on the tensor path on `device` (the CPU: forced), one on
+/// the CPU host path. A ragged batch, a tier that drops, passes every 2 steps, recall every 3
+/// steps (whole pages, then two-level), a truncate. After every step the caches (positions,
+/// scores, rows) and the tiers (positions, ranks, rows) must be equal. The host path is the one
+/// the oracles above check.
+void check_tensor_path_matches_host(const at::Device& device) {
+  at::manual_seed(21);
+  const int64_t B = 2, H = 2, W = 4, R = 2, T = 2, steps = 36;
+  const auto options = kvevict::MlaLatentCacheOptions(1, H)
+                           .batch_size(B)
+                           .kv_lora_rank(W)
+                           .qk_rope_dim(R)
+                           .check_observations(false)
+                           .tier_tokens(10)
+                           .tier_page_size(2);
+  const auto e = EvictionOptions(5).n_sink(1).n_recent(2).evict_every(2);
+  kvevict_test::ForceTensorPath to_tensor(true);
+  kvevict::MlaLatentCache tensor(kvevict::MlaLatentCacheOptions(options).device(device), e);
+  kvevict_test::ForceTensorPath to_host(false);
+  kvevict::MlaLatentCache host(options, e);
+  REQUIRE_FALSE(tensor.policy().host_path());
+  REQUIRE(host.policy().host_path());
+  const auto here = [&](const at::Tensor& t) { return t.to(device); };
+  const auto cpu = [](const at::Tensor& t) { return t.to(at::kCPU); };
+  const std::vector<int64_t> counts{1, 2};
+  int64_t recalled = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    CAPTURE(step);
+    const auto ckv = at::randn({B, T, W}), kpe = at::randn({B, T, R});
+    const auto qa = at::randn({B, H, T, W}), qp = at::randn({B, H, T, R});
+    tensor.update(0, here(ckv), here(kpe), counts);
+    host.update(0, ckv, kpe, counts);
+    if (step % 3 == 2) {
+      const int64_t rescore = step % 6 == 2 ? 0 : 4;
+      const int64_t n = host.recall_absorbed(0, qa, qp, 0.5, 3, rescore);
+      CHECK(tensor.recall_absorbed(0, here(qa), here(qp), 0.5, 3, rescore) == n);
+      recalled += n;
+    }
+    // The same probabilities for both (attention's batched product on the tensor path may
+    // round differently from the host path's row-by-row one).
+    const auto live = host.positions(0).ge(0).view({B, 1, 1, -1}).to(at::kFloat);
+    const auto probs = at::softmax(at::randn({B, H, T, host.size(0)}), -1).mul(live);
+    host.observe(0, probs);
+    tensor.observe(0, here(probs));
+    host.evict(0);
+    tensor.evict(0);
+    if (step == 20) {  // roll back row 1's latest append (its two tokens)
+      host.truncate(1, 2);
+      tensor.truncate(1, 2);
+    }
+    REQUIRE(at::equal(cpu(tensor.positions(0)), host.positions(0)));
+    CHECK(at::equal(cpu(tensor.scores(0)), host.scores(0)));
+    CHECK(at::equal(cpu(tensor.ckv(0)), host.ckv(0)));
+    CHECK(at::equal(cpu(tensor.kpe(0)), host.kpe(0)));
+    for (int64_t r = 0; r < B; ++r) {
+      REQUIRE(tensor.tier_size(0, r) == host.tier_size(0, r));
+      CHECK(at::equal(tensor.tier_positions(0, r), host.tier_positions(0, r)));
+      CHECK(at::equal(tensor.tier_scores(0, r), host.tier_scores(0, r)));
+      CHECK(at::equal(tensor.tier_rows(0, r).first, host.tier_rows(0, r).first));
+      CHECK(at::equal(tensor.tier_rows(0, r).second, host.tier_rows(0, r).second));
+    }
+    const auto st = tensor.stats(), sh = host.stats();
+    CHECK(st.tier_tokens == sh.tier_tokens);
+    CHECK(st.tier_bytes == sh.tier_bytes);
+    CHECK(st.tier_recalled == sh.tier_recalled);
+  }
+  CHECK(recalled > 0);
+  CHECK(host.tier_size(0, 1) == 10);  // the tier filled and dropped
+}
+
+}  // namespace
+
+TEST_CASE("with a tier, the tensor path keeps, hands over and recalls what the host path does, slot for slot",
+          "[tier][recall][cpu]") {
+  check_tensor_path_matches_host(at::kCPU);
+}
+
+TEST_CASE("with a tier on CUDA (pinned memory, asynchronous copies), the tensor path matches the host path",
+          "[tier][recall][cuda]") {
+  KVEVICT_REQUIRE_CUDA_OR_RETURN();
+  check_tensor_path_matches_host(at::Device("cuda:0"));
+}
+
+TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens out without a sync", "[tier][steady_state][cpu]") {
+  // The pass gathers the evicted tokens on the device and copies them out asynchronously (on
+  // CUDA: to pinned memory); the tier takes them at its next use. So a decode step (update,
+  // observe, evict) reads nothing on the host and transfers nothing: on the CPU, what the tensor
+  // path would launch. The tier's contents once read are checked against the host path above.
+  const int64_t H = 4;
+  const auto options = kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(8).qk_rope_dim(4).check_observations(false)
+                           .tier_tokens(64);
+  kvevict_test::ForceTensorPath tensor_path(true);
+  kvevict::MlaLatentCache cache(options, EvictionOptions(5).n_sink(1).n_recent(2));  // capacity 8
+  const auto step = [&] {
+    const auto ckv = at::randn({1, 1, 8}), kpe = at::randn({1, 1, 4});
+    const auto p = at::softmax(at::randn({1, H, 1, cache.size(0) + 1}), -1);
+    kvevict_test::OpRecorder rec;
+    cache.update(0, ckv, kpe);
+    cache.observe(0, p);
+    REQUIRE(cache.evict(0) == 1);
+    REQUIRE(rec.ok());
+    return rec.counts();
+  };
+  for (int i = 0; i < 8; ++i) cache.update(0, at::randn({1, 1, 8}), at::randn({1, 1, 4}));
+  step();  // the first pass uploads its mirrors (once)
+  for (int i = 0; i < 3; ++i) {
+    const auto c = step();  // each pass also takes the previous pass's hand-over into the tier
+    CHECK(c.syncs == 0);
+    CHECK(c.transfers == 0);
+  }
+  CHECK(cache.tier_size(0, 0) == 4);  // a read takes the last hand-over
+  CHECK(cache.stats().tier_tokens == 4);
 }

@@ -131,7 +131,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// queries were scored against the rows recall replaces.
   ///
   /// \param query  [B, H, Q, qk_dim] the attention's queries (RoPE applied), any floating
-  ///               dtype, cache device (CPU: the tier runs on the host path).
+  ///               dtype, cache device.
   /// \param scale  the attention's logit scale, finite and > 0 (e.g. 1 / sqrt(qk_dim)).
   /// \param tokens the recall budget per row, >= 0.
   /// \param rescore 0 (or <= tokens): whole pages come back; > tokens: the two-level recall's
@@ -143,8 +143,10 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///         an open observation; nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
   ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
-  ///       x qk_dim) more); syncs nothing (CPU). Keys views stay valid: rows change in
-  ///       place.
+  ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): syncs; it copies
+  ///       the queries, the layer's positions and states and the victims' rows to the host,
+  ///       and the swapped rows back (O(capacity) bookkeeping, 2 x tokens rows per row), and
+  ///       scores on the host. Keys views stay valid: rows change in place.
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
     Base::policy().size(layer);
     detail::check_tensor(query, "query", Base::device());

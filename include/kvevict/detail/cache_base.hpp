@@ -119,7 +119,11 @@ class CacheBase {
   ///         tensor parallelism) and stay applied, so that every process stays in step.
   /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
   ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
-  ///       shapes in the steady state.
+  ///       shapes in the steady state. With a host tier the pass also gathers its evicted
+  ///       tokens and copies them to pinned host memory asynchronously; first the host takes
+  ///       the previous pass's copies into the tier (it waits on their event, which a steady
+  ///       decode has long passed). That host work runs at every pass, so a step with a tier
+  ///       cannot be replayed as a CUDA graph.
   int64_t evict(int64_t layer) { return run_pass(layer, false); }
 
   /// evict() without waiting for evict_every: a pass on `layer` now if any row is over its
@@ -160,17 +164,33 @@ class CacheBase {
         rows = move_rows_;
         for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i), rows));
       }
+      HandOver handover;
+      if (tier_tokens_ > 0) {  // the evicted tokens on their way to the tier, before the moves overwrite them
+        settle_tier(layer);    // one hand-over at a time
+        handover = hand_over(pass.dst_t, pass.n, policy_.at(layer), bufs);
+      }
       policy_.commit(layer, pass);  // throws before changing anything, or not at all
+      if (handover.held()) tiers_[layer].hold(std::move(handover));
       for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
     }
     shrink_if_fits(layer);
     return evicted;
   }
 
+  /// Takes the tensor path's held hand-over of `layer` into its tier (waits for its copies on
+  /// CUDA); a no-op without one. Every tier read, recall, truncate and release calls it first.
+  void settle_tier(int64_t layer) const {
+    if (tier_tokens_ > 0) tiers_[layer].settle([&](const float* state) { return policy_.scorer().rank(state); });
+  }
+  void settle_tiers() const {
+    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) settle_tier(l);
+  }
+
  public:
   /// Counters of one layer. \throws c10::IndexError for a bad layer.
   CacheStats stats(int64_t layer) const {
     auto s = policy_.stats(layer);
+    settle_tier(layer);
     for (const auto& t : buffers_.at(layer)) s.bytes_allocated += t.nbytes();
     if (tier_tokens_ > 0) tiers_[layer].add_stats(s);
     return s;
@@ -221,11 +241,13 @@ class CacheBase {
   /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
+    settle_tiers();
     policy_.finish(row);
     for (auto& t : tiers_) t.release(row);
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
+    settle_tiers();
     policy_.reset(row);
     for (auto& t : tiers_) t.release(row);
   }
@@ -240,6 +262,7 @@ class CacheBase {
       const int64_t base = policy_.base_slots(l);
       fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
     }
+    settle_tiers();
     policy_.reset();
     buffers_ = std::move(fresh);
     for (auto& v : live_views_) v = LiveViews{};
@@ -256,6 +279,7 @@ class CacheBase {
   void truncate(int64_t row, int64_t k) {
     // Tier tokens among the k newest leave the tier: the policy plans only the cached ones.
     std::vector<int64_t> in_tier(static_cast<size_t>(num_layers()), 0);
+    settle_tiers();
     if (tier_tokens_ > 0 && policy_.active(row) && k >= 0) {
       for (int64_t l = 0; l < num_layers(); ++l) {
         in_tier[l] = tiers_[l].count_from(row, policy_.seen_tokens(l, row) - k);
@@ -314,14 +338,11 @@ class CacheBase {
   }
 
  protected:
-  /// `tier_tokens`: the host tier's budget per row and layer (0: no tier; CPU host path only);
+  /// `tier_tokens`: the host tier's budget per row and layer (0: no tier);
   /// `tier_page_size`: its digests' page size.
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0,
             int64_t tier_page_size = 16)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
-    KVEVICT_CHECK_VALUE(tier_tokens_ == 0 || policy_.host_path(), "tier_tokens: the host tier runs on the CPU host "
-                        "path only for now; this cache takes the tensor path (device ", device(),
-                        device().is_cpu() ? ", forced for tests" : "", "), so tier_tokens must be 0, got ", tier_tokens_);
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
@@ -509,8 +530,11 @@ class CacheBase {
   int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer]);
-    if (recalled > 0) {
+    settle_tier(layer);
+    const bool host = policy_.host_path();
+    const int64_t recalled = tiers_[layer].recall(layer, query.to(at::kCPU), scale, tokens, rescore, L, policy_.core_,
+                                                  buffers_[layer], host);
+    if (recalled > 0 && host) {
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }
     return recalled;
@@ -520,6 +544,7 @@ class CacheBase {
   const TierRow& tier_row(int64_t layer, int64_t row) const {
     policy_.size(layer, row);  // checks both
     KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
+    settle_tier(layer);
     return tiers_[layer].row(row);
   }
 
@@ -650,7 +675,7 @@ class CacheBase {
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;
   int64_t tier_tokens_ = 0;
-  std::vector<LayerTier> tiers_;  // per layer, with a tier
+  mutable std::vector<LayerTier> tiers_;  // per layer, with a tier (settled by const reads too)
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
   /// Per layer: the views live() handed out last, valid while width and buffers stay.
   struct LiveViews {

@@ -4,15 +4,21 @@
 // each evicted token's rows (every buffer of the layout, bit for bit), its position, its rank
 // at eviction and its scorer state, within a budget of tokens per row: past it the lowest-
 // ranked tier tokens are dropped, with the eviction order (lower rank first, equal ranks the
-// older position first, non-finite ranks lowest). CPU host path only, for now.
+// older position first, non-finite ranks lowest). On the host path a pass hands its evicted
+// tokens over at once; on the tensor path it gathers them on the device and copies them to
+// (pinned) host memory asynchronously, and the tier takes them at its next use (settle()).
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <memory>
+#include <thread>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -106,6 +112,64 @@ struct TierKeys {
   int64_t page_size = 16;
 };
 
+/// A copy of `t` in host memory: `t` itself (contiguous) on the CPU; from another device, a
+/// pinned host tensor filled by an asynchronous copy on the current stream (complete once an
+/// event recorded after it has been reached).
+inline at::Tensor to_host_async(const at::Tensor& t) {
+  if (t.is_cpu()) return t.contiguous();
+  auto h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  h.copy_(t, /*non_blocking=*/true);
+  return h;
+}
+
+/// A tensor-path pass's evicted tokens on their way to the tier (LayerTier::hold()): row b's
+/// first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
+/// `rows` [B, outer..., C, inner] (host tensors, contiguous), in the order the host path takes
+/// them (ascending slots). `done`: on CUDA, recorded on the stream after the copies.
+struct HandOver {
+  std::vector<int64_t> n;
+  at::Tensor position, state;
+  std::vector<at::Tensor> rows;
+  std::unique_ptr<c10::Event> done;
+
+  bool held() const noexcept { return position.defined(); }
+  /// Records `done` after the copies enqueued so far on `device`'s current stream (not on the CPU).
+  void record(const at::Device& device) {
+    if (device.is_cpu()) return;
+    done = std::make_unique<c10::Event>(device.type());
+    done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  /// Waits until the copies are complete (a host wait on CUDA; nothing on the CPU).
+  void wait() const {
+    if (!done) return;
+    while (!done->query()) std::this_thread::yield();
+  }
+};
+
+/// A tensor-path pass's hand-over: the evicted tokens `idx` [B, C] (each row's first n[b]
+/// columns; ascending slots, the order the host path takes them) gathered on the device from
+/// `buffers` [B, outer..., slots, inner] and L's positions and states, and copied to host
+/// memory without a sync (pinned and asynchronous on CUDA; `done` recorded after the copies).
+/// Allocates; changes nothing.
+inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, const LayerState& L,
+                          const std::vector<at::Tensor>& buffers) {
+  HandOver h;
+  if (!idx.defined()) return h;
+  const int64_t B = idx.size(0), C = idx.size(1), W = L.state.size(2);
+  h.n = n;
+  h.position = to_host_async(L.position.gather(1, idx));
+  h.state = to_host_async(L.state.gather(1, idx.unsqueeze(2).expand({B, C, W})));
+  for (const auto& buf : buffers) {
+    std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
+    shape[0] = B;
+    shape[buf.dim() - 2] = C;
+    sizes[buf.dim() - 2] = C;
+    h.rows.push_back(to_host_async(buf.gather(buf.dim() - 2, idx.view(shape).expand(sizes))));
+  }
+  h.record(L.position.device());
+  return h;
+}
+
 /// The tiers of one layer: one TierRow per batch row, a token budget per row, and the byte
 /// size of one token's row in each buffer.
 class LayerTier {
@@ -196,9 +260,13 @@ class LayerTier {
   /// same softmax and fixed-point sum over the pool, reduced the same way), and the best
   /// `tokens` of the pool come back one by one (higher score first, equal scores the older
   /// position; never a score of 0). Otherwise whole pages come back.
+  ///
+  /// On the tensor path (`host` false; the cache's tensors on its device) the plan reads host
+  /// copies of L's positions and states, the victims' rows, positions and states are gathered
+  /// to the host, swapped there, and written back in place (synchronous copies: it syncs).
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
-                 const Core& core, const std::vector<at::Tensor>& buffers) {
+                 const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
     const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
     // Row b's real queries as [key groups, M, D] (undefined when the row has none).
     const auto row_queries = [&](int64_t b) {
@@ -215,7 +283,7 @@ class LayerTier {
       const auto q = row_queries(b);
       if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sum + b * P);
     }
-    if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, sums);
+    reduce(layer, core, sums);
     sum = sums.template data_ptr<double>();
     // Two-level recall: the pool of every row (tokens of its best pages, by position) and the
     // pool's exact scores, reduced like the page scores (every process holds the same pools).
@@ -238,12 +306,14 @@ class LayerTier {
         const auto q = row_queries(b);
         if (q.defined() && !pb.empty()) score_tokens(b, pb, q, scale, exact.select(0, b));
       }
-      if (core.options.reduce_contributions()) core.options.reduce_contributions()(layer, exact);
+      reduce(layer, core, exact);
     }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
     const auto& e = core.layer_eviction[layer];
-    const int64_t* pos = L.position.template data_ptr<int64_t>();
-    float* st = L.state.template data_ptr<float>();
+    const at::Tensor pos_t = host ? L.position : L.position.to(at::kCPU).contiguous();
+    const at::Tensor st_t = host ? L.state : L.state.to(at::kCPU).contiguous();
+    const int64_t* pos = pos_t.template data_ptr<int64_t>();
+    float* st = st_t.template data_ptr<float>();
     std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));
     std::vector<std::vector<float>> top(static_cast<size_t>(B));
     struct Cand {
@@ -281,15 +351,85 @@ class LayerTier {
         reserve_recall(b, max_position);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan: ", why); });
+    const auto rank = [&](const float* state) { return core.scorer.rank(state); };
     int64_t recalled = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      if (picked[b].empty()) continue;
-      swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(),
-           [&](const float* state) { return core.scorer.rank(state); });
-      recalled += static_cast<int64_t>(picked[b].size());
+    for (int64_t b = 0; b < B; ++b) recalled += static_cast<int64_t>(picked[b].size());
+    if (recalled == 0) return 0;
+    if (host) {
+      for (int64_t b = 0; b < B; ++b) {
+        if (!picked[b].empty())
+          swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(), rank);
+      }
+    } else {
+      swap_on_device(picked, victims, top, L, buffers, rank);
     }
     recalled_ += recalled;
     return recalled;
+  }
+
+  /// recall() on the tensor path: gathers every row's victims (`victims[b]`, padded with the
+  /// trash slot to the longest row's count V) from `buffers` [B, outer..., slots, inner], L's
+  /// positions and states into [.., V, ..] device tensors, swaps host copies of them with the
+  /// tier tokens `picked[b]` (swap(), victim k of row b in column k), and writes them back
+  /// into the same slots: the device tensors (allocated before the first swap) take the
+  /// swapped copies, then scatter in place.
+  template <class Rank>
+  void swap_on_device(const std::vector<std::vector<int64_t>>& picked, const std::vector<std::vector<int64_t>>& victims,
+                      const std::vector<std::vector<float>>& top, LayerState& L, const std::vector<at::Tensor>& buffers,
+                      Rank&& rank) {
+    const auto B = static_cast<int64_t>(rows_.size());
+    int64_t V = 0;
+    for (const auto& p : picked) V = std::max(V, static_cast<int64_t>(p.size()));
+    std::vector<int64_t> idx(static_cast<size_t>(B * V), L.slots - 1);  // the trash slot: no token
+    for (int64_t b = 0; b < B; ++b) std::copy(victims[b].begin(), victims[b].end(), idx.begin() + b * V);
+    const auto device = L.position.device();
+    const auto ix = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}).to(device);
+    const auto ix_state = ix.unsqueeze(2).expand({B, V, W_});
+    std::vector<at::Tensor> index, dev, rows;  // per buffer: its index, the victims' rows there and here
+    for (const auto& buf : buffers) {
+      std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
+      shape[0] = B;
+      shape[buf.dim() - 2] = V;
+      sizes[buf.dim() - 2] = V;
+      index.push_back(ix.view(shape).expand(sizes));
+      dev.push_back(buf.gather(buf.dim() - 2, index.back()));
+      rows.push_back(dev.back().to(at::kCPU).contiguous());
+    }
+    auto pos_dev = L.position.gather(1, ix), state_dev = L.state.gather(1, ix_state);
+    auto pos = pos_dev.to(at::kCPU).contiguous(), state = state_dev.to(at::kCPU).contiguous();
+    std::vector<std::vector<int64_t>> columns(static_cast<size_t>(B));  // victim k of row b: column k
+    for (int64_t b = 0; b < B; ++b) {
+      columns[b].resize(picked[b].size());
+      std::iota(columns[b].begin(), columns[b].end(), int64_t{0});
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      if (!picked[b].empty())
+        swap(b, picked[b], columns[b], rows, V, pos.template data_ptr<int64_t>(), state.template data_ptr<float>(),
+             top[b].data(), rank);
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      dev[i].copy_(rows[i]);
+      buffers[i].scatter_(buffers[i].dim() - 2, index[i], dev[i]);
+    }
+    pos_dev.copy_(pos);
+    state_dev.copy_(state);
+    L.position.scatter_(1, ix, pos_dev);
+    L.state.scatter_(1, ix_state, state_dev);
+  }
+
+  /// Reduces recall's scores `sums` (fp64, CPU) across processes like observations (core's
+  /// reduce_contributions, if any), on the cache's device (NCCL reduces only there).
+  template <class Core>
+  static void reduce(int64_t layer, const Core& core, at::Tensor& sums) {
+    const auto& reducer = core.options.reduce_contributions();
+    if (!reducer) return;
+    if (core.device.is_cpu()) {
+      reducer(layer, sums);
+      return;
+    }
+    auto on_device = sums.to(core.device);
+    reducer(layer, on_device);
+    sums = on_device.to(at::kCPU);
   }
 
   /// Row b's tier tokens to recall, by page: the pages in order of `scores` (per page slot,
@@ -418,27 +558,32 @@ class LayerTier {
         for (int64_t s = new_len; s < len; ++s) {
           if (!source_[s - new_len]) ev.push_back(s);
         }
-        reserve(b, pass.n[b]);
-        int64_t max_position = 0;
-        for (const int64_t s : ev) max_position = std::max(max_position, position.data_ptr<int64_t>()[b * slots + s]);
-        digests_[b].reserve(row(b).size() + pass.n[b], max_position);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
-    const auto* pos = position.data_ptr<int64_t>();
-    const auto* st = state.data_ptr<float>();
-    for (size_t i = 0; i < row_bytes_.size(); ++i) stride_[i] = slots * (row_bytes_[i] / groups_[i]);
-    for (int64_t b = 0; b < B; ++b) {
-      for (const int64_t s : evicted_[b]) {
-        const float* token_state = st + (b * slots + s) * W_;
-        for (size_t i = 0; i < row_bytes_.size(); ++i) {
-          const auto* base = static_cast<const uint8_t*>(buffers[i].data_ptr());
-          src_[i] = base + (b * groups_[i] * slots + s) * (row_bytes_[i] / groups_[i]);
-        }
-        add(b, pos[b * slots + s], rank(token_state), token_state, src_, groups_, stride_);
-      }
-      if (!evicted_[b].empty()) enforce_budget(b);
-    }
+    take_slots(position, state, buffers, slots, rank);
   }
+
+  /// Tensor path: holds a pass's hand-over (its copies may still be running) until settle().
+  /// Call settle() first: one hand-over is held at a time.
+  void hold(HandOver h) { handover_ = std::move(h); }
+  /// Takes the held hand-over, if any, into the rows (as take(); waits for its copies first).
+  /// A throw (an allocation failure, c10::Error naming the tier) changes nothing and keeps it
+  /// held; otherwise nothing is held afterwards.
+  template <class Rank>
+  void settle(Rank&& rank) {
+    if (!handover_.held()) return;
+    handover_.wait();
+    const auto B = static_cast<int64_t>(rows_.size());
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        evicted_[b].resize(static_cast<size_t>(handover_.n[b]));
+        std::iota(evicted_[b].begin(), evicted_[b].end(), int64_t{0});
+      }
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
+    take_slots(handover_.position, handover_.state, handover_.rows, handover_.position.size(1), rank);
+    handover_ = HandOver{};
+  }
+  bool holding() const noexcept { return handover_.held(); }
 
   int64_t budget() const { return budget_; }
   const TierRow& row(int64_t b) const { return rows_[static_cast<size_t>(b)]; }
@@ -536,6 +681,39 @@ class LayerTier {
   }
 
  private:
+  /// Adds the tokens in slots evicted_[b] of every row b (rows in `buffers` [B, outer...,
+  /// slots, inner], contiguous; positions `position` [B, slots], states `state` [B, slots, W],
+  /// all on the CPU), then drops what is over the budget. Every allocation first.
+  template <class Rank>
+  void take_slots(const at::Tensor& position, const at::Tensor& state, const std::vector<at::Tensor>& buffers,
+                  int64_t slots, Rank&& rank) {
+    const auto B = static_cast<int64_t>(rows_.size());
+    const auto* pos = position.data_ptr<int64_t>();
+    const auto* st = state.data_ptr<float>();
+    allocating([&] {
+      for (int64_t b = 0; b < B; ++b) {
+        const auto n = static_cast<int64_t>(evicted_[b].size());
+        if (n == 0) continue;
+        reserve(b, n);
+        int64_t max_position = 0;
+        for (const int64_t s : evicted_[b]) max_position = std::max(max_position, pos[b * slots + s]);
+        digests_[b].reserve(row(b).size() + n, max_position);
+      }
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
+    for (size_t i = 0; i < row_bytes_.size(); ++i) stride_[i] = slots * (row_bytes_[i] / groups_[i]);
+    for (int64_t b = 0; b < B; ++b) {
+      for (const int64_t s : evicted_[b]) {
+        const float* token_state = st + (b * slots + s) * W_;
+        for (size_t i = 0; i < row_bytes_.size(); ++i) {
+          const auto* base = static_cast<const uint8_t*>(buffers[i].data_ptr());
+          src_[i] = base + (b * groups_[i] * slots + s) * (row_bytes_[i] / groups_[i]);
+        }
+        add(b, pos[b * slots + s], rank(token_state), token_state, src_, groups_, stride_);
+      }
+      if (!evicted_[b].empty()) enforce_budget(b);
+    }
+  }
+
   /// Removes the tokens i with drop(i): each one's place takes the last kept token, so a pass
   /// moves O(dropped) rows, not the whole tier (in place: allocates nothing). drop() is asked
   /// about every token once, by its index before any move.
@@ -592,6 +770,7 @@ class LayerTier {
   std::vector<int64_t> stride_;
   std::vector<int64_t> order_;  // enforce_budget() scratch
   std::vector<uint8_t> drop_;
+  HandOver handover_;  // tensor path: the latest pass's evicted tokens, not yet taken
 };
 
 }  // namespace detail
