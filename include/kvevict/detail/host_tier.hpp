@@ -146,6 +146,15 @@ struct HandOver {
   }
 };
 
+/// Slots `idx` [B, n] as a gather/scatter index of a [B, outer..., slots, inner] buffer's token
+/// dim: [B, outer..., n, inner] (a view).
+inline at::Tensor token_index(const at::Tensor& idx, const at::Tensor& buf) {
+  std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
+  shape[0] = idx.size(0);
+  shape[buf.dim() - 2] = sizes[buf.dim() - 2] = idx.size(1);
+  return idx.view(shape).expand(sizes);
+}
+
 /// A tensor-path pass's hand-over: the evicted tokens `idx` [B, C] (each row's first n[b]
 /// columns; ascending slots, the order the host path takes them) gathered on the device from
 /// `buffers` [B, outer..., slots, inner] and L's positions and states, and copied to host
@@ -159,13 +168,7 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
   h.n = n;
   h.position = to_host_async(L.position.gather(1, idx));
   h.state = to_host_async(L.state.gather(1, idx.unsqueeze(2).expand({B, C, W})));
-  for (const auto& buf : buffers) {
-    std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
-    shape[0] = B;
-    shape[buf.dim() - 2] = C;
-    sizes[buf.dim() - 2] = C;
-    h.rows.push_back(to_host_async(buf.gather(buf.dim() - 2, idx.view(shape).expand(sizes))));
-  }
+  for (const auto& buf : buffers) h.rows.push_back(to_host_async(buf.gather(buf.dim() - 2, token_index(idx, buf))));
   h.record(L.position.device());
   return h;
 }
@@ -387,11 +390,7 @@ class LayerTier {
     const auto ix_state = ix.unsqueeze(2).expand({B, V, W_});
     std::vector<at::Tensor> index, dev, rows;  // per buffer: its index, the victims' rows there and here
     for (const auto& buf : buffers) {
-      std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
-      shape[0] = B;
-      shape[buf.dim() - 2] = V;
-      sizes[buf.dim() - 2] = V;
-      index.push_back(ix.view(shape).expand(sizes));
+      index.push_back(token_index(ix, buf));
       dev.push_back(buf.gather(buf.dim() - 2, index.back()));
       rows.push_back(dev.back().to(at::kCPU).contiguous());
     }
