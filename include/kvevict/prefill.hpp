@@ -99,6 +99,34 @@ inline at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& keep, int
   return x.gather(dim, keep.view(view).expand(size));
 }
 
+/// Grows `layer` to exactly `slots` slots per row now (where it has fewer) and, while alive,
+/// keeps evict() from shrinking it below that (instead of base_slots): a loop that appends
+/// `chunk` > evict_every tokens per pass (chunked prefill: slots from chunked_slots()) then never
+/// moves the buffers, and never grows them geometrically past what it needs. On destruction the
+/// hold ends and the layer shrinks back to base_slots if every row fits (never throws).
+/// \throws c10::Error naming `what`, the layer and the sizes if the growth cannot be allocated;
+///         nothing changed then.
+template <class Cache>
+class GrowthHold {
+ public:
+  /// `what` names the public call (e.g. "prefill_chunked") in an allocation failure's message.
+  GrowthHold(Cache& cache, int64_t layer, int64_t slots, const char* what) : cache_(cache), layer_(layer) {
+    if (cache_.slots(layer) < slots) cache_.resize(layer, slots, what);  // all or nothing
+    if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
+    cache_.hold_.at(static_cast<size_t>(layer)) = slots;
+  }
+  ~GrowthHold() {
+    cache_.hold_[static_cast<size_t>(layer_)] = 0;
+    cache_.shrink_if_fits(layer_);
+  }
+  GrowthHold(const GrowthHold&) = delete;
+  GrowthHold& operator=(const GrowthHold&) = delete;
+
+ private:
+  Cache& cache_;
+  int64_t layer_;
+};
+
 }  // namespace detail
 
 /// Scores every token of a prompt by the attention the whole prompt gives it (every query,

@@ -203,7 +203,9 @@ class CacheBase {
   }
 
   // -------------------------------------------------------------------------------------------
-  // The host tier (cache options' tier_tokens > 0): evicted tokens kept in host memory.
+  // The host tier (cache options' tier_tokens > 0): evicted tokens kept in host memory. On the
+  // tensor path every read below first takes the latest pass's hand-over into the tier
+  // (settle_tier(): on CUDA it waits for that pass's copies).
 
   /// Tokens a row keeps in its tier per layer (0: no tier; the cache options' tier_tokens).
   int64_t tier_tokens() const noexcept { return tier_tokens_; }
@@ -655,7 +657,7 @@ class CacheBase {
   }
 
   template <class>
-  friend class GrowthHold;
+  friend class GrowthHold;  // prefill.hpp
 
   /// Gives back the slots grown by long appends once every row of `layer` fits in
   /// base_slots(layer): shrinks to max(base_slots, the layer's hold) slots. Never throws: keeping
@@ -688,34 +690,6 @@ class CacheBase {
   at::Tensor move_rows_;                          // tensor path: [B, 1] row indices of the moves (made once)
   Pass pass_;                                     // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
-};
-
-/// Grows `layer` to exactly `slots` slots per row now (where it has fewer) and, while alive,
-/// keeps evict() from shrinking it below that (instead of base_slots): a loop that appends
-/// `chunk` > evict_every tokens per pass (chunked prefill: slots from chunked_slots()) then never
-/// moves the buffers, and never grows them geometrically past what it needs. On destruction the
-/// hold ends and the layer shrinks back to base_slots if every row fits (never throws).
-/// \throws c10::Error naming `what`, the layer and the sizes if the growth cannot be allocated;
-///         nothing changed then.
-template <class Cache>
-class GrowthHold {
- public:
-  /// `what` names the public call (e.g. "prefill_chunked") in an allocation failure's message.
-  GrowthHold(Cache& cache, int64_t layer, int64_t slots, const char* what) : cache_(cache), layer_(layer) {
-    if (cache_.slots(layer) < slots) cache_.resize(layer, slots, what);  // all or nothing
-    if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
-    cache_.hold_.at(static_cast<size_t>(layer)) = slots;
-  }
-  ~GrowthHold() {
-    cache_.hold_[static_cast<size_t>(layer_)] = 0;
-    cache_.shrink_if_fits(layer_);
-  }
-  GrowthHold(const GrowthHold&) = delete;
-  GrowthHold& operator=(const GrowthHold&) = delete;
-
- private:
-  Cache& cache_;
-  int64_t layer_;
 };
 
 }  // namespace detail
