@@ -828,6 +828,44 @@ TEST_CASE("recall with speculative decoding: a truncate after a recall keeps the
   CHECK(c.stats().tier_recalled > 0);
 }
 
+TEST_CASE("a truncate past the latest append after a recall: the window keeps its cached tokens, on both paths",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
+  // Capacity 3 (budget 2, one recent token, no sinks), pages of one token. Worked by hand:
+  //   5 tokens, pass: all ranks 0, the oldest go: cache {2,3,4}, tier {0,1}.
+  //   3 tokens, then 1: cache {2..8}, seen 9. Ranks 1, but 0 for position 6.
+  //   recall 1: victims lie below 9 - 1 - 1 = 7; the lowest is 6, which goes to the tier, and
+  //   0 or 1 comes back with rank 1 (the best heavy hitter's).
+  //   truncate 2 (positions 7, 8): seen 7, window {6}, which is in the tier. 5 tokens cached.
+  //   pass: 2 go, among the candidates {0 or 1, 2, 3, 4, 5}, all ranked 1: the oldest two.
+  //   So cache {3,4,5}, tier {0,1,2,6}, whichever token came back.
+  at::manual_seed(5);
+  kvevict::MlaLatentCache c(
+      kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(4).qk_rope_dim(2).qk_nope_dim(2).tier_tokens(10).tier_page_size(1),
+      EvictionOptions(2).n_sink(0).n_recent(1));
+  const auto up = [&](int64_t T) { c.update(0, at::randn({1, T, 4}), at::randn({1, T, 2})); };
+  up(5);
+  c.evict(0);
+  up(3);
+  up(1);
+  c.add_scores(0, c.positions(0).ne(6).to(at::kFloat));
+  REQUIRE(c.recall_absorbed(0, at::randn({1, 1, 1, 4}), at::randn({1, 1, 1, 2}), 0.5, 1) == 1);
+  c.truncate(0, 2);
+  REQUIRE(c.seen_tokens(0) == 7);
+  REQUIRE(c.size(0, 0) == 5);
+  REQUIRE_NOTHROW(c.evict(0));
+  CHECK(sorted_positions(c.positions(0)[0], c.size(0, 0)) == std::vector<int64_t>{3, 4, 5});
+  const at::Tensor tp = c.tier_positions(0, 0);
+  CHECK(std::vector<int64_t>(tp.data_ptr<int64_t>(), tp.data_ptr<int64_t>() + tp.size(0)) ==
+        std::vector<int64_t>{0, 1, 2, 6});
+  // Position 6 leaves the window with the next token: the window is whole again.
+  up(1);
+  c.evict(0);
+  CHECK(sorted_positions(c.positions(0)[0], c.size(0, 0)) == std::vector<int64_t>{4, 5, 7});
+}
+
 TEST_CASE("the digests hold only the pages in use, after a long append too; pads may hold anything",
           "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
@@ -925,9 +963,112 @@ void check_tensor_path_matches_host(const at::Device& device) {
   }
   CHECK(recalled > 0);
   CHECK(host.tier_size(0, 1) == 10);  // the tier filled and dropped
+  // The digests' copy on the device: 8 bytes a key channel (W + R of them) and page slot, for
+  // at least the 5 pages of row 1's 10 tokens, in every row.
+  CHECK(host.stats().tier_device_bytes == 0);
+  CHECK(tensor.stats().tier_device_bytes >= B * 5 * 8 * (W + R));
+  tensor.reset();
+  CHECK(tensor.stats().tier_device_bytes == 0);
 }
 
 }  // namespace
+
+TEST_CASE("the digests' device copy scores as an oracle, follows changes by sending only them, without a sync",
+          "[tier][recall][cpu]") {
+  using kvevict::detail::DeviceDigests;
+  using kvevict::detail::PageDigests;
+  const int64_t G = GENERATE(1, 2);  // key groups: latent (every head meets one key), expanded (one per head)
+  CAPTURE(G);
+  const int64_t B = 2, H = 2, Q = 3, D = 3, page = 2;
+  at::manual_seed(23);
+  std::vector<PageDigests> rows(B, PageDigests(page, G, D));
+  std::vector<std::map<int64_t, std::pair<int64_t, std::vector<float>>>> tokens(B);  // token -> position, keys
+  const auto add = [&](int64_t b, int64_t token, int64_t position) {
+    const auto k = at::randn({G * D});
+    std::vector<float> key(k.data_ptr<float>(), k.data_ptr<float>() + G * D);
+    rows[b].reserve(token + 1, position);
+    rows[b].insert(token, position, key.data());
+    tokens[b][token] = {position, key};
+  };
+  for (int64_t t = 0; t < 7; ++t) add(0, t, 2 * t + t % 2);  // pages 0..6, one token each
+  add(0, 7, 1);                                           // page 0's second token
+  for (int64_t t = 0; t < 3; ++t) add(1, t, t);           // pages 0, 0, 1
+  const auto query = at::randn({B, H, Q, D});
+  auto real = at::ones({B, Q}, at::kBool);
+  real[1][0] = false;  // row 1's first column is a pad
+  const double scale = 0.7;
+  // The oracle, in fp64 from the tokens themselves: per page lo/hi, the Quest bound, a softmax
+  // over the row's pages per head and real query, each term round(p * 2^32), summed.
+  const auto check_oracle = [&](const at::Tensor& got, int64_t P) {
+    for (int64_t b = 0; b < B; ++b) {
+      std::map<int64_t, std::pair<std::vector<double>, std::vector<double>>> pages;  // page -> lo, hi
+      for (const auto& [t, pk] : tokens[b]) {
+        auto& [lo, hi] = pages[pk.first / page];
+        if (lo.empty()) lo.assign(G * D, INFINITY), hi.assign(G * D, -INFINITY);
+        for (int64_t c = 0; c < G * D; ++c) lo[c] = std::min<double>(lo[c], pk.second[c]), hi[c] = std::max<double>(hi[c], pk.second[c]);
+      }
+      std::map<int64_t, double> want;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t q = 0; q < Q; ++q) {
+          if (!real[b][q].item<bool>()) continue;
+          const int64_t g = G == 1 ? 0 : h;
+          std::map<int64_t, double> logit;
+          double top = -INFINITY, z = 0;
+          for (const auto& [pg, lh] : pages) {
+            double bound = 0;
+            for (int64_t c = 0; c < D; ++c) {
+              const double x = query[b][h][q][c].item<float>();
+              bound += std::max(x * lh.first[g * D + c], x * lh.second[g * D + c]);
+            }
+            logit[pg] = scale * bound;
+            top = std::max(top, logit[pg]);
+          }
+          for (const auto& [pg, l] : logit) z += std::exp(l - top);
+          for (const auto& [pg, l] : logit) want[pg] += std::round(std::exp(l - top) / z * 4294967296.0);
+        }
+      }
+      REQUIRE(rows[b].slots() == static_cast<int64_t>(pages.size()));
+      for (int64_t s = 0; s < P; ++s) {
+        CAPTURE(b, s);
+        const double value = got[b][s].item<double>();
+        if (s >= rows[b].slots()) {
+          CHECK(value == 0);
+          continue;
+        }
+        CHECK(value == Approx(want.at(rows[b].page_of_slot(s))).epsilon(1e-5));
+      }
+    }
+  };
+  DeviceDigests device;
+  int64_t P = device.upload(rows, G, D, at::kCPU);
+  CHECK(P == 7);
+  check_oracle(device.score(query, real, scale, P), P);
+  // Changes: row 0 loses tokens 1 and 3 (pages 1 and 3 empty: compacted away) and token 7 (page
+  // 0 recomputed); row 1 gains a page. The next upload sends only what changed.
+  for (const int64_t t : {1, 3, 7}) {
+    rows[0].erase(t, tokens[0][t].first);
+    tokens[0].erase(t);
+  }
+  rows[0].refresh([&](int64_t t, float* out) { std::copy(tokens[0][t].second.begin(), tokens[0][t].second.end(), out); });
+  add(1, 3, 9);
+  CHECK(rows[0].touched() + rows[1].touched() < rows[0].slots() + rows[1].slots());
+  at::Tensor incremental;
+  {
+    kvevict_test::OpRecorder rec;
+    P = device.upload(rows, G, D, at::kCPU);
+    incremental = device.score(query, real, scale, P);
+    REQUIRE(rec.ok());
+    CHECK(rec.counts().syncs == 0);  // on CUDA: pinned memory, asynchronous copies, no host read
+    CHECK(rec.counts().transfers == 0);
+  }
+  CHECK(P == 5);
+  check_oracle(incremental, P);
+  // A fresh copy (every slot sent) scores the same, bit for bit.
+  DeviceDigests fresh;
+  CHECK(fresh.upload(rows, G, D, at::kCPU) == P);
+  CHECK(at::equal(fresh.score(query, real, scale, P), incremental));
+  CHECK(device.bytes() >= 2 * 4 * B * P * G * D);
+}
 
 TEST_CASE("with a tier, the tensor path keeps, hands over and recalls what the host path does, slot for slot",
           "[tier][recall][cpu]") {

@@ -50,6 +50,10 @@ struct CacheStats {
   /// Host bytes the tier holds: its tokens' rows, position, rank and scorer state, and the
   /// page digests.
   int64_t tier_bytes = 0;
+  /// Bytes the tier's page digests hold on the cache's device (tensor path: a copy that recall
+  /// scores there; allocated at the first recall, grown geometrically, freed by reset(); 0 on
+  /// the host path).
+  int64_t tier_device_bytes = 0;
   /// Tokens recall() brought back from the tier, summed over rows and calls (each moved one
   /// token's rows from the tier into the cache, and a heavy hitter's the other way).
   int64_t tier_recalled = 0;
@@ -61,6 +65,7 @@ struct CacheStats {
     bytes_allocated += o.bytes_allocated;
     tier_tokens += o.tier_tokens;
     tier_bytes += o.tier_bytes;
+    tier_device_bytes += o.tier_device_bytes;
     tier_recalled += o.tier_recalled;
     return *this;
   }

@@ -100,7 +100,9 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 /// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
 /// Plus the page digests (cache options' tier_page_size): an fp32 min and max per key channel
 /// (latent: kv_lora_rank + qk_rope_dim; expanded: num_heads x qk_dim) for at most
-/// min(tier tokens, ceil(seq_len / page_size)) pages per layer.
+/// min(tier tokens, ceil(seq_len / page_size)) pages per layer. On the tensor path the cache's
+/// device holds a copy of the digests as well (CacheStats::tier_device_bytes): their part of
+/// this again, up to twice it (its capacity grows geometrically).
 /// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1,
 ///         page_size < 1, or the result overflows int64.
 inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity,

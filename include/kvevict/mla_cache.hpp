@@ -143,10 +143,14 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///         an open observation; nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
   ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
-  ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): syncs; it copies
-  ///       the queries, the layer's positions and states and the victims' rows to the host,
-  ///       and the swapped rows back (O(capacity) bookkeeping, 2 x tokens rows per row), and
-  ///       scores on the host. Keys views stay valid: rows change in place.
+  ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'
+  ///       copy on the device takes the page slots changed since the last recall (pinned,
+  ///       asynchronous) and the pages are scored there without a sync; then it syncs: the
+  ///       scores, the layer's positions and states and the victims' rows come to the host,
+  ///       and the swapped rows go back (O(pages + capacity) bookkeeping, 2 x tokens rows per
+  ///       row); a two-level pool is scored on the host with a copy of the queries. The first
+  ///       recall allocates the device copy (CacheStats::tier_device_bytes). Keys views stay
+  ///       valid: rows change in place.
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
     Base::policy().size(layer);
     detail::check_tensor(query, "query", Base::device());

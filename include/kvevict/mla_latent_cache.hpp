@@ -104,11 +104,11 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
     detail::check_tensor(q_pe, "q_pe", Base::device());
     detail::check_shape(q_absorbed, "q_absorbed", {Base::batch_size(), Base::num_heads(), -1, options_.kv_lora_rank()},
                 {"B", "H", "Q", "kv_lora_rank"}, "[B, H, Q, kv_lora_rank]");
+    KVEVICT_CHECK_VALUE(q_absorbed.size(2) >= 1, "q_absorbed must hold at least one query, got Q = 0");
     detail::check_shape(q_pe, "q_pe", {Base::batch_size(), Base::num_heads(), q_absorbed.size(2), options_.qk_rope_dim()},
                 {"B", "H", "Q", "qk_rope_dim"}, "[B, H, Q, qk_rope_dim]");
     KVEVICT_CHECK_TYPE(at::isFloatingType(q_absorbed.scalar_type()) && at::isFloatingType(q_pe.scalar_type()),
                        "q_absorbed and q_pe must be floating, got ", q_absorbed.scalar_type(), " and ", q_pe.scalar_type());
-    KVEVICT_CHECK_VALUE(q_absorbed.size(2) >= 1, "q_absorbed must hold at least one query, got Q = 0");
     const auto query = at::cat({q_absorbed.to(at::kFloat), q_pe.to(at::kFloat)}, -1).contiguous();
     Base::check_recall("recall_absorbed", layer, query, scale, tokens, rescore);
     return Base::recall_rows(layer, query, scale, tokens, rescore);

@@ -36,7 +36,10 @@ inline bool evicted_before(const Candidate& a, const Candidate& b) noexcept {
   return a.position < b.position;
 }
 
-/// Tag: the caller guarantees evict_slots_row()'s precondition (see there).
+/// Tag: the caller guarantees that positions hold every sink and at least capacity - n_sink
+/// heavy-hitter candidates plus the cached part of the recent window (the caches: a recent-window
+/// token may be missing only where a truncate left it in the host tier, and a missing window
+/// token leaves one more candidate, so a pass still keeps capacity tokens).
 struct TrustedPositions {};
 
 /// The key a score ranks by (contract rule 9): itself if finite, else -inf (NaN included).
@@ -201,10 +204,10 @@ class Selection {
     select_row(scores, positions, S, seen, out, scratch, /*check=*/true);
   }
 
-  /// evict_slots_row() for a caller that guarantees the precondition (the caches: their positions
-  /// always hold the sinks and the recent window). One evicted token, the decode step, then costs
-  /// a single scan that reads a slot's position only when its score could win, without first
-  /// counting the candidates.
+  /// evict_slots_row() for a caller that guarantees TrustedPositions' precondition (the caches):
+  /// it evicts the n_evict lowest candidates however many there are. One evicted token, the
+  /// decode step, then costs a single scan that reads a slot's position only when its score
+  /// could win, without first counting the candidates.
   void evict_slots_row(const float* scores, const int64_t* positions, int64_t S, int64_t seen,
                        int64_t* out, std::vector<detail::Candidate>& scratch, detail::TrustedPositions) const {
     select_row(scores, positions, S, seen, out, scratch, /*check=*/false);
@@ -227,7 +230,12 @@ class Selection {
       const int64_t p = positions[s];
       if (p >= options_.n_sink() && p < recent_from) scratch.push_back({scores[s], p, s});
     }
-    check_candidates(static_cast<int64_t>(scratch.size()), n_evict);
+    if (check) {
+      check_candidates(static_cast<int64_t>(scratch.size()), n_evict);
+    } else {
+      TORCH_INTERNAL_ASSERT(static_cast<int64_t>(scratch.size()) >= n_evict, "kvevict: ", scratch.size(),
+                            " eviction candidates for ", n_evict, " evictions");
+    }
     // A lambda, not the function pointer: std::nth_element inlines it (about 2x faster).
     std::nth_element(scratch.begin(), scratch.begin() + n_evict, scratch.end(),
                      [](const detail::Candidate& a, const detail::Candidate& b) { return detail::evicted_before(a, b); });

@@ -135,6 +135,7 @@ class CacheStats:
     bytes_allocated: int
     tier_tokens: int
     tier_bytes: int
+    tier_device_bytes: int
     tier_recalled: int
 
 

@@ -913,6 +913,7 @@ void def_tools(py::module_& m) {
       .def_readonly("bytes_allocated", &kv::CacheStats::bytes_allocated)
       .def_readonly("tier_tokens", &kv::CacheStats::tier_tokens)
       .def_readonly("tier_bytes", &kv::CacheStats::tier_bytes)
+      .def_readonly("tier_device_bytes", &kv::CacheStats::tier_device_bytes)
       .def_readonly("tier_recalled", &kv::CacheStats::tier_recalled);
 
   py::class_<kv::SlotMoves>(m, "SlotMoves",

@@ -440,7 +440,7 @@ def test_tier_and_recall_hand_worked():
     assert torch.equal(k[0], keys[0, 0, :4])
     assert v[0, :, 0].tolist() == [0., 1., 2., 3.]
     st = cache.stats()
-    assert (st.tier_tokens, st.tier_recalled) == (4, 2)
+    assert (st.tier_tokens, st.tier_recalled, st.tier_device_bytes) == (4, 2, 0)  # the host path: no device copy
     # Two-level: one token, a pool of 4. The tier is 0 ((5, 5)), 1 ((5, 5)), 2 ((1, 0)), 3 ((0, 1));
     # q = (0, 1) bounds page {0, 1} by 5 and page {2, 3} by 1: the pool is all four, exact
     # logits 5, 5, 0, 1; position 0 (the older of the two best) comes back, in place of position

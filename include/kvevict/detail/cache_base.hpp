@@ -271,6 +271,7 @@ class CacheBase {
     for (auto& t : tiers_) {
       for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
       t.clear_recalled();
+      t.release_device();
     }
   }
 
@@ -523,7 +524,7 @@ class CacheBase {
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
-  /// key width] (fp32, contiguous, CPU; checked by check_recall() and the layout), reduces the
+  /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the layout), reduces the
   /// scores across processes like observations, and swaps the best pages' tokens (at most
   /// `tokens` per row: whole pages, or with rescore > tokens the best tokens of the best pages
   /// up to `rescore` tokens, scored again exactly) with the row's lowest-ranked heavy hitters.
@@ -534,7 +535,7 @@ class CacheBase {
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
     settle_tier(layer);
     const bool host = policy_.host_path();
-    const int64_t recalled = tiers_[layer].recall(layer, query.to(at::kCPU), scale, tokens, rescore, L, policy_.core_,
+    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_,
                                                   buffers_[layer], host);
     if (recalled > 0 && host) {
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();

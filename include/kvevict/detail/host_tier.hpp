@@ -180,11 +180,13 @@ class LayerTier {
     }
   }
 
-  /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_recalled).
+  /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_device_bytes,
+  /// tier_recalled).
   template <class Stats>
   void add_stats(Stats& s) const {
     s.tier_tokens += tokens();
     s.tier_bytes += bytes();
+    s.tier_device_bytes += device_bytes();
     s.tier_recalled += recalled();
   }
 
@@ -201,30 +203,48 @@ class LayerTier {
   /// `tokens` of the pool come back one by one (higher score first, equal scores the older
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
-  /// On the tensor path (`host` false; the cache's tensors on its device) the plan reads host
-  /// copies of L's positions and states, the victims' rows, positions and states are gathered
-  /// to the host, swapped there, and written back in place (synchronous copies: it syncs).
+  /// On the tensor path (`host` false; the cache's tensors and `query` on its device) the pages
+  /// are scored on the device (DeviceDigests: upload() then score(), no sync) and the scores
+  /// come back to the host for the picks (the sync); a two-level pool is scored on the host
+  /// with a host copy of the queries. The plan reads host copies of L's positions and states,
+  /// and the victims' rows, positions and states are gathered to the host, swapped there, and
+  /// written back in place (synchronous copies).
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
                  const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
     const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
-    // Row b's real queries as [key groups, M, D] (undefined when the row has none).
+    at::Tensor host_query = host ? query : at::Tensor();  // on the tensor path: copied when needed
+    // Row b's real queries as [key groups, M, D] on the host (undefined when the row has none).
     const auto row_queries = [&](int64_t b) {
       const int64_t first = core.first_real(L, b, Q);
       if (first >= Q) return at::Tensor();
-      auto q = query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
+      if (!host_query.defined()) host_query = query.to(at::kCPU).contiguous();
+      auto q = host_query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
       return (key_groups_ == 1 ? q.reshape({1, H * (Q - first), D}) : q).contiguous();
     };
-    int64_t P = 1;
-    for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
-    auto sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
-    double* sum = sums.template data_ptr<double>();
-    for (int64_t b = 0; b < B; ++b) {
-      const auto q = row_queries(b);
-      if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sum + b * P);
+    at::Tensor sums;
+    if (host) {
+      int64_t P = 1;
+      for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
+      sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
+      for (int64_t b = 0; b < B; ++b) {
+        const auto q = row_queries(b);
+        if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sums.template data_ptr<double>() + b * P);
+      }
+      reduce_scores(layer, core, sums);
+    } else {  // the digests' copy on the device, scored there: no sync until the scores come back
+      auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t first = core.first_real(L, b, Q);
+        if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
+      }
+      const int64_t P = std::max<int64_t>(device_.upload(digests_, key_groups_, key_width_, core.device), 1);
+      auto on_device = device_.score(query, to_device_async(real, core.device), scale, P);
+      reduce_scores(layer, core, on_device);
+      sums = on_device.to(at::kCPU).contiguous();  // the sync: the picks are made on the host
     }
-    reduce_scores(layer, core, sums);
-    sum = sums.template data_ptr<double>();
+    const int64_t P = sums.size(1);
+    const double* sum = sums.template data_ptr<double>();
     // Two-level recall: the pool of every row (tokens of its best pages, by position) and the
     // pool's exact scores, reduced like the page scores (every process holds the same pools).
     const bool two_level = tokens > 0 && rescore > tokens;
@@ -545,6 +565,10 @@ class LayerTier {
     for (const auto& d : digests_) digest += d.bytes();
     return n * per_token + digest;
   }
+  /// Bytes the digests' copy on the cache's device holds (tensor path, after a recall; else 0).
+  int64_t device_bytes() const { return device_.bytes(); }
+  /// Frees the digests' copy on the device (reset(): the next recall sends every page again).
+  void release_device() { device_ = DeviceDigests{}; }
   /// Tokens recalled so far (CacheStats::tier_recalled); reset() clears it, as the other counters.
   int64_t recalled() const noexcept { return recalled_; }
   void clear_recalled() noexcept { recalled_ = 0; }
@@ -637,6 +661,7 @@ class LayerTier {
   int64_t key_groups_ = 1, key_width_ = 0;
   int64_t recalled_ = 0;
   std::vector<PageDigests> digests_;  // per row
+  DeviceDigests device_;              // tensor path: digests_ on the cache's device
   std::vector<float> key_;            // one token's keys (scratch)
   std::vector<uint8_t> swap_;         // swap() scratch: one piece of a row
   std::vector<std::vector<int64_t>> evicted_;  // take() scratch: per row, the evicted slots

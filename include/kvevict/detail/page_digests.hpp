@@ -9,7 +9,9 @@
 // The keys of a token are `groups` vectors of `width` floats: one per head in the expanded
 // layout (keys [H, qk_dim]), one shared by every head in the latent layout ([ckv | kpe]).
 // Each page's members are an intrusive list over the tier's token indices, so a token leaving
-// costs O(its page's members x width), not a scan of the tier.
+// costs O(its page's members x width), not a scan of the tier. The slots whose digest changed
+// since the last take_touched() are listed, so a copy on the cache's device (DeviceDigests,
+// tier_tensor_path.hpp) follows with O(changed slots) uploads.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/reduction.hpp>
@@ -57,6 +59,9 @@ class PageDigests {
   int64_t page_of_slot(int64_t s) const { return page_of_[s]; }
   int64_t members(int64_t s) const { return count_[s]; }
   int64_t head(int64_t s) const { return head_[s]; }
+  /// Slot s's per-channel minimum and maximum, [groups, width] fp32 each.
+  const float* lo(int64_t s) const { return lo_.data() + s * G_ * D_; }
+  const float* hi(int64_t s) const { return hi_.data() + s * G_ * D_; }
   int64_t next(int64_t token) const { return next_[token]; }
   int64_t slot_of(int64_t position) const { return slot_of_page_[position / page_]; }
   /// The digest bytes held (lo and hi, fp32).
@@ -78,6 +83,8 @@ class PageDigests {
     grow(head_, slots);
     grow(free_, slots);
     grow(dirty_, t);
+    grow(touched_, slots);
+    if (is_touched_.size() < slots) is_touched_.resize(std::max(slots, 2 * is_touched_.size()), 0);
     grow(lo_, slots * static_cast<size_t>(G_ * D_));
     grow(hi_, slots * static_cast<size_t>(G_ * D_));
     if (slot_of_page_.size() < pages) {
@@ -111,6 +118,7 @@ class PageDigests {
       page_of_[s] = page;
       std::copy(key, key + n, lo_.begin() + s * n);
       std::copy(key, key + n, hi_.begin() + s * n);
+      touch(s);
     } else {
       float* lo = lo_.data() + s * n;
       float* hi = hi_.data() + s * n;
@@ -118,6 +126,7 @@ class PageDigests {
         lo[c] = std::min(lo[c], key[c]);
         hi[c] = std::max(hi[c], key[c]);
       }
+      touch(s);
     }
     prev_[token] = -1;
     next_[token] = head_[s];
@@ -171,6 +180,7 @@ class PageDigests {
           hi[c] = std::max(hi[c], key_[c]);
         }
       }
+      touch(s);
     }
     dirty_.clear();
     compact();
@@ -194,6 +204,7 @@ class PageDigests {
         std::copy(lo_.begin() + last * n, lo_.begin() + (last + 1) * n, lo_.begin() + f * n);
         std::copy(hi_.begin() + last * n, hi_.begin() + (last + 1) * n, hi_.begin() + f * n);
         slot_of_page_[page_of_[f]] = f;
+        touch(f);
       }
       page_of_.pop_back();
       count_.pop_back();
@@ -223,6 +234,21 @@ class PageDigests {
     std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
   }
 
+  /// Calls f(slot, lo, hi) (lo and hi: [groups, width] fp32) for every slot in use whose digest
+  /// changed since the last call (inserted into, recomputed, or filled by compact()), in no
+  /// particular order, then forgets them. Allocates nothing.
+  template <class F>
+  void take_touched(F&& f) {
+    const int64_t n = G_ * D_;
+    for (const int64_t s : touched_) {
+      is_touched_[static_cast<size_t>(s)] = 0;
+      if (s < slots()) f(s, lo_.data() + s * n, hi_.data() + s * n);
+    }
+    touched_.clear();
+  }
+  /// Slots take_touched() would report, at most (a bound for its caller's buffers).
+  int64_t touched() const noexcept { return static_cast<int64_t>(touched_.size()); }
+
   /// Empties the digests and gives their memory back.
   void release() {
     std::vector<int64_t>().swap(next_);
@@ -233,11 +259,21 @@ class PageDigests {
     std::vector<int64_t>().swap(free_);
     std::vector<int64_t>().swap(dirty_);
     std::vector<int64_t>().swap(slot_of_page_);
+    std::vector<int64_t>().swap(touched_);
+    std::vector<uint8_t>().swap(is_touched_);
     std::vector<float>().swap(lo_);
     std::vector<float>().swap(hi_);
   }
 
  private:
+  /// Lists slot s for take_touched() (once; reserve() made room).
+  void touch(int64_t s) {
+    if (static_cast<int64_t>(is_touched_.size()) <= s) is_touched_.resize(static_cast<size_t>(s) + 1, 0);  // not after reserve()
+    if (is_touched_[static_cast<size_t>(s)]) return;
+    is_touched_[static_cast<size_t>(s)] = 1;
+    touched_.push_back(s);
+  }
+
   int64_t page_ = 16, G_ = 1, D_ = 1;
   std::vector<int64_t> next_, prev_;                 // per tier token: its page's list
   std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
@@ -245,6 +281,8 @@ class PageDigests {
   std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
   std::vector<float> lo_, hi_;                       // [slot, G, D]
   std::vector<float> key_;                           // refresh() scratch
+  std::vector<int64_t> touched_;                     // slots changed since take_touched()
+  std::vector<uint8_t> is_touched_;                  // per slot: listed in touched_
 };
 
 }  // namespace detail

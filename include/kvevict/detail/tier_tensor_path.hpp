@@ -5,6 +5,8 @@
 // slots that live on the device. The host tier itself, and its host path, are host_tier.hpp.
 
 #include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/page_digests.hpp>
+#include <kvevict/detail/reduction.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -12,6 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <thread>
@@ -29,6 +33,123 @@ inline at::Tensor to_host_async(const at::Tensor& t) {
   h.copy_(t, /*non_blocking=*/true);
   return h;
 }
+
+/// A copy of host tensor `t` on `device`: `t` itself for the CPU; else a pinned copy of it
+/// sent by an asynchronous copy on the current stream (no sync; the pinned block is not reused
+/// before the copy is done: the caching host allocator records the copy).
+inline at::Tensor to_device_async(const at::Tensor& t, const at::Device& device) {
+  if (device.is_cpu()) return t;
+  return t.pin_memory().to(device, /*non_blocking=*/true);
+}
+
+/// The page digests of one layer's tier on the cache's device (tensor path), so that recall
+/// scores them where the queries are, with tensor ops and no host sync (ArkVale, Chen et al.
+/// 2024, Sec. 4.2, keeps its digests on the GPU too). A copy: the host's PageDigests (one per
+/// row) stay the source, and upload() sends what changed since the last upload, O(changed page
+/// slots x width) bytes. Per row b, page slots [0, count[b]) are its pages.
+class DeviceDigests {
+ public:
+  /// Device bytes held: lo and hi (fp32) and the counts. Capacity grows geometrically, so this
+  /// is at most twice the digests in use (after the largest tier so far).
+  int64_t bytes() const {
+    return lo_.defined() ? (lo_.numel() + hi_.numel()) * 4 + count_.numel() * 8 : 0;
+  }
+  /// Page slots per row the copy has room for.
+  int64_t capacity() const { return lo_.defined() ? lo_.size(1) : 0; }
+
+  /// Brings the copy on `device` up to date with `rows` (one PageDigests per batch row, every
+  /// slot in use, groups G and width D): grows it if a row has more slots, then copies the slots
+  /// changed since the last upload (take_touched()) and every row's slot count, through pinned
+  /// memory without a sync. Returns the most slots any row has (the width score() reads).
+  /// Allocates (device and pinned memory). A throw (c10::Error) leaves the copy marked stale:
+  /// the next upload sends every slot.
+  int64_t upload(std::vector<PageDigests>& rows, int64_t G, int64_t D, const at::Device& device) {
+    const auto B = static_cast<int64_t>(rows.size());
+    int64_t P = 0;
+    for (const auto& r : rows) P = std::max(P, r.slots());
+    try {
+      if (!lo_.defined() || lo_.size(1) < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), G, D, device);
+      int64_t n = 0;
+      for (const auto& r : rows) n += stale_ ? r.slots() : std::min(r.touched(), r.slots());
+      auto count = at::empty({B}, at::TensorOptions().dtype(at::kLong));
+      for (int64_t b = 0; b < B; ++b) count.data_ptr<int64_t>()[b] = rows[b].slots();
+      if (n > 0) {
+        auto index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+        auto values = at::empty({n, 2, G, D}, at::TensorOptions().dtype(at::kFloat));
+        int64_t* ix = index.data_ptr<int64_t>();
+        float* v = values.data_ptr<float>();
+        const auto bytes = static_cast<size_t>(G * D) * sizeof(float);
+        int64_t k = 0;
+        for (int64_t b = 0; b < B; ++b) {
+          const auto put = [&](int64_t s, const float* lo, const float* hi) {
+            ix[k] = b * lo_.size(1) + s;
+            std::memcpy(v + (2 * k) * G * D, lo, bytes);
+            std::memcpy(v + (2 * k + 1) * G * D, hi, bytes);
+            ++k;
+          };
+          if (stale_) {
+            rows[b].take_touched([](int64_t, const float*, const float*) {});
+            for (int64_t s = 0; s < rows[b].slots(); ++s) put(s, rows[b].lo(s), rows[b].hi(s));
+          } else {
+            rows[b].take_touched(put);
+          }
+        }
+        stale_ = true;  // until the copies below are enqueued
+        const auto ix_d = to_device_async(index.narrow(0, 0, k), device);
+        const auto v_d = to_device_async(values.narrow(0, 0, k), device);
+        lo_.view({-1, G, D}).index_copy_(0, ix_d, v_d.select(1, 0));
+        hi_.view({-1, G, D}).index_copy_(0, ix_d, v_d.select(1, 1));
+      }
+      count_ = to_device_async(count, device);
+      stale_ = false;
+    } catch (...) {
+      stale_ = true;
+      throw;
+    }
+    return P;
+  }
+
+  /// Page scores of every row, on the device, without a sync: for the queries `query` [B, H, Q,
+  /// D] (fp32, on the device; `real` [B, Q] bool there, the columns observe() counts), per head
+  /// and query a softmax over the row's pages of scale * (the Quest bound from the page's lo and
+  /// hi; latent G = 1: every head's query meets the shared keys, expanded G = H: head h's query
+  /// meets head h's keys), summed over heads and queries as fixed-point terms (fixed_terms,
+  /// exact in fp64 in any order): [B, P] fp64, 0 past a row's pages and for a row without real
+  /// queries. As PageDigests::score() row by row, up to fp32 rounding of the matmuls and the
+  /// softmax (the host's are per row, these batched).
+  at::Tensor score(const at::Tensor& query, const at::Tensor& real, double scale, int64_t P) const {
+    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), G = lo_.size(2);
+    const auto q = G == 1 ? query.reshape({B, 1, H * Q, D}) : query;                        // [B, G, M, D]
+    const auto cols = (G == 1 ? real.unsqueeze(1).expand({B, H, Q}).reshape({B, 1, H * Q}) : real.unsqueeze(1))
+                          .unsqueeze(3);                                                     // [B, 1|G, M, 1]
+    const auto lo = lo_.narrow(1, 0, P).permute({0, 2, 3, 1}), hi = hi_.narrow(1, 0, P).permute({0, 2, 3, 1});
+    const auto pos = q.clamp_min(0);
+    const auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);      // [B, G, M, P]
+    const auto empty = at::arange(P, count_.options()).unsqueeze(0).ge(count_.unsqueeze(1)).view({B, 1, 1, P});
+    bound.masked_fill_(empty, -std::numeric_limits<float>::infinity());
+    const auto probs = at::softmax(bound, -1).masked_fill_(empty, 0);  // a row without pages: all NaN, then 0
+    return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
+  }
+
+ private:
+  void grow(int64_t B, int64_t P, int64_t G, int64_t D, const at::Device& device) {
+    const int64_t cap = std::max(P, 2 * capacity());
+    const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+    auto lo = at::zeros({B, cap, G, D}, opts), hi = at::zeros({B, cap, G, D}, opts);
+    if (lo_.defined() && !stale_) {
+      lo.narrow(1, 0, lo_.size(1)).copy_(lo_);
+      hi.narrow(1, 0, hi_.size(1)).copy_(hi_);
+    } else {
+      stale_ = true;  // nothing to keep: send every slot
+    }
+    lo_ = lo;
+    hi_ = hi;
+  }
+
+  at::Tensor lo_, hi_;  // [B, capacity, G, D] fp32 on the device
+  at::Tensor count_;    // [B] int64 on the device: each row's slots in use
+  bool stale_ = true;   // the copy is not current: the next upload sends every slot
+};
 
 /// A tensor-path pass's evicted tokens on their way to the tier (LayerTier::hold()): row b's
 /// first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
@@ -127,19 +248,20 @@ void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked,
   L.state.scatter_(1, ix_state, state_dev);
 }
 
-/// Reduces recall's scores `sums` (fp64, CPU) across processes like observations (core's
-/// reduce_contributions, if any), on the cache's device (NCCL reduces only there).
+/// Reduces recall's scores `sums` (fp64, on the CPU or the cache's device) across processes
+/// like observations (core's reduce_contributions, if any), on the cache's device (NCCL reduces
+/// only there); `sums` stays where it was.
 template <class Core>
 void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
   const auto& reducer = core.options.reduce_contributions();
   if (!reducer) return;
-  if (core.device.is_cpu()) {
+  if (sums.device() == core.device) {
     reducer(layer, sums);
     return;
   }
   auto on_device = sums.to(core.device);
   reducer(layer, on_device);
-  sums = on_device.to(at::kCPU);
+  sums = on_device.to(sums.device());
 }
 
 }  // namespace detail
