@@ -171,12 +171,20 @@ class LayerTier {
     KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size(), call, ": rescore must be <= tokens (", tokens,
                         ", whole pages) or hold at least one page (tier_page_size ", page_size(),
                         ") for two-level recall, got ", rescore);
-    const int64_t Q = query.size(2);
-    for (int64_t b = 0; b < query.size(0); ++b) {
+    // One read of the device for every row: per row, whether a real column is not finite.
+    const int64_t B = query.size(0), Q = query.size(2);
+    bool all_real = true;
+    for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
+    if (all_real && at::isfinite(query).all().template item<bool>()) return;  // the common case: no mask
+    auto real = at::zeros({B, 1, Q, 1}, at::TensorOptions().dtype(at::kBool));
+    for (int64_t b = 0; b < B; ++b) {
       const int64_t first = core.first_real(L, b, Q);
-      if (first >= Q) continue;
-      KVEVICT_CHECK_VALUE(at::isfinite(query.select(0, b).narrow(1, first, Q - first)).all().template item<bool>(),
-                          call, ": the queries of row ", b, " must be finite, got a NaN or an infinity");
+      if (first < Q) real.select(0, b).narrow(1, first, Q - first).fill_(true);
+    }
+    const auto bad = at::isfinite(query).logical_not_().logical_and_(real.to(query.device())).flatten(1).any(1).cpu();
+    for (int64_t b = 0; b < B; ++b) {
+      KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
+                          " must be finite, got a NaN or an infinity");
     }
   }
 
@@ -284,29 +292,36 @@ class LayerTier {
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
         if (!core.active[b] || digests(b).pages() == 0) continue;
-        cands.clear();
         // Victims lie below the recent window as it was before the latest append: a truncate of
         // that append (rejected drafts) then never finds a tier token inside its window.
         const int64_t recent_from = L.seen[b] - L.last_new[b] - e.n_recent();
-        for (int64_t s = 0; s < L.len[b]; ++s) {
-          const int64_t p = pos[b * L.slots + s];
-          if (p >= e.n_sink() && p < recent_from) cands.push_back({core.scorer.rank(st + (b * L.slots + s) * W_), p, s});
-        }
-        if (cands.empty()) continue;
-        std::sort(cands.begin(), cands.end(),
-                  [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); });
-        const int64_t limit = std::min<int64_t>(tokens, static_cast<int64_t>(cands.size()));
+        const auto candidate = [&](int64_t p) { return p >= e.n_sink() && p < recent_from; };
+        int64_t n_cand = 0;
+        for (int64_t s = 0; s < L.len[b]; ++s) n_cand += candidate(pos[b * L.slots + s]);
+        const int64_t limit = std::min(tokens, n_cand);
+        if (limit == 0) continue;
         if (two_level)
           pick_tokens(pool[static_cast<size_t>(b)], exact.template data_ptr<double>() + b * exact.size(1), limit, picked[b]);
         else
           pick(b, sum + b * P, limit, picked[b]);
         if (picked[b].empty()) continue;
-        int64_t max_position = 0;
-        for (size_t k = 0; k < picked[b].size(); ++k) {
-          victims[b].push_back(cands[k].slot);
-          max_position = std::max(max_position, cands[k].position);
+        // The victims: the first picked[b].size() candidates in eviction order (a partial sort,
+        // O(capacity + k log k)); the state recalled tokens get: the last one's.
+        cands.clear();
+        for (int64_t s = 0; s < L.len[b]; ++s) {
+          const int64_t p = pos[b * L.slots + s];
+          if (candidate(p)) cands.push_back({core.scorer.rank(st + (b * L.slots + s) * W_), p, s});
         }
-        const float* best = st + (b * L.slots + cands.back().slot) * W_;
+        const auto before = [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); };
+        const int64_t best_slot = std::max_element(cands.begin(), cands.end(), before)->slot;
+        const auto k = static_cast<std::ptrdiff_t>(picked[b].size());
+        std::partial_sort(cands.begin(), cands.begin() + k, cands.end(), before);
+        int64_t max_position = 0;
+        for (std::ptrdiff_t j = 0; j < k; ++j) {
+          victims[b].push_back(cands[j].slot);
+          max_position = std::max(max_position, cands[j].position);
+        }
+        const float* best = st + (b * L.slots + best_slot) * W_;
         top[b].assign(best, best + W_);
         reserve_recall(b, max_position);
       }

@@ -44,7 +44,15 @@ inline void to_floats(const uint8_t* src, at::ScalarType t, int64_t n, float* ds
   }
 }
 
-/// The digests of one row's tier: per page slot, lo/hi [groups, width] and the member list.
+/// Queries q [..., width] as [..., 2 width]: [max(q, 0) | min(q, 0)]. Against a digest [max |
+/// min] of a page, one product gives the Quest bound sum_c max(q_c min_c, q_c max_c).
+inline at::Tensor bound_query(const at::Tensor& q) {
+  const auto pos = q.clamp_min(0);
+  return at::cat({pos, q - pos}, -1);
+}
+
+/// The digests of one row's tier: per page slot, its digest [groups, 2, width] (max, then min)
+/// and the member list.
 class PageDigests {
  public:
   PageDigests() = default;
@@ -59,12 +67,12 @@ class PageDigests {
   int64_t page_of_slot(int64_t s) const { return page_of_[s]; }
   int64_t members(int64_t s) const { return count_[s]; }
   int64_t head(int64_t s) const { return head_[s]; }
-  /// Slot s's per-channel minimum and maximum, [groups, width] fp32 each.
-  const float* lo(int64_t s) const { return lo_.data() + s * G_ * D_; }
-  const float* hi(int64_t s) const { return hi_.data() + s * G_ * D_; }
+  /// Slot s's digest, [groups, 2, width] fp32: per key group its per-channel maximum, then its
+  /// minimum (so that one matmul of [max(q, 0) | min(q, 0)] against it gives the bound).
+  const float* block(int64_t s) const { return digest_.data() + s * 2 * G_ * D_; }
   int64_t next(int64_t token) const { return next_[token]; }
   int64_t slot_of(int64_t position) const { return slot_of_page_[position / page_]; }
-  /// The digest bytes held (lo and hi, fp32).
+  /// The digest bytes held (max and min, fp32).
   int64_t bytes() const noexcept { return 2 * slots() * G_ * D_ * static_cast<int64_t>(sizeof(float)); }
 
   /// Makes room for `tokens` tier tokens and a position up to `max_position`, so that insert(),
@@ -85,8 +93,7 @@ class PageDigests {
     grow(dirty_, t);
     grow(touched_, slots);
     if (is_touched_.size() < slots) is_touched_.resize(std::max(slots, 2 * is_touched_.size()), 0);
-    grow(lo_, slots * static_cast<size_t>(G_ * D_));
-    grow(hi_, slots * static_cast<size_t>(G_ * D_));
+    grow(digest_, slots * static_cast<size_t>(2 * G_ * D_));
     if (slot_of_page_.size() < pages) {
       grow(slot_of_page_, pages);
       slot_of_page_.resize(pages, -1);
@@ -111,23 +118,19 @@ class PageDigests {
         page_of_.push_back(-1);
         count_.push_back(0);
         head_.push_back(-1);
-        lo_.resize(lo_.size() + static_cast<size_t>(n));
-        hi_.resize(hi_.size() + static_cast<size_t>(n));
+        digest_.resize(digest_.size() + static_cast<size_t>(2 * n));
       }
       slot_of_page_[page] = s;
       page_of_[s] = page;
-      std::copy(key, key + n, lo_.begin() + s * n);
-      std::copy(key, key + n, hi_.begin() + s * n);
-      touch(s);
-    } else {
-      float* lo = lo_.data() + s * n;
-      float* hi = hi_.data() + s * n;
-      for (int64_t c = 0; c < n; ++c) {
-        lo[c] = std::min(lo[c], key[c]);
-        hi[c] = std::max(hi[c], key[c]);
+      float* d = digest_.data() + s * 2 * n;
+      for (int64_t g = 0; g < G_; ++g) {
+        std::copy(key + g * D_, key + (g + 1) * D_, d + 2 * g * D_);        // max
+        std::copy(key + g * D_, key + (g + 1) * D_, d + (2 * g + 1) * D_);  // min
       }
-      touch(s);
+    } else {
+      fold(digest_.data() + s * 2 * n, key);
     }
+    touch(s);
     prev_[token] = -1;
     next_[token] = head_[s];
     if (head_[s] >= 0) prev_[head_[s]] = token;
@@ -169,16 +172,14 @@ class PageDigests {
     const int64_t n = G_ * D_;
     for (const int64_t s : dirty_) {
       if (count_[s] == 0) continue;  // freed after it was marked
-      float* lo = lo_.data() + s * n;
-      float* hi = hi_.data() + s * n;
-      std::fill(lo, lo + n, std::numeric_limits<float>::infinity());
-      std::fill(hi, hi + n, -std::numeric_limits<float>::infinity());
+      float* d = digest_.data() + s * 2 * n;
+      for (int64_t g = 0; g < G_; ++g) {
+        std::fill(d + 2 * g * D_, d + (2 * g + 1) * D_, -std::numeric_limits<float>::infinity());
+        std::fill(d + (2 * g + 1) * D_, d + (2 * g + 2) * D_, std::numeric_limits<float>::infinity());
+      }
       for (int64_t t = head_[s]; t >= 0; t = next_[t]) {
         key_of(t, key_.data());
-        for (int64_t c = 0; c < n; ++c) {
-          lo[c] = std::min(lo[c], key_[c]);
-          hi[c] = std::max(hi[c], key_[c]);
-        }
+        fold(d, key_.data());
       }
       touch(s);
     }
@@ -201,16 +202,14 @@ class PageDigests {
         page_of_[f] = page_of_[last];
         count_[f] = count_[last];
         head_[f] = head_[last];
-        std::copy(lo_.begin() + last * n, lo_.begin() + (last + 1) * n, lo_.begin() + f * n);
-        std::copy(hi_.begin() + last * n, hi_.begin() + (last + 1) * n, hi_.begin() + f * n);
+        std::copy(digest_.begin() + last * 2 * n, digest_.begin() + (last + 1) * 2 * n, digest_.begin() + f * 2 * n);
         slot_of_page_[page_of_[f]] = f;
         touch(f);
       }
       page_of_.pop_back();
       count_.pop_back();
       head_.pop_back();
-      lo_.resize(lo_.size() - static_cast<size_t>(n));
-      hi_.resize(hi_.size() - static_cast<size_t>(n));
+      digest_.resize(digest_.size() - static_cast<size_t>(2 * n));
     }
     free_.clear();
   }
@@ -223,26 +222,23 @@ class PageDigests {
   void score(const at::Tensor& q, double scale, double* out) const {
     const int64_t P = slots();
     if (P == 0) return;
-    const auto opts = at::TensorOptions().dtype(at::kFloat);
-    // lo_/hi_ are [P, G, D]: as [G, D, P] for the matmul.
-    const auto lo = at::from_blob(const_cast<float*>(lo_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
-    const auto hi = at::from_blob(const_cast<float*>(hi_.data()), {P, G_, D_}, opts).permute({1, 2, 0});
-    const auto pos = q.clamp_min(0);
-    const auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);  // [G, M, P]
+    // digest_ is [P, G, 2 width]: as [G, 2 width, P] for the matmul.
+    const auto digests = at::from_blob(const_cast<float*>(digest_.data()), {P, G_, 2 * D_},
+                                       at::TensorOptions().dtype(at::kFloat)).permute({1, 2, 0});
+    const auto bound = at::matmul(bound_query(q), digests).mul_(scale);  // [G, M, P]
     // Every slot holds a page here: each removal ends in refresh(), which compacts the slots.
     const auto sums = at::sum(fixed_terms(at::softmax(bound, -1)), at::IntArrayRef{0, 1}, false, at::kDouble);
     std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
   }
 
-  /// Calls f(slot, lo, hi) (lo and hi: [groups, width] fp32) for every slot in use whose digest
+  /// Calls f(slot, block(slot)) for every slot in use whose digest
   /// changed since the last call (inserted into, recomputed, or filled by compact()), in no
   /// particular order, then forgets them. Allocates nothing.
   template <class F>
   void take_touched(F&& f) {
-    const int64_t n = G_ * D_;
     for (const int64_t s : touched_) {
       is_touched_[static_cast<size_t>(s)] = 0;
-      if (s < slots()) f(s, lo_.data() + s * n, hi_.data() + s * n);
+      if (s < slots()) f(s, block(s));
     }
     touched_.clear();
   }
@@ -261,11 +257,23 @@ class PageDigests {
     std::vector<int64_t>().swap(slot_of_page_);
     std::vector<int64_t>().swap(touched_);
     std::vector<uint8_t>().swap(is_touched_);
-    std::vector<float>().swap(lo_);
-    std::vector<float>().swap(hi_);
+    std::vector<float>().swap(digest_);
   }
 
  private:
+  /// Folds keys `key` [groups, width] into digest `d` [groups, 2, width].
+  void fold(float* d, const float* key) const {
+    for (int64_t g = 0; g < G_; ++g) {
+      float* hi = d + 2 * g * D_;
+      float* lo = hi + D_;
+      const float* k = key + g * D_;
+      for (int64_t c = 0; c < D_; ++c) {
+        hi[c] = std::max(hi[c], k[c]);
+        lo[c] = std::min(lo[c], k[c]);
+      }
+    }
+  }
+
   /// Lists slot s for take_touched() (once; reserve() made room).
   void touch(int64_t s) {
     if (static_cast<int64_t>(is_touched_.size()) <= s) is_touched_.resize(static_cast<size_t>(s) + 1, 0);  // not after reserve()
@@ -279,7 +287,7 @@ class PageDigests {
   std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
   std::vector<int64_t> free_, dirty_;                // free slots; slots to recompute
   std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
-  std::vector<float> lo_, hi_;                       // [slot, G, D]
+  std::vector<float> digest_;                        // [slot, G, 2, D]: max, then min
   std::vector<float> key_;                           // refresh() scratch
   std::vector<int64_t> touched_;                     // slots changed since take_touched()
   std::vector<uint8_t> is_touched_;                  // per slot: listed in touched_

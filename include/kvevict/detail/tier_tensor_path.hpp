@@ -49,13 +49,11 @@ inline at::Tensor to_device_async(const at::Tensor& t, const at::Device& device)
 /// slots x width) bytes. Per row b, page slots [0, count[b]) are its pages.
 class DeviceDigests {
  public:
-  /// Device bytes held: lo and hi (fp32) and the counts. Capacity grows geometrically, so this
-  /// is at most twice the digests in use (after the largest tier so far).
-  int64_t bytes() const {
-    return lo_.defined() ? (lo_.numel() + hi_.numel()) * 4 + count_.numel() * 8 : 0;
-  }
+  /// Device bytes held: the digests (fp32 max and min) and the counts. Capacity grows
+  /// geometrically, so this is at most twice the digests in use (after the largest tier so far).
+  int64_t bytes() const { return digest_.defined() ? digest_.numel() * 4 + count_.numel() * 8 : 0; }
   /// Page slots per row the copy has room for.
-  int64_t capacity() const { return lo_.defined() ? lo_.size(1) : 0; }
+  int64_t capacity() const { return digest_.defined() ? digest_.size(1) : 0; }
 
   /// Brings the copy on `device` up to date with `rows` (one PageDigests per batch row, every
   /// slot in use, groups G and width D): grows it if a row has more slots, then copies the slots
@@ -68,28 +66,27 @@ class DeviceDigests {
     int64_t P = 0;
     for (const auto& r : rows) P = std::max(P, r.slots());
     try {
-      if (!lo_.defined() || lo_.size(1) < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), G, D, device);
+      if (capacity() < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), G, D, device);
       int64_t n = 0;
       for (const auto& r : rows) n += stale_ ? r.slots() : std::min(r.touched(), r.slots());
       auto count = at::empty({B}, at::TensorOptions().dtype(at::kLong));
       for (int64_t b = 0; b < B; ++b) count.data_ptr<int64_t>()[b] = rows[b].slots();
       if (n > 0) {
         auto index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-        auto values = at::empty({n, 2, G, D}, at::TensorOptions().dtype(at::kFloat));
+        auto values = at::empty({n, G, 2 * D}, at::TensorOptions().dtype(at::kFloat));
         int64_t* ix = index.data_ptr<int64_t>();
         float* v = values.data_ptr<float>();
-        const auto bytes = static_cast<size_t>(G * D) * sizeof(float);
+        const auto bytes = static_cast<size_t>(2 * G * D) * sizeof(float);
         int64_t k = 0;
         for (int64_t b = 0; b < B; ++b) {
-          const auto put = [&](int64_t s, const float* lo, const float* hi) {
-            ix[k] = b * lo_.size(1) + s;
-            std::memcpy(v + (2 * k) * G * D, lo, bytes);
-            std::memcpy(v + (2 * k + 1) * G * D, hi, bytes);
+          const auto put = [&](int64_t s, const float* block) {
+            ix[k] = b * capacity() + s;
+            std::memcpy(v + k * 2 * G * D, block, bytes);
             ++k;
           };
           if (stale_) {
-            rows[b].take_touched([](int64_t, const float*, const float*) {});
-            for (int64_t s = 0; s < rows[b].slots(); ++s) put(s, rows[b].lo(s), rows[b].hi(s));
+            rows[b].take_touched([](int64_t, const float*) {});
+            for (int64_t s = 0; s < rows[b].slots(); ++s) put(s, rows[b].block(s));
           } else {
             rows[b].take_touched(put);
           }
@@ -97,8 +94,7 @@ class DeviceDigests {
         stale_ = true;  // until the copies below are enqueued
         const auto ix_d = to_device_async(index.narrow(0, 0, k), device);
         const auto v_d = to_device_async(values.narrow(0, 0, k), device);
-        lo_.view({-1, G, D}).index_copy_(0, ix_d, v_d.select(1, 0));
-        hi_.view({-1, G, D}).index_copy_(0, ix_d, v_d.select(1, 1));
+        digest_.view({-1, G, 2 * D}).index_copy_(0, ix_d, v_d);
       }
       count_ = to_device_async(count, device);
       stale_ = false;
@@ -111,20 +107,19 @@ class DeviceDigests {
 
   /// Page scores of every row, on the device, without a sync: for the queries `query` [B, H, Q,
   /// D] (fp32, on the device; `real` [B, Q] bool there, the columns observe() counts), per head
-  /// and query a softmax over the row's pages of scale * (the Quest bound from the page's lo and
-  /// hi; latent G = 1: every head's query meets the shared keys, expanded G = H: head h's query
+  /// and query a softmax over the row's pages of scale * (the Quest bound from the page's max and
+  /// min; latent G = 1: every head's query meets the shared keys, expanded G = H: head h's query
   /// meets head h's keys), summed over heads and queries as fixed-point terms (fixed_terms,
   /// exact in fp64 in any order): [B, P] fp64, 0 past a row's pages and for a row without real
   /// queries. As PageDigests::score() row by row, up to fp32 rounding of the matmuls and the
   /// softmax (the host's are per row, these batched).
   at::Tensor score(const at::Tensor& query, const at::Tensor& real, double scale, int64_t P) const {
-    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), G = lo_.size(2);
+    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), G = digest_.size(2);
     const auto q = G == 1 ? query.reshape({B, 1, H * Q, D}) : query;                        // [B, G, M, D]
     const auto cols = (G == 1 ? real.unsqueeze(1).expand({B, H, Q}).reshape({B, 1, H * Q}) : real.unsqueeze(1))
                           .unsqueeze(3);                                                     // [B, 1|G, M, 1]
-    const auto lo = lo_.narrow(1, 0, P).permute({0, 2, 3, 1}), hi = hi_.narrow(1, 0, P).permute({0, 2, 3, 1});
-    const auto pos = q.clamp_min(0);
-    const auto bound = at::matmul(pos, hi).add_(at::matmul(q - pos, lo)).mul_(scale);      // [B, G, M, P]
+    const auto digests = digest_.narrow(1, 0, P).permute({0, 2, 3, 1});                      // [B, G, 2 D, P]
+    const auto bound = at::matmul(bound_query(q), digests).mul_(scale);                     // [B, G, M, P]
     const auto empty = at::arange(P, count_.options()).unsqueeze(0).ge(count_.unsqueeze(1)).view({B, 1, 1, P});
     bound.masked_fill_(empty, -std::numeric_limits<float>::infinity());
     const auto probs = at::softmax(bound, -1).masked_fill_(empty, 0);  // a row without pages: all NaN, then 0
@@ -135,18 +130,16 @@ class DeviceDigests {
   void grow(int64_t B, int64_t P, int64_t G, int64_t D, const at::Device& device) {
     const int64_t cap = std::max(P, 2 * capacity());
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-    auto lo = at::zeros({B, cap, G, D}, opts), hi = at::zeros({B, cap, G, D}, opts);
-    if (lo_.defined() && !stale_) {
-      lo.narrow(1, 0, lo_.size(1)).copy_(lo_);
-      hi.narrow(1, 0, hi_.size(1)).copy_(hi_);
+    auto digest = at::zeros({B, cap, G, 2 * D}, opts);
+    if (digest_.defined() && !stale_) {
+      digest.narrow(1, 0, capacity()).copy_(digest_);
     } else {
       stale_ = true;  // nothing to keep: send every slot
     }
-    lo_ = lo;
-    hi_ = hi;
+    digest_ = digest;
   }
 
-  at::Tensor lo_, hi_;  // [B, capacity, G, D] fp32 on the device
+  at::Tensor digest_;   // [B, capacity, G, 2 D] fp32 on the device: per group max, then min
   at::Tensor count_;    // [B] int64 on the device: each row's slots in use
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
