@@ -23,6 +23,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -41,7 +42,7 @@ struct Args {
   int64_t steps = kSteps, timeout_ms = 60000;
 };
 
-constexpr int64_t kRecallEvery = 3;  // mode "recall": a host tier, recall every 3 steps
+constexpr int64_t kRecallEvery = 3;  // modes "recall", "recall_tensor": a host tier, recall every 3 steps
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -81,7 +82,9 @@ int worker_main(const Args& a) {
     auto store = c10::make_intrusive<c10d::FileStore>(a.dir + "/store", a.world);
     const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, tp_harness::Dims().heads, at::kCPU,
                                                      std::chrono::milliseconds(a.timeout_ms));
-    auto o = run_options(a.lazy, a.steps, a.mode == "recall");
+    auto o = run_options(a.lazy, a.steps, a.mode == "recall" || a.mode == "recall_tensor");
+    // The tensor path (what CUDA runs) on the CPU: hand-overs, recall scored on the digests' copy.
+    kvevict::detail::force_tensor_path() = a.mode == "recall_tensor";
     const bool last = a.rank == a.world - 1;
     if (a.mode == "noreduce") o.reduce = false;
     if (a.mode == "kill" && last) o.kill_at = 50;
@@ -163,15 +166,20 @@ Launch launch(int world, const std::string& mode, bool lazy, int64_t timeout_ms 
   return l;
 }
 
-/// The expected run: one process, all heads, no reducer (memoised per lazy and recall flag).
-const tp_harness::RunResult& reference(bool lazy, bool recall = false) {
-  static std::map<std::pair<bool, bool>, tp_harness::RunResult> memo;
-  auto it = memo.find({lazy, recall});
+/// The expected run: one process, all heads, no reducer, on the host path or the tensor path
+/// (memoised per lazy, recall and path).
+const tp_harness::RunResult& reference(bool lazy, bool recall = false, bool tensor_path = false) {
+  static std::map<std::tuple<bool, bool, bool>, tp_harness::RunResult> memo;
+  auto it = memo.find({lazy, recall, tensor_path});
   if (it == memo.end()) {
     at::set_num_threads(1);
     tp_harness::RunResult r;
+    auto& force = kvevict::detail::force_tensor_path();
+    const bool before = force;
+    force = tensor_path;
     tp_harness::run(run_options(lazy, kSteps, recall), nullptr, r);
-    it = memo.emplace(std::make_pair(lazy, recall), std::move(r)).first;
+    force = before;
+    it = memo.emplace(std::make_tuple(lazy, recall, tensor_path), std::move(r)).first;
   }
   return it->second;
 }
@@ -184,11 +192,11 @@ int64_t first_difference(const std::vector<uint64_t>& a, const std::vector<uint6
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
-void check_agreement(int world, bool lazy, bool recall = false) {
-  const auto& ref = reference(lazy, recall);
+void check_agreement(int world, bool lazy, bool recall = false, bool tensor_path = false) {
+  const auto& ref = reference(lazy, recall, tensor_path);
   REQUIRE(ref.tokens_evicted > 0);  // the run evicts: capacity 60, 1,000 tokens
   if (recall) REQUIRE(ref.recalled > 0);  // and recalls
-  const auto l = launch(world, recall ? "recall" : "agree", lazy);
+  const auto l = launch(world, recall ? (tensor_path ? "recall_tensor" : "recall") : "agree", lazy);
   INFO("world " << world << (lazy ? " lazy" : " eager") << ", " << l.seconds << " s");
   for (int r = 0; r < world; ++r) {
     INFO("rank " << r << ": status " << l.status[r] << ", error: " << l.ranks[r].error);
@@ -249,6 +257,12 @@ TEST_CASE("4 ranks, lazy: every rank keeps what one lazy process with all heads 
 TEST_CASE("2 ranks, a host tier, recall every 3 steps: every rank recalls what one process with all heads recalls",
           "[tensor_parallel][agree][tier]") {
   check_agreement(2, false, true);
+}
+
+TEST_CASE("2 ranks, a host tier on the tensor path (pages scored on the device copy): every rank recalls what one "
+          "tensor-path process with all heads recalls",
+          "[tensor_parallel][agree][tier]") {
+  check_agreement(2, false, true, true);
 }
 
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {
