@@ -141,14 +141,15 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore,
   ///         a two-level rescore smaller than a page, or
   ///         an open observation; nothing changes then.
-  /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmuls, O(H x
+  /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmul, O(H x
   ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
   ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
-  ///       asynchronous) and the pages are scored there without a sync; then it syncs: the
-  ///       scores, the layer's positions and states and the victims' rows come to the host,
-  ///       and the swapped rows go back (O(pages + capacity) bookkeeping, 2 x tokens rows per
-  ///       row); a two-level pool is scored on the host with a copy of the queries. The first
+  ///       asynchronous) and the pages are scored there without a sync; then the host waits
+  ///       three times: for the query check, for the scores with the layer's positions and
+  ///       states, and for the victims' rows (pinned copies); the swapped rows go back without
+  ///       a wait (O(pages + capacity) bookkeeping, 2 x tokens rows per row); a two-level pool
+  ///       is scored on the host with a copy of the queries (one wait more). The first
   ///       recall allocates the device copy (CacheStats::tier_device_bytes). Keys views stay
   ///       valid: rows change in place.
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {

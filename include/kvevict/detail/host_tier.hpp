@@ -212,11 +212,11 @@ class LayerTier {
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
   /// On the tensor path (`host` false; the cache's tensors and `query` on its device) the pages
-  /// are scored on the device (DeviceDigests: upload() then score(), no sync) and the scores
-  /// come back to the host for the picks (the sync); a two-level pool is scored on the host
-  /// with a host copy of the queries. The plan reads host copies of L's positions and states,
-  /// and the victims' rows, positions and states are gathered to the host, swapped there, and
-  /// written back in place (synchronous copies).
+  /// are scored on the device (DeviceDigests: upload() then score(), no sync); the scores and
+  /// L's positions and states then come to the host together (one wait) for the plan; a
+  /// two-level pool is scored on the host with a host copy of the queries. swap_on_device()
+  /// gathers the victims' rows, positions and states to the host (one wait), swaps them there,
+  /// and writes them back in place without a wait.
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
                  const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
@@ -230,7 +230,7 @@ class LayerTier {
       auto q = host_query.select(0, b).narrow(1, first, Q - first);  // [H, Qr, D]
       return (key_groups_ == 1 ? q.reshape({1, H * (Q - first), D}) : q).contiguous();
     };
-    at::Tensor sums;
+    at::Tensor sums, pos_t = L.position, st_t = L.state;  // on the tensor path: host copies, below
     if (host) {
       int64_t P = 1;
       for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
@@ -249,7 +249,13 @@ class LayerTier {
       const int64_t P = std::max<int64_t>(device_.upload(digests_, key_groups_, key_width_, core.device), 1);
       auto on_device = device_.score(query, to_device_async(real, core.device), scale, P);
       reduce_scores(layer, core, on_device);
-      sums = on_device.to(at::kCPU).contiguous();  // the sync: the picks are made on the host
+      // The sync: the scores and the plan's bookkeeping come to the host together.
+      sums = to_host_async(on_device);
+      pos_t = to_host_async(L.position);
+      st_t = to_host_async(L.state);
+      DeviceWait copied;
+      copied.record(core.device);
+      copied.wait();
     }
     const int64_t P = sums.size(1);
     const double* sum = sums.template data_ptr<double>();
@@ -278,8 +284,6 @@ class LayerTier {
     }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
     const auto& e = core.layer_eviction[layer];
-    const at::Tensor pos_t = host ? L.position : L.position.to(at::kCPU).contiguous();
-    const at::Tensor st_t = host ? L.state : L.state.to(at::kCPU).contiguous();
     const int64_t* pos = pos_t.template data_ptr<int64_t>();
     float* st = st_t.template data_ptr<float>();
     std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));

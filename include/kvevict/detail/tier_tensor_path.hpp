@@ -34,6 +34,25 @@ inline at::Tensor to_host_async(const at::Tensor& t) {
   return h;
 }
 
+/// An event on a device's current stream that the host can wait for: after asynchronous copies
+/// to pinned host memory, the point from which the host may read them. Nothing on the CPU.
+struct DeviceWait {
+  std::unique_ptr<c10::Event> done;
+
+  /// Records the event after the work enqueued so far on `device`'s current stream (not on the CPU).
+  void record(const at::Device& device) {
+    if (device.is_cpu()) return;
+    done = std::make_unique<c10::Event>(device.type());
+    done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  /// Waits until that work is complete (a host wait on CUDA: a query() loop, since LibTorch
+  /// 1.13's c10::Event has no synchronize(); nothing on the CPU).
+  void wait() const {
+    if (!done) return;
+    while (!done->query()) std::this_thread::yield();
+  }
+};
+
 /// A copy of host tensor `t` on `device`: `t` itself for the CPU; else a pinned copy of it
 /// sent by an asynchronous copy on the current stream (no sync; the pinned block is not reused
 /// before the copy is done: the caching host allocator records the copy).
@@ -152,20 +171,11 @@ struct HandOver {
   std::vector<int64_t> n;
   at::Tensor position, state;
   std::vector<at::Tensor> rows;
-  std::unique_ptr<c10::Event> done;
+  DeviceWait done;
 
   bool held() const noexcept { return position.defined(); }
-  /// Records `done` after the copies enqueued so far on `device`'s current stream (not on the CPU).
-  void record(const at::Device& device) {
-    if (device.is_cpu()) return;
-    done = std::make_unique<c10::Event>(device.type());
-    done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
-  }
   /// Waits until the copies are complete (a host wait on CUDA; nothing on the CPU).
-  void wait() const {
-    if (!done) return;
-    while (!done->query()) std::this_thread::yield();
-  }
+  void wait() const { done.wait(); }
 };
 
 /// Slots `idx` [B, n] as a gather/scatter index of a [B, outer..., slots, inner] buffer's token
@@ -191,7 +201,7 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
   h.position = to_host_async(L.position.gather(1, idx));
   h.state = to_host_async(L.state.gather(1, idx.unsqueeze(2).expand({B, C, W})));
   for (const auto& buf : buffers) h.rows.push_back(to_host_async(buf.gather(buf.dim() - 2, token_index(idx, buf))));
-  h.record(L.position.device());
+  h.done.record(L.position.device());
   return h;
 }
 
@@ -200,7 +210,8 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
 /// positions and states into [.., V, ..] device tensors, swaps host copies of them with the
 /// tier tokens `picked[b]` (tier.swap(), victim k of row b in column k), and writes them back
 /// into the same slots: the device tensors (allocated before the first swap) take the
-/// swapped copies, then scatter in place.
+/// swapped copies, then scatter in place. On CUDA the copies go through pinned memory: one host
+/// wait, for the victims to arrive; the index goes up and the swapped rows go back without one.
 template <class Tier, class Rank>
 void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked, const std::vector<std::vector<int64_t>>& victims,
                     const std::vector<std::vector<float>>& top, LayerState& L, const std::vector<at::Tensor>& buffers,
@@ -211,16 +222,19 @@ void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked,
   std::vector<int64_t> idx(static_cast<size_t>(B * V), L.slots - 1);  // the trash slot: no token
   for (int64_t b = 0; b < B; ++b) std::copy(victims[b].begin(), victims[b].end(), idx.begin() + b * V);
   const auto device = L.position.device();
-  const auto ix = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}).to(device);
+  const auto ix = to_device_async(at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}), device);
   const auto ix_state = ix.unsqueeze(2).expand({B, V, W});
   std::vector<at::Tensor> index, dev, rows;  // per buffer: its index, the victims' rows there and here
   for (const auto& buf : buffers) {
     index.push_back(token_index(ix, buf));
     dev.push_back(buf.gather(buf.dim() - 2, index.back()));
-    rows.push_back(dev.back().to(at::kCPU).contiguous());
+    rows.push_back(to_host_async(dev.back()));
   }
   auto pos_dev = L.position.gather(1, ix), state_dev = L.state.gather(1, ix_state);
-  auto pos = pos_dev.to(at::kCPU).contiguous(), state = state_dev.to(at::kCPU).contiguous();
+  auto pos = to_host_async(pos_dev), state = to_host_async(state_dev);
+  DeviceWait arrived;
+  arrived.record(device);
+  arrived.wait();
   std::vector<std::vector<int64_t>> columns(static_cast<size_t>(B));  // victim k of row b: column k
   for (int64_t b = 0; b < B; ++b) {
     columns[b].resize(picked[b].size());
@@ -232,11 +246,11 @@ void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked,
            top[b].data(), rank);
   }
   for (size_t i = 0; i < buffers.size(); ++i) {
-    dev[i].copy_(rows[i]);
+    dev[i].copy_(rows[i], /*non_blocking=*/true);  // from pinned memory on CUDA: no wait
     buffers[i].scatter_(buffers[i].dim() - 2, index[i], dev[i]);
   }
-  pos_dev.copy_(pos);
-  state_dev.copy_(state);
+  pos_dev.copy_(pos, /*non_blocking=*/true);
+  state_dev.copy_(state, /*non_blocking=*/true);
   L.position.scatter_(1, ix, pos_dev);
   L.state.scatter_(1, ix_state, state_dev);
 }
