@@ -657,6 +657,63 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK(cache.recall_absorbed(0, qa, qp, 1.0, 4) >= 0);
 }
 
+TEST_CASE("an allocation failure at any point of a recall changes nothing, on both paths", "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
+  const int64_t two_level = GENERATE(0, 8);  // whole pages, and a two-level pool of 8
+  CAPTURE(two_level);
+  // What a recall may change: positions, scores, rows, the tier's tokens, ranks and rows.
+  const auto snapshot = [](const kvevict::MlaLatentCache& c) {
+    std::vector<at::Tensor> v{c.positions(0).clone(), c.scores(0).clone(), c.ckv(0).clone(), c.kpe(0).clone()};
+    for (int64_t r = 0; r < c.batch_size(); ++r) {
+      v.push_back(c.tier_positions(0, r));
+      v.push_back(c.tier_scores(0, r));
+      v.push_back(c.tier_rows(0, r).first);
+      v.push_back(c.tier_rows(0, r).second);
+    }
+    return v;
+  };
+  bool completed = false;
+  for (int64_t fail_at = 1; fail_at < 400 && !completed; ++fail_at) {
+    INFO("failing allocation " << fail_at);
+    at::manual_seed(13);
+    kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, 2).batch_size(2).kv_lora_rank(4).qk_rope_dim(2)
+                                  .qk_nope_dim(2).tier_tokens(16).tier_page_size(2),
+                              EvictionOptions(3).n_sink(1).n_recent(2));  // capacity 6
+    c.update(0, at::randn({2, 12, 4}), at::randn({2, 12, 2}));
+    c.add_scores(0, at::rand({2, 12}));
+    c.evict(0);
+    c.update(0, at::randn({2, 1, 4}), at::randn({2, 1, 2}));
+    const auto qa = at::randn({2, 2, 1, 4}), qp = at::randn({2, 2, 1, 2});
+    const auto before = snapshot(c);
+    int64_t recalled = -1;
+    bool failed = false;
+    {
+      kvevict_test::CountingCpuAllocator failing;
+      failing.fail_at(fail_at);
+      try {
+        recalled = c.recall_absorbed(0, qa, qp, 0.5, 2, two_level);
+      } catch (const c10::Error&) {
+        failed = true;
+      }
+      if (failed) CHECK(failing.failed());
+    }
+    const auto after = snapshot(c);
+    if (failed) {
+      for (size_t i = 0; i < before.size(); ++i) {
+        CAPTURE(i);
+        CHECK(at::equal(before[i], after[i]));
+      }
+    } else {
+      completed = true;
+      CHECK(recalled > 0);
+      CHECK_FALSE(at::equal(before[0], after[0]));
+    }
+  }
+  CHECK(completed);
+}
+
 TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt positions, and sends the rest to the tier",
           "[tier][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)

@@ -139,8 +139,8 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
   ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore,
-  ///         a two-level rescore smaller than a page, or
-  ///         an open observation; nothing changes then.
+  ///         a two-level rescore smaller than a page, an open observation, or when an
+  ///         allocation fails (the scoring's on the device names it); nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmul, O(H x
   ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
   ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'

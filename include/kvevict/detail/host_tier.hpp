@@ -232,13 +232,15 @@ class LayerTier {
     };
     at::Tensor sums, pos_t = L.position, st_t = L.state;  // on the tensor path: host copies, below
     if (host) {
-      int64_t P = 1;
-      for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
-      sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
-      for (int64_t b = 0; b < B; ++b) {
-        const auto q = row_queries(b);
-        if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sums.template data_ptr<double>() + b * P);
-      }
+      allocating([&] {
+        int64_t P = 1;
+        for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
+        sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
+        for (int64_t b = 0; b < B; ++b) {
+          const auto q = row_queries(b);
+          if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sums.template data_ptr<double>() + b * P);
+        }
+      }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, ": ", why); });
       reduce_scores(layer, core, sums);
     } else {  // the digests' copy on the device, scored there: no sync until the scores come back
       auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
@@ -246,8 +248,14 @@ class LayerTier {
         const int64_t first = core.first_real(L, b, Q);
         if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
       }
-      const int64_t P = std::max<int64_t>(device_.upload(digests_, key_groups_, key_width_, core.device), 1);
-      auto on_device = device_.score(query, to_device_async(real, core.device), scale, P);
+      at::Tensor on_device;
+      allocating([&] {
+        const int64_t P = std::max<int64_t>(device_.upload(digests_, key_groups_, key_width_, core.device), 1);
+        on_device = device_.score(query, to_device_async(real, core.device), scale, P);
+      }, [&](const std::string& why) {
+        KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
+                      " (the digests' copy holds ", device_.bytes(), " bytes): ", why);
+      });
       reduce_scores(layer, core, on_device);
       // The sync: the scores and the plan's bookkeeping come to the host together.
       sums = to_host_async(on_device);
@@ -329,7 +337,7 @@ class LayerTier {
         top[b].assign(best, best + W_);
         reserve_recall(b, max_position);
       }
-    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan: ", why); });
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
     const auto rank = [&](const float* state) { return core.scorer.rank(state); };
     int64_t recalled = 0;
     for (int64_t b = 0; b < B; ++b) recalled += static_cast<int64_t>(picked[b].size());
@@ -340,7 +348,10 @@ class LayerTier {
           swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(), rank);
       }
     } else {
-      swap_on_device(*this, picked, victims, top, L, buffers, rank);
+      // Everything allocates before the first swap (a failure there changes nothing).
+      allocating([&] { swap_on_device(*this, picked, victims, top, L, buffers, rank); }, [&](const std::string& why) {
+        KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, " on ", core.device, ": ", why);
+      });
     }
     recalled_ += recalled;
     return recalled;
