@@ -176,12 +176,8 @@ class LayerTier {
     bool all_real = true;
     for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
     if (all_real && at::isfinite(query).all().template item<bool>()) return;  // the common case: no mask
-    auto real = at::zeros({B, 1, Q, 1}, at::TensorOptions().dtype(at::kBool));
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = core.first_real(L, b, Q);
-      if (first < Q) real.select(0, b).narrow(1, first, Q - first).fill_(true);
-    }
-    const auto bad = at::isfinite(query).logical_not_().logical_and_(real.to(query.device())).flatten(1).any(1).cpu();
+    const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
+    const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
     for (int64_t b = 0; b < B; ++b) {
       KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
                           " must be finite, got a NaN or an infinity");
@@ -242,28 +238,11 @@ class LayerTier {
         }
       }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, ": ", why); });
       reduce_scores(layer, core, sums);
-    } else {  // the digests' copy on the device, scored there: no sync until the scores come back
-      auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t first = core.first_real(L, b, Q);
-        if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
-      }
-      at::Tensor on_device;
-      allocating([&] {
-        const int64_t P = std::max<int64_t>(device_.upload(digests_, key_groups_, key_width_, core.device), 1);
-        on_device = device_.score(query, to_device_async(real, core.device), scale, P);
-      }, [&](const std::string& why) {
-        KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
-                      " (the digests' copy holds ", device_.bytes(), " bytes): ", why);
-      });
-      reduce_scores(layer, core, on_device);
-      // The sync: the scores and the plan's bookkeeping come to the host together.
-      sums = to_host_async(on_device);
-      pos_t = to_host_async(L.position);
-      st_t = to_host_async(L.state);
-      DeviceWait copied;
-      copied.record(core.device);
-      copied.wait();
+    } else {  // the digests' copy on the device, scored there; one wait for what the plan reads
+      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, layer, query, scale, L, core);
+      sums = scored.sums;
+      pos_t = scored.position;
+      st_t = scored.state;
     }
     const int64_t P = sums.size(1);
     const double* sum = sums.template data_ptr<double>();
@@ -318,7 +297,7 @@ class LayerTier {
           pick(b, sum + b * P, limit, picked[b]);
         if (picked[b].empty()) continue;
         // The victims: the first picked[b].size() candidates in eviction order (a partial sort,
-        // O(capacity + k log k)); the state recalled tokens get: the last one's.
+        // O(capacity + k log k)); the state recalled tokens get: the best-ranked candidate's.
         cands.clear();
         for (int64_t s = 0; s < L.len[b]; ++s) {
           const int64_t p = pos[b * L.slots + s];

@@ -1,9 +1,11 @@
 #pragma once
 // The host tier's tensor path (CUDA, and CPU in tests): how a pass's evicted tokens reach the
 // host without a sync (gathered on the device, copied to pinned host memory asynchronously,
-// taken into the tier at its next use: LayerTier::settle()), and how recall swaps tokens with
-// slots that live on the device. The host tier itself, and its host path, are host_tier.hpp.
+// taken into the tier at its next use: LayerTier::settle()), how recall scores the pages on the
+// device (DeviceDigests, score_on_device()), and how it swaps tokens with slots that live on the
+// device. The host tier itself, and its host path, are host_tier.hpp.
 
+#include <kvevict/check.hpp>
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 #include <kvevict/detail/reduction.hpp>
@@ -18,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -269,6 +272,51 @@ void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
   auto on_device = sums.to(core.device);
   reducer(layer, on_device);
   sums = on_device.to(sums.device());
+}
+
+/// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows
+/// are not): [B, Q] bool, on the CPU.
+template <class Core>
+at::Tensor real_columns(const Core& core, const LayerState& L, int64_t B, int64_t Q) {
+  auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = core.first_real(L, b, Q);
+    if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
+  }
+  return real;
+}
+
+/// What LayerTier::recall() plans from on the tensor path, on the host: the page scores
+/// `sums` [B, P] fp64 and L's `position` [B, slots] int64 and `state` [B, slots, W] fp32.
+struct DeviceScores {
+  at::Tensor sums, position, state;
+};
+
+/// LayerTier::recall()'s scoring on the tensor path: `device` takes what changed in `digests`
+/// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
+/// (fp32, on core.device) where they are, reduces the scores across processes
+/// (reduce_scores), and copies them with L's positions and states to the host: one wait, after
+/// every copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
+/// naming `layer`; nothing but the device copy (then sent whole next time) changes.
+template <class Core>
+DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
+                             int64_t layer, const at::Tensor& query, double scale, const LayerState& L,
+                             const Core& core) {
+  const int64_t B = query.size(0), Q = query.size(2);
+  at::Tensor on_device;
+  allocating([&] {
+    const int64_t P = std::max<int64_t>(device.upload(digests, G, D, core.device), 1);
+    on_device = device.score(query, to_device_async(real_columns(core, L, B, Q), core.device), scale, P);
+  }, [&](const std::string& why) {
+    KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
+                  " (the digests' copy holds ", device.bytes(), " bytes): ", why);
+  });
+  reduce_scores(layer, core, on_device);
+  DeviceScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
+  DeviceWait copied;
+  copied.record(core.device);
+  copied.wait();
+  return out;
 }
 
 }  // namespace detail
