@@ -264,6 +264,7 @@ struct RunOptions {
   int64_t recall_every = 0;  // > 0: a host tier of 1,000 tokens (pages of 4), and every this many
                              // steps each layer recalls before its attention: whole pages, up to
                              // 8 tokens, and every other time two-level, 3 of a pool of 16
+  kvevict::TierScoring scoring = kvevict::TierScoring::kPerHead;  // how the recalls score the pages
 };
 
 struct RunResult {
@@ -287,8 +288,8 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
                    .qk_rope_dim(d.qk_rope)
                    .qk_nope_dim(d.qk_nope);
   if (o.recall_every > 0) {
-    eopts.tier_tokens(1000).tier_page_size(4);
-    lopts.tier_tokens(1000).tier_page_size(4);
+    eopts.tier_tokens(1000).tier_page_size(4).tier_scoring(o.scoring);
+    lopts.tier_tokens(1000).tier_page_size(4).tier_scoring(o.scoring);
   }
   auto build = [&](auto opts, auto* tag) {
     using Cache = std::remove_pointer_t<decltype(tag)>;

@@ -311,7 +311,7 @@ struct RecallPlan {
 RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, const at::Tensor& query, double scale,
                          int64_t tokens, int64_t rescore, int64_t page_size, const at::Tensor& cache_pos,
                          const at::Tensor& cache_scores,
-                         int64_t n_sink, int64_t recent_from) {
+                         int64_t n_sink, int64_t recent_from, bool head_mean = false) {
   const auto k = keys.to(at::kDouble), q = query.to(at::kDouble);
   const int64_t n = k.size(0), G = k.size(1), H = q.size(0), Q = q.size(1);
   std::map<int64_t, std::vector<int64_t>> members;  // page -> tier indices
@@ -325,7 +325,28 @@ RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, con
     hi.push_back(std::get<0>(rows.max(0)));
   }
   std::vector<double> score(pages.size(), 0.0);
-  for (int64_t h = 0; h < H && !pages.empty(); ++h) {
+  const auto add_softmax = [&](const std::vector<double>& bound) {
+    const double mx = *std::max_element(bound.begin(), bound.end());
+    double z = 0;
+    for (double b : bound) z += std::exp(b - mx);
+    for (size_t p = 0; p < pages.size(); ++p) score[p] += std::exp(bound[p] - mx) / z;
+  };
+  // TierScoring::kHeadMean: per query one softmax of the heads' mean bound (latent: the bound of
+  // the heads' mean query; expanded: the mean of the heads' bounds).
+  for (int64_t j = 0; j < Q && head_mean && !pages.empty(); ++j) {
+    std::vector<double> bound(pages.size(), 0.0);
+    for (size_t p = 0; p < pages.size(); ++p) {
+      if (G == 1) {
+        const auto qm = q.select(1, j).mean(0);
+        bound[p] = at::maximum(qm * lo[p][0], qm * hi[p][0]).sum().item<double>() * scale;
+      } else {
+        for (int64_t h = 0; h < H; ++h)
+          bound[p] += at::maximum(q[h][j] * lo[p][h], q[h][j] * hi[p][h]).sum().item<double>() * scale / H;
+      }
+    }
+    add_softmax(bound);
+  }
+  for (int64_t h = 0; h < H && !pages.empty() && !head_mean; ++h) {
     const int64_t g = G == 1 ? 0 : h;
     for (int64_t j = 0; j < Q; ++j) {
       const auto qv = q[h][j];
@@ -333,10 +354,7 @@ RecallPlan oracle_recall(const at::Tensor& keys, const at::Tensor& tier_pos, con
       for (size_t p = 0; p < pages.size(); ++p) {
         bound.push_back(at::maximum(qv * lo[p][g], qv * hi[p][g]).sum().item<double>() * scale);
       }
-      const double mx = *std::max_element(bound.begin(), bound.end());
-      double z = 0;
-      for (double b : bound) z += std::exp(b - mx);
-      for (size_t p = 0; p < pages.size(); ++p) score[p] += std::exp(bound[p] - mx) / z;
+      add_softmax(bound);
     }
   }
   struct Cand {
@@ -448,7 +466,9 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
   const int64_t page = GENERATE(int64_t{1}, int64_t{3});
   const int64_t tokens = GENERATE(int64_t{2}, int64_t{6});
   const int64_t rescore = GENERATE(int64_t{0}, int64_t{7});  // whole pages; two-level
-  CAPTURE(tier_budget, page, tokens, rescore);
+  const auto scoring = GENERATE(kvevict::TierScoring::kPerHead, kvevict::TierScoring::kHeadMean);
+  const bool head_mean = scoring == kvevict::TierScoring::kHeadMean;
+  CAPTURE(tier_budget, page, tokens, rescore, head_mean);
   const auto eviction = EvictionOptions(5).n_sink(1).n_recent(2);
   const int64_t B = 2, H = 2;
   const std::vector<int64_t> counts{1, 2};  // ragged rows
@@ -474,7 +494,8 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
           plans.push_back(oracle_recall(tier_keys(cache, r), cache.tier_positions(0, r),
                                         query[r].narrow(1, T - counts[r], counts[r]), scale, tokens, rescore, page,
                                         pos[r].narrow(0, 0, len), sc[r].narrow(0, 0, len), 1,
-                                        cache.seen_tokens(0, r) - counts[r] - 2));  // the window before this append
+                                        cache.seen_tokens(0, r) - counts[r] - 2,  // the window before this append
+                                        head_mean));
         }
         int64_t expected = 0;
         for (auto& p : plans) expected += static_cast<int64_t>(p.recalled.size());
@@ -512,7 +533,8 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
                                       .qk_rope_dim(R)
                                       .check_observations(false)
                                       .tier_tokens(tier_budget)
-                                      .tier_page_size(page),
+                                      .tier_page_size(page)
+                                      .tier_scoring(scoring),
                                   eviction);
     run(
         cache, W + R, [&](int64_t T) { return std::make_pair(at::randn({B, T, W}), at::randn({B, T, R})); },
@@ -535,7 +557,8 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
                                 .v_dim(4)
                                 .check_observations(false)
                                 .tier_tokens(tier_budget)
-                                .tier_page_size(page),
+                                .tier_page_size(page)
+                                .tier_scoring(scoring),
                             eviction);
     run(
         cache, D, [&](int64_t T) { return std::make_pair(at::randn({B, H, T, D}), at::randn({B, H, T, 4})); },
@@ -612,6 +635,56 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
   }
 }
 
+TEST_CASE("recall by hand: per head, one head's sharp attention wins; by the heads' mean logit, the heads' common choice",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  const auto scoring = GENERATE(kvevict::TierScoring::kPerHead, kvevict::TierScoring::kHeadMean);
+  CAPTURE(tensor_path, scoring == kvevict::TierScoring::kHeadMean);
+  // Two heads, pages of 1, scale 1. Positions 0, 1 (scores 9, 8) stay as the heavy hitters;
+  // positions 2, 3, 4 go to the tier. Head 0's logits on them are 10, 1, 1 and head 1's are
+  // -12, 2, 1.5 (expanded: keys (10, -12), (1, 2), (1, 1.5) per head, queries 1 and 1; latent:
+  // the same keys as [ckv | kpe], queries (1, 0) and (0, 1)).
+  // Per head: softmaxes (0.99975, 0.00012, 0.00012) and (5e-7, 0.6225, 0.3775): position 2
+  // scores 0.99975, 3 scores 0.6226, 4 scores 0.3776.
+  // Heads' mean: logits -1, 1.5, 1.25: softmax (0.0441, 0.5374, 0.4185): position 3 is best.
+  // One token comes back, in place of position 1 (the lowest heavy hitter).
+  const int64_t want = scoring == kvevict::TierScoring::kPerHead ? 2 : 3;
+  const auto eviction = EvictionOptions(2).n_sink(0).n_recent(0);
+  const auto head0 = at::tensor({0.f, 0.f, 10.f, 1.f, 1.f}), head1 = at::tensor({0.f, 0.f, -12.f, 2.f, 1.5f});
+  const auto check = [&](auto& cache, auto&& append, auto&& recall) {
+    cache.add_scores(0, at::tensor({9.f, 8.f, 0.f, 0.f, 0.f}).view({1, 5}));
+    cache.evict(0);
+    REQUIRE(sorted_positions(cache.tier_positions(0, 0), 3) == std::vector<int64_t>{2, 3, 4});
+    append(cache);  // position 5
+    CHECK(recall(cache) == 1);
+    CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{0, want, 5});
+  };
+  SECTION("expanded") {
+    kvevict::MlaCache cache(
+        kvevict::MlaCacheOptions(1, 2).qk_dim(1).v_dim(1).tier_tokens(10).tier_page_size(1).tier_scoring(scoring),
+        eviction);
+    cache.update(0, at::stack({head0, head1}).view({1, 2, 5, 1}), at::zeros({1, 2, 5, 1}));
+    check(cache, [](kvevict::MlaCache& c) { c.update(0, at::zeros({1, 2, 1, 1}), at::zeros({1, 2, 1, 1})); },
+          [](kvevict::MlaCache& c) { return c.recall(0, at::ones({1, 2, 1, 1}), 1.0, 1); });
+  }
+  SECTION("latent") {
+    kvevict::MlaLatentCache cache(kvevict::MlaLatentCacheOptions(1, 2)
+                                      .kv_lora_rank(1)
+                                      .qk_rope_dim(1)
+                                      .tier_tokens(10)
+                                      .tier_page_size(1)
+                                      .tier_scoring(scoring),
+                                  eviction);
+    cache.update(0, head0.view({1, 5, 1}), head1.view({1, 5, 1}));
+    check(cache, [](kvevict::MlaLatentCache& c) { c.update(0, at::zeros({1, 1, 1}), at::zeros({1, 1, 1})); },
+          [](kvevict::MlaLatentCache& c) {
+      return c.recall_absorbed(0, at::tensor({1.f, 0.f}).view({1, 2, 1, 1}), at::tensor({0.f, 1.f}).view({1, 2, 1, 1}),
+                               1.0, 1);
+    });
+  }
+}
+
 TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
   kvevict_test::ForceTensorPath force(tensor_path);
@@ -653,6 +726,11 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK_THAT(msg([&] { none.recall_absorbed(0, qa, qp, 1.0, 4); }), Contains("no host tier"));
   CHECK_THAT(msg([&] { kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 1).tier_page_size(0)); }),
              Contains("tier_page_size must be in [1, 2^20], got 0"));
+  CHECK_THAT(msg([&] {
+               kvevict::MlaLatentCache(
+                   kvevict::MlaLatentCacheOptions(1, 1).tier_scoring(static_cast<kvevict::TierScoring>(7)));
+             }),
+             Contains("tier_scoring must be kPerHead or kHeadMean, got 7"));
   // A good call still works afterwards.
   CHECK(cache.recall_absorbed(0, qa, qp, 1.0, 4) >= 0);
 }

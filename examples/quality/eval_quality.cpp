@@ -42,14 +42,19 @@ Options (default in brackets):
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
                          sinks_window, random, snapkv, h2o_recall, h2o_recall_paged,
-                         h2o_recall_turn, snapkv_recall_turn; snapkv and the _turn ones:
+                         h2o_recall_mean, h2o_recall_turn, snapkv_recall_turn; snapkv and
+                         the _turn ones:
                          retrieval only)
                          [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
-                          h2o_recall,h2o_recall_paged,h2o_recall_turn,snapkv_recall_turn]
+                          h2o_recall,h2o_recall_paged,h2o_recall_mean,h2o_recall_turn,
+                          snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
   --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [3]
   --paged-page N         h2o_recall_paged's tier page size, tokens, 1 .. 4096 [16]
   --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [64]
+  --mean-page N          h2o_recall_mean's tier page size (pages scored by the heads' mean
+                         logit, TierScoring::kHeadMean), tokens, 1 .. 4096 [1]
+  --mean-rescore N       its two-level pool, tokens, 0 (none) .. 2^20 [0]
   --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [4]
   --turn-share X         their recall budget per question, a share of the heavy-hitter
                          budget, 0 .. 1 [0.25]
@@ -74,7 +79,7 @@ struct Args {
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
   std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
                                     "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_paged",
-                                    "h2o_recall_turn", "snapkv_recall_turn"};
+                                    "h2o_recall_mean", "h2o_recall_turn", "snapkv_recall_turn"};
   RecallSettings recall;
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
@@ -134,6 +139,8 @@ bool parse(int argc, char** argv, Args& a) {
           {"--recall-tokens", [&](auto& f, auto& v) { a.recall.step_tokens = parse_int(f, v, 1, 1 << 20); }},
           {"--paged-page", [&](auto& f, auto& v) { a.recall.paged_page = parse_int(f, v, 1, 4096); }},
           {"--paged-rescore", [&](auto& f, auto& v) { a.recall.paged_rescore = parse_int(f, v, 1, 1 << 20); }},
+          {"--mean-page", [&](auto& f, auto& v) { a.recall.mean_page = parse_int(f, v, 1, 4096); }},
+          {"--mean-rescore", [&](auto& f, auto& v) { a.recall.mean_rescore = parse_int(f, v, 0, 1 << 20); }},
           {"--turn-page", [&](auto& f, auto& v) { a.recall.turn_page = parse_int(f, v, 1, 4096); }},
           {"--turn-share", [&](auto& f, auto& v) { a.recall.turn_share = kvevict_cli::parse_double(f, v, 0, 1); }},
       },

@@ -16,12 +16,13 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 
 // Eviction policies compared. To add a scorer: an enumerator, its name, and one line in
 // with_cache() below. h2o_recall and h2o_recall_turn: H2O with a host tier that keeps every
-// evicted token, recalled (cache.recall) every step, or once per question (each question is one
+// evicted token, recalled (cache.recall) every step (h2o_recall_mean: its pages scored by the
+// heads' mean logit), or once per question (each question is one
 // multi-token append, as a new user turn would be). snapkv_recall_turn: SnapKV's prompt
 // compression sends the prompt tokens it drops to the tier, and each question recalls.
 enum class Policy {
-  Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallPaged, H2ORecallTurn,
-  SnapKVRecallTurn
+  Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallPaged, H2ORecallMean,
+  H2ORecallTurn, SnapKVRecallTurn
 };
 inline const char* policy_name(Policy p) {
   switch (p) {
@@ -36,13 +37,16 @@ inline const char* policy_name(Policy p) {
     case Policy::SnapKV: return "snapkv";
     case Policy::H2ORecall: return "h2o_recall";
     case Policy::H2ORecallPaged: return "h2o_recall_paged";
+    case Policy::H2ORecallMean: return "h2o_recall_mean";
     case Policy::H2ORecallTurn: return "h2o_recall_turn";
     case Policy::SnapKVRecallTurn: return "snapkv_recall_turn";
   }
   return "?";
 }
 // The recall policies that recall at every append after the prefill (the others: at questions).
-inline bool recalls_every_step(Policy p) { return p == Policy::H2ORecall || p == Policy::H2ORecallPaged; }
+inline bool recalls_every_step(Policy p) {
+  return p == Policy::H2ORecall || p == Policy::H2ORecallPaged || p == Policy::H2ORecallMean;
+}
 inline bool recalls(Policy p) {
   return recalls_every_step(p) || p == Policy::H2ORecallTurn || p == Policy::SnapKVRecallTurn;
 }
@@ -51,7 +55,7 @@ inline bool compresses_prompt(Policy p) { return p == Policy::SnapKV || p == Pol
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
                  Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallPaged,
-                 Policy::H2ORecallTurn, Policy::SnapKVRecallTurn})
+                 Policy::H2ORecallMean, Policy::H2ORecallTurn, Policy::SnapKVRecallTurn})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -89,20 +93,27 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
 // document length). h2o_recall: pages of `step_page` tokens, at most `step_tokens` back per step.
 // h2o_recall_paged: the same every step, two-level (recall's rescore): pages of `paged_page`,
 // the best pages up to `paged_rescore` tokens scored again token by token, `step_tokens` of them
-// back. h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget
+// back. h2o_recall_mean: every step, pages of `mean_page` scored by the heads' mean logit
+// (TierScoring::kHeadMean), `step_tokens` back (two-level with a pool of `mean_rescore` tokens,
+// rescored per head, when it is > step_tokens). h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget
 // back per question (whole pages, at least one). The defaults are the best of small sweeps
 // (examples/quality/README.md): a recall every step wants exact, small recalls (it comes back
 // for the next answer token); a recall once per question wants pages, so that the tokens after
 // the one the question finds come too.
 struct RecallSettings {
-  int64_t step_page = 1, step_tokens = 3, paged_page = 16, paged_rescore = 64, turn_page = 4;
+  int64_t step_page = 1, step_tokens = 3, paged_page = 16, paged_rescore = 64, mean_page = 1, mean_rescore = 0,
+          turn_page = 4;
   double turn_share = 0.25;
   int64_t page(Policy p) const {
-    return p == Policy::H2ORecall ? step_page : p == Policy::H2ORecallPaged ? paged_page : turn_page;
+    return p == Policy::H2ORecall        ? step_page
+           : p == Policy::H2ORecallPaged ? paged_page
+           : p == Policy::H2ORecallMean  ? mean_page
+                                         : turn_page;
   }
   Recall recall(Policy p, const kvevict::EvictionOptions& e) const {
     if (p == Policy::H2ORecall) return {step_tokens, 0};
     if (p == Policy::H2ORecallPaged) return {step_tokens, paged_rescore};
+    if (p == Policy::H2ORecallMean) return {step_tokens, mean_rescore};
     return {std::max<int64_t>(turn_page, static_cast<int64_t>(turn_share * static_cast<double>(e.budget()))), 0};
   }
 };
@@ -111,19 +122,20 @@ struct RecallSettings {
 template <class F>
 void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f,
                 int64_t tier = 0, int64_t tier_page = 16) {
+  const auto scoring = p == Policy::H2ORecallMean ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead;
   std::vector<int64_t> layer_budgets;
   if (p == Policy::Pyramid) layer_budgets = pyramid_budgets(e.budget(), m->c.n_layers);
   auto run = [&](auto scorer) {
     using Scorer = decltype(scorer);
     if (layout == Layout::Expanded) {
       kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->expanded_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page), e,
-          scorer);
+          m->expanded_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring),
+          e, scorer);
       f(cache);
     } else {
       kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->latent_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page), e,
-          scorer);
+          m->latent_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring),
+          e, scorer);
       f(cache);
     }
   };

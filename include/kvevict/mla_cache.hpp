@@ -46,7 +46,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}, true},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
-             options.dtype(), options.tier_tokens(), options.tier_page_size()),
+             options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring()),
         options_(options) {}
 
   const MlaCacheOptions& options() const noexcept { return options_; }
@@ -105,7 +105,10 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// pages of scale * (Quest's bound on q.k from the page's per-channel key min and max, head
   /// h's keys), summed over heads and queries as exact fixed-point terms and, under tensor
   /// parallelism, reduced across processes like observations (reduce_contributions), so every
-  /// process recalls the same pages. The best pages (higher score first, equal scores the
+  /// process recalls the same pages. With tier_scoring TierScoring::kHeadMean instead, per
+  /// query one softmax over the pages of scale * (the mean over heads of their Quest bounds;
+  /// latent layout: the Quest bound of the heads' mean query), summed over the queries; under
+  /// tensor parallelism the heads' fp64 sums are reduced before the softmax. The best pages (higher score first, equal scores the
   /// older page; never a page scored 0), each whole page that still fits, come back, at most
   /// `tokens` tokens and at most as many as the row has heavy-hitter candidates. They take
   /// the slots of the lowest-ranked heavy hitters (eviction order) below the recent window as
@@ -142,8 +145,8 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///         a two-level rescore smaller than a page, an open observation, or when an
   ///         allocation fails (the scoring's on the device names it); nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmul, O(H x
-  ///       Q x pages x qk_dim); with rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore
-  ///       x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'
+  ///       Q x pages x qk_dim), kHeadMean in the latent layout O(Q x pages x width); with
+  ///       rescore, one [B, rescore] fp64 tensor and O(H x Q x rescore x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
   ///       asynchronous) and the pages are scored there without a sync; then the host waits
   ///       three times: for the query check, for the scores with the layer's positions and

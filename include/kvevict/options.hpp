@@ -175,6 +175,22 @@ struct EvictionPolicyOptions {
   KVEVICT_ARG(bool, lazy_reduction) = false;
 };
 
+/// How recall() scores the host tier's pages (cache options' tier_scoring). Both bound q.k over a
+/// page's keys from its digest (Quest, Tang et al. 2024, Sec. 3.2), and both give each page a
+/// score per query that is a softmax over the row's pages, summed over the queries.
+enum class TierScoring {
+  /// Per head and query, a softmax over the pages of scale * (the Quest bound of that head's
+  /// query), summed over heads and queries. Costs pages x heads x Q x 2 x width multiply-adds.
+  kPerHead,
+  /// Per query, one softmax over the pages of scale * (a bound of the heads' mean logit): in the
+  /// latent layout the Quest bound of the heads' mean query, pages x Q x 2 x width
+  /// multiply-adds, heads times fewer than kPerHead; in the expanded layout (a key per head) the
+  /// mean of the heads' Quest bounds, the same matmul as kPerHead with heads times fewer
+  /// softmaxes. With pages of 1 token both layouts give the mean logit itself. A page's score
+  /// then counts how strongly the heads together attend to it, not how many heads do.
+  kHeadMean,
+};
+
 namespace detail {
 
 /// Options every cache layout shares; `Derived` is the layout's options type, so chained
@@ -194,6 +210,8 @@ struct CacheOptionsBase {
                         ": tier_tokens must be in [0, 2^40], got ", tier_tokens_);
     KVEVICT_CHECK_VALUE(tier_page_size_ >= 1 && tier_page_size_ <= (int64_t{1} << 20), type,
                         ": tier_page_size must be in [1, 2^20], got ", tier_page_size_);
+    KVEVICT_CHECK_VALUE(tier_scoring_ == TierScoring::kPerHead || tier_scoring_ == TierScoring::kHeadMean, type,
+                        ": tier_scoring must be kPerHead or kHeadMean, got ", static_cast<int>(tier_scoring_));
     static_cast<const Derived&>(*this).validate_layout();
   }
 
@@ -239,6 +257,9 @@ struct CacheOptionsBase {
   /// (k + 1) * tier_page_size) share page k, whose digest (per-channel key min and max, Quest)
   /// recall() scores and whose tokens come back together. Default: 16.
   KVEVICT_ARG_AS(Derived, int64_t, tier_page_size) = 16;
+  /// How recall() scores the pages (TierScoring): per head, or by the heads' mean logit, which
+  /// in the latent layout costs heads times less. Default: TierScoring::kPerHead.
+  KVEVICT_ARG_AS(Derived, TierScoring, tier_scoring) = TierScoring::kPerHead;
 };
 
 }  // namespace detail

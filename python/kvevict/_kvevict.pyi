@@ -36,7 +36,7 @@ class EvictionPolicyOptions:
 
 
 class MlaCacheOptions:
-    def __init__(self, num_layers: int, num_heads: int, *, qk_dim: int = 192, v_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16) -> None: ...
+    def __init__(self, num_layers: int, num_heads: int, *, qk_dim: int = 192, v_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ...) -> None: ...
     qk_dim: int
     v_dim: int
     num_layers: int
@@ -50,11 +50,12 @@ class MlaCacheOptions:
     lazy_reduction: bool
     tier_tokens: int
     tier_page_size: int
+    tier_scoring: TierScoring
     def validate(self) -> None: ...
 
 
 class MlaLatentCacheOptions:
-    def __init__(self, num_layers: int, num_heads: int, *, kv_lora_rank: int = 512, qk_rope_dim: int = 64, qk_nope_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16) -> None: ...
+    def __init__(self, num_layers: int, num_heads: int, *, kv_lora_rank: int = 512, qk_rope_dim: int = 64, qk_nope_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ...) -> None: ...
     kv_lora_rank: int
     qk_rope_dim: int
     qk_nope_dim: int
@@ -69,8 +70,18 @@ class MlaLatentCacheOptions:
     lazy_reduction: bool
     tier_tokens: int
     tier_page_size: int
+    tier_scoring: TierScoring
     def validate(self) -> None: ...
 
+
+class TierScoring:
+    kPerHead: ClassVar[TierScoring]
+    kHeadMean: ClassVar[TierScoring]
+    def __init__(self, value: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
 
 class LseBase:
     kE: ClassVar[LseBase]

@@ -394,10 +394,19 @@ void def_cache_options_common(py::class_<O>& c) {
       .def_property("tier_tokens", [](const O& o) { return o.tier_tokens(); }, [](O& o, int64_t v) { o.tier_tokens(v); })
       .def_property("tier_page_size", [](const O& o) { return o.tier_page_size(); },
                     [](O& o, int64_t v) { o.tier_page_size(v); })
+      .def_property("tier_scoring", [](const O& o) { return o.tier_scoring(); },
+                    [](O& o, kv::TierScoring v) { o.tier_scoring(v); })
       .def("validate", [](const O& o) { o.validate(); }, "Raises ValueError naming a bad value.");
 }
 
 void def_options(py::module_& m) {
+  py::enum_<kv::TierScoring>(m, "TierScoring",
+                             "How recall() scores the host tier's pages: kPerHead (a softmax per head and query) or "
+                             "kHeadMean (one softmax per query of the heads' mean logit's bound: heads times cheaper "
+                             "in the latent layout).")
+      .value("kPerHead", kv::TierScoring::kPerHead)
+      .value("kHeadMean", kv::TierScoring::kHeadMean);
+
   py::class_<kv::EvictionOptions>(
       m, "EvictionOptions",
       "What an eviction pass keeps per layer and row (H2O, Zhang et al. 2023, Sec. 3; sinks from StreamingLLM, Xiao "
@@ -468,19 +477,19 @@ void def_options(py::module_& m) {
                                      "64 RoPE, and 128).");
   eo.def(py::init([](int64_t layers, int64_t heads, int64_t qk_dim, int64_t v_dim, int64_t batch, at::ScalarType dtype,
                      py::object device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
-                     bool lazy, int64_t tier_tokens, int64_t tier_page_size) {
+                     bool lazy, int64_t tier_tokens, int64_t tier_page_size, kv::TierScoring tier_scoring) {
            kv::MlaCacheOptions o(layers, heads);
            o.qk_dim(qk_dim).v_dim(v_dim);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
-           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size);
+           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("qk_dim") = 192, py::arg("v_dim") = 128,
          py::arg("batch_size") = 1, py::arg("dtype") = at::kFloat, py::arg("device") = "cpu",
          py::arg("check_observations") = py::none(), py::arg("layer_budgets") = std::vector<int64_t>{},
          py::arg("total_heads") = 0, py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0,
-         py::arg("tier_page_size") = 16)
+         py::arg("tier_page_size") = 16, py::arg("tier_scoring") = kv::TierScoring::kPerHead)
       .def_property("qk_dim", [](const kv::MlaCacheOptions& o) { return o.qk_dim(); },
                     [](kv::MlaCacheOptions& o, int64_t v) { o.qk_dim(v); })
       .def_property("v_dim", [](const kv::MlaCacheOptions& o) { return o.v_dim(); },
@@ -493,19 +502,21 @@ void def_options(py::module_& m) {
                                            "heads (DeepSeek-V3: 512 and 64).");
   lo.def(py::init([](int64_t layers, int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t batch,
                      at::ScalarType dtype, py::object device, c10::optional<bool> check, std::vector<int64_t> budgets,
-                     int64_t total_heads, bool lazy, int64_t tier_tokens, int64_t tier_page_size) {
+                     int64_t total_heads, bool lazy, int64_t tier_tokens, int64_t tier_page_size,
+                     kv::TierScoring tier_scoring) {
            kv::MlaLatentCacheOptions o(layers, heads);
            o.kv_lora_rank(rank).qk_rope_dim(rope).qk_nope_dim(nope);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
-           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size);
+           o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("kv_lora_rank") = 512,
          py::arg("qk_rope_dim") = 64, py::arg("qk_nope_dim") = 128, py::arg("batch_size") = 1,
          py::arg("dtype") = at::kFloat, py::arg("device") = "cpu", py::arg("check_observations") = py::none(),
          py::arg("layer_budgets") = std::vector<int64_t>{}, py::arg("total_heads") = 0,
-         py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0, py::arg("tier_page_size") = 16)
+         py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0, py::arg("tier_page_size") = 16,
+         py::arg("tier_scoring") = kv::TierScoring::kPerHead)
       .def_property("kv_lora_rank", [](const kv::MlaLatentCacheOptions& o) { return o.kv_lora_rank(); },
                     [](kv::MlaLatentCacheOptions& o, int64_t v) { o.kv_lora_rank(v); })
       .def_property("qk_rope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_rope_dim(); },

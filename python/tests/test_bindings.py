@@ -461,6 +461,29 @@ def test_tier_and_recall_hand_worked():
     assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16) == 1
 
 
+def test_tier_scoring_head_mean_hand_worked():
+    # As the C++ case "recall by hand: per head, ...": two heads, pages of 1, scale 1. Head 0's
+    # logits on the tier tokens (positions 2, 3, 4) are 10, 1, 1 and head 1's -12, 2, 1.5. Per
+    # head, position 2 scores 0.99975 (head 0's sharp attention); by the heads' mean logit
+    # (-1, 1.5, 1.25) position 3 is best.
+    want = {kvevict.TierScoring.kPerHead: 2, kvevict.TierScoring.kHeadMean: 3}
+    for scoring, position in want.items():
+        opts = kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=1, qk_rope_dim=1, tier_tokens=10, tier_page_size=1,
+                                             tier_scoring=scoring)
+        assert opts.tier_scoring == scoring
+        cache = kvevict.MlaLatentCache(opts, kvevict.EvictionOptions(2, n_sink=0, n_recent=0))
+        cache.update(0, torch.tensor([0., 0., 10., 1., 1.]).view(1, 5, 1), torch.tensor([0., 0., -12., 2., 1.5]).view(1, 5, 1))
+        cache.add_scores(0, torch.tensor([[9., 8., 0., 0., 0.]]))
+        cache.evict(0)
+        cache.update(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+        q_absorbed, q_pe = torch.tensor([1., 0.]).view(1, 2, 1, 1), torch.tensor([0., 1.]).view(1, 2, 1, 1)
+        assert cache.recall_absorbed(0, q_absorbed, q_pe, 1.0, 1) == 1
+        assert sorted(cache.positions(0)[0].tolist()) == [0, position, 5]
+    expanded = kvevict.MlaCacheOptions(1, 2, qk_dim=1, v_dim=1)
+    expanded.tier_scoring = kvevict.TierScoring.kHeadMean
+    assert expanded.tier_scoring == kvevict.TierScoring.kHeadMean
+
+
 def test_observe_discard_leaves_the_scores_as_they_were():
     cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=4, qk_rope_dim=2),
                                    kvevict.EvictionOptions(8, n_sink=1, n_recent=1))

@@ -42,7 +42,7 @@ struct Args {
   int64_t steps = kSteps, timeout_ms = 60000;
 };
 
-constexpr int64_t kRecallEvery = 3;  // modes "recall", "recall_tensor": a host tier, recall every 3 steps
+constexpr int64_t kRecallEvery = 3;  // modes "recall*": a host tier, recall every 3 steps
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -62,11 +62,24 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-tp_harness::RunOptions run_options(bool lazy, int64_t steps, bool recall = false) {
+/// A recall run: how the pages are scored (per head, or by the heads' mean logit), on which path.
+struct RecallRun {
+  bool on = false, head_mean = false, tensor_path = false;
+  /// The worker's --mode for it.
+  std::string mode() const {
+    return std::string(head_mean ? "recall_mean" : "recall") + (tensor_path ? "_tensor" : "");
+  }
+  bool operator<(const RecallRun& o) const {
+    return std::tie(on, head_mean, tensor_path) < std::tie(o.on, o.head_mean, o.tensor_path);
+  }
+};
+
+tp_harness::RunOptions run_options(bool lazy, int64_t steps, const RecallRun& recall = {}) {
   tp_harness::RunOptions o;
   o.lazy = lazy;
   o.steps = steps;
-  o.recall_every = recall ? kRecallEvery : 0;
+  o.recall_every = recall.on ? kRecallEvery : 0;
+  o.scoring = recall.head_mean ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead;
   return o;
 }
 
@@ -82,9 +95,13 @@ int worker_main(const Args& a) {
     auto store = c10::make_intrusive<c10d::FileStore>(a.dir + "/store", a.world);
     const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, tp_harness::Dims().heads, at::kCPU,
                                                      std::chrono::milliseconds(a.timeout_ms));
-    auto o = run_options(a.lazy, a.steps, a.mode == "recall" || a.mode == "recall_tensor");
+    RecallRun recall;
+    for (const bool mean : {false, true})
+      for (const bool tensor : {false, true})
+        if (a.mode == RecallRun{true, mean, tensor}.mode()) recall = {true, mean, tensor};
+    auto o = run_options(a.lazy, a.steps, recall);
     // The tensor path (what CUDA runs) on the CPU: hand-overs, recall scored on the digests' copy.
-    kvevict::detail::force_tensor_path() = a.mode == "recall_tensor";
+    kvevict::detail::force_tensor_path() = recall.tensor_path;
     const bool last = a.rank == a.world - 1;
     if (a.mode == "noreduce") o.reduce = false;
     if (a.mode == "kill" && last) o.kill_at = 50;
@@ -167,19 +184,19 @@ Launch launch(int world, const std::string& mode, bool lazy, int64_t timeout_ms 
 }
 
 /// The expected run: one process, all heads, no reducer, on the host path or the tensor path
-/// (memoised per lazy, recall and path).
-const tp_harness::RunResult& reference(bool lazy, bool recall = false, bool tensor_path = false) {
-  static std::map<std::tuple<bool, bool, bool>, tp_harness::RunResult> memo;
-  auto it = memo.find({lazy, recall, tensor_path});
+/// (memoised per lazy and recall run).
+const tp_harness::RunResult& reference(bool lazy, const RecallRun& recall = {}) {
+  static std::map<std::pair<bool, RecallRun>, tp_harness::RunResult> memo;
+  auto it = memo.find({lazy, recall});
   if (it == memo.end()) {
     at::set_num_threads(1);
     tp_harness::RunResult r;
     auto& force = kvevict::detail::force_tensor_path();
     const bool before = force;
-    force = tensor_path;
+    force = recall.tensor_path;
     tp_harness::run(run_options(lazy, kSteps, recall), nullptr, r);
     force = before;
-    it = memo.emplace(std::make_tuple(lazy, recall, tensor_path), std::move(r)).first;
+    it = memo.emplace(std::make_pair(lazy, recall), std::move(r)).first;
   }
   return it->second;
 }
@@ -192,11 +209,11 @@ int64_t first_difference(const std::vector<uint64_t>& a, const std::vector<uint6
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
-void check_agreement(int world, bool lazy, bool recall = false, bool tensor_path = false) {
-  const auto& ref = reference(lazy, recall, tensor_path);
+void check_agreement(int world, bool lazy, const RecallRun& recall = {}) {
+  const auto& ref = reference(lazy, recall);
   REQUIRE(ref.tokens_evicted > 0);  // the run evicts: capacity 60, 1,000 tokens
-  if (recall) REQUIRE(ref.recalled > 0);  // and recalls
-  const auto l = launch(world, recall ? (tensor_path ? "recall_tensor" : "recall") : "agree", lazy);
+  if (recall.on) REQUIRE(ref.recalled > 0);  // and recalls
+  const auto l = launch(world, recall.on ? recall.mode() : "agree", lazy);
   INFO("world " << world << (lazy ? " lazy" : " eager") << ", " << l.seconds << " s");
   for (int r = 0; r < world; ++r) {
     INFO("rank " << r << ": status " << l.status[r] << ", error: " << l.ranks[r].error);
@@ -256,13 +273,23 @@ TEST_CASE("4 ranks, lazy: every rank keeps what one lazy process with all heads 
 
 TEST_CASE("2 ranks, a host tier, recall every 3 steps: every rank recalls what one process with all heads recalls",
           "[tensor_parallel][agree][tier]") {
-  check_agreement(2, false, true);
+  check_agreement(2, false, {true, false, false});
 }
 
 TEST_CASE("2 ranks, a host tier on the tensor path (pages scored on the device copy): every rank recalls what one "
           "tensor-path process with all heads recalls",
           "[tensor_parallel][agree][tier]") {
-  check_agreement(2, false, true, true);
+  check_agreement(2, false, {true, false, true});
+}
+
+TEST_CASE("2 ranks, a host tier, pages scored by the heads' mean logit (reduced before the softmax), on both paths: "
+          "every rank recalls what one process with all heads recalls",
+          "[tensor_parallel][agree][tier]") {
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  check_agreement(2, false, {true, true, tensor_path});
+  // And the scoring is not the per-head one: the runs keep different tokens.
+  CHECK(reference(false, {true, true, tensor_path}).latent != reference(false, {true, false, tensor_path}).latent);
 }
 
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {

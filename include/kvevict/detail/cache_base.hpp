@@ -342,16 +342,16 @@ class CacheBase {
 
  protected:
   /// `tier_tokens`: the host tier's budget per row and layer (0: no tier);
-  /// `tier_page_size`: its digests' page size.
+  /// `tier_page_size`: its digests' page size; `tier_scoring`: how recall() scores the pages.
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0,
-            int64_t tier_page_size = 16)
+            int64_t tier_page_size = 16, TierScoring tier_scoring = TierScoring::kPerHead)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
       if (tier_tokens_ > 0) {
         std::vector<int64_t> row_bytes, groups;
-        TierKeys keys{{}, dtype_, tier_page_size};
+        TierKeys keys{{}, dtype_, tier_page_size, tier_scoring == TierScoring::kHeadMean};
         for (size_t i = 0; i < specs_.size(); ++i) {
           const auto& spec = specs_[i];
           groups.push_back(1);

@@ -214,21 +214,33 @@ class PageDigests {
     free_.clear();
   }
 
-  /// Page scores for queries q [groups, M, width] (fp32, CPU; for the latent layout M is every
-  /// head's query, for the expanded layout head g's queries meet key group g): per query, a
-  /// softmax over the pages of scale * (the Quest bound), summed over the queries as
-  /// fixed-point terms (detail::fixed_terms, exact in fp64 in any order) into out[slot].
-  /// Allocates its temporaries (tensor ops).
-  void score(const at::Tensor& q, double scale, double* out) const {
+  /// scale * (the Quest bound) of queries q [groups, M, width] (fp32, CPU) on every slot's page:
+  /// [groups, M, P] fp32 (P = slots()). For the latent layout M is every head's query; for the
+  /// expanded layout head g's queries meet key group g. Allocates (tensor ops).
+  at::Tensor bound(const at::Tensor& q, double scale) const {
+    // digest_ is [P, G, 2 width]: as [G, 2 width, P] for the matmul.
+    const auto digests = at::from_blob(const_cast<float*>(digest_.data()), {slots(), G_, 2 * D_},
+                                       at::TensorOptions().dtype(at::kFloat)).permute({1, 2, 0});
+    return at::matmul(bound_query(q), digests).mul_(scale);
+  }
+
+  /// Page scores from `bound` [..., M, P] fp32 (bound(), or a mean of bounds over heads): per
+  /// query, a softmax over the pages, summed over everything but the pages as fixed-point terms
+  /// (detail::fixed_terms, exact in fp64 in any order) into out[slot]. Allocates (tensor ops).
+  void score_bounds(const at::Tensor& bound, double* out) const {
     const int64_t P = slots();
     if (P == 0) return;
-    // digest_ is [P, G, 2 width]: as [G, 2 width, P] for the matmul.
-    const auto digests = at::from_blob(const_cast<float*>(digest_.data()), {P, G_, 2 * D_},
-                                       at::TensorOptions().dtype(at::kFloat)).permute({1, 2, 0});
-    const auto bound = at::matmul(bound_query(q), digests).mul_(scale);  // [G, M, P]
+    std::vector<int64_t> dims(static_cast<size_t>(bound.dim() - 1));
+    for (size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<int64_t>(i);
     // Every slot holds a page here: each removal ends in refresh(), which compacts the slots.
-    const auto sums = at::sum(fixed_terms(at::softmax(bound, -1)), at::IntArrayRef{0, 1}, false, at::kDouble);
+    const auto sums = at::sum(fixed_terms(at::softmax(bound, -1)), dims, false, at::kDouble);
     std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
+  }
+
+  /// Page scores for queries q [groups, M, width] (as bound()): per query a softmax over the
+  /// pages of scale * (the Quest bound), summed over the queries (score_bounds()).
+  void score(const at::Tensor& q, double scale, double* out) const {
+    if (slots() > 0) score_bounds(bound(q, scale), out);
   }
 
   /// Calls f(slot, block(slot)) for every slot in use whose digest

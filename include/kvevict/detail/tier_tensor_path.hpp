@@ -127,25 +127,43 @@ class DeviceDigests {
     return P;
   }
 
-  /// Page scores of every row, on the device, without a sync: for the queries `query` [B, H, Q,
-  /// D] (fp32, on the device; `real` [B, Q] bool there, the columns observe() counts), per head
-  /// and query a softmax over the row's pages of scale * (the Quest bound from the page's max and
-  /// min; latent G = 1: every head's query meets the shared keys, expanded G = H: head h's query
-  /// meets head h's keys), summed over heads and queries as fixed-point terms (fixed_terms,
-  /// exact in fp64 in any order): [B, P] fp64, 0 past a row's pages and for a row without real
-  /// queries. As PageDigests::score() row by row, up to fp32 rounding of the matmuls and the
-  /// softmax (the host's are per row, these batched).
-  at::Tensor score(const at::Tensor& query, const at::Tensor& real, double scale, int64_t P) const {
-    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), G = digest_.size(2);
-    const auto q = G == 1 ? query.reshape({B, 1, H * Q, D}) : query;                        // [B, G, M, D]
-    const auto cols = (G == 1 ? real.unsqueeze(1).expand({B, H, Q}).reshape({B, 1, H * Q}) : real.unsqueeze(1))
-                          .unsqueeze(3);                                                     // [B, 1|G, M, 1]
-    const auto digests = digest_.narrow(1, 0, P).permute({0, 2, 3, 1});                      // [B, G, 2 D, P]
-    const auto bound = at::matmul(bound_query(q), digests).mul_(scale);                     // [B, G, M, P]
+  /// scale * (the Quest bound) of `query` [B, H, Q, D] (fp32, on the device) on every row's
+  /// first P page slots, without a sync: [B, G, M, P] fp32. Latent G = 1, M = H Q: every head's
+  /// query meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys.
+  at::Tensor bound(const at::Tensor& query, double scale, int64_t P) const {
+    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
+    const auto q = digest_.size(2) == 1 ? query.reshape({B, 1, H * Q, D}) : query;  // [B, G, M, D]
+    const auto digests = digest_.narrow(1, 0, P).permute({0, 2, 3, 1});             // [B, G, 2 D, P]
+    return at::matmul(bound_query(q), digests).mul_(scale);
+  }
+
+  /// Page scores from `bound` [B, G, M, P] fp32 (bound(), or a mean of bounds over heads as
+  /// [B, 1, Q, P]) without a sync: per query a softmax over the row's pages, summed as
+  /// fixed-point terms (fixed_terms, exact in fp64 in any order) over the queries whose `cols`
+  /// [B, 1|G, M, 1] bool is set (columns()): [B, P] fp64, 0 past a row's pages and for a row
+  /// without real queries.
+  at::Tensor scores_of(at::Tensor bound, const at::Tensor& cols, int64_t P) const {
+    const int64_t B = bound.size(0);
     const auto empty = at::arange(P, count_.options()).unsqueeze(0).ge(count_.unsqueeze(1)).view({B, 1, 1, P});
     bound.masked_fill_(empty, -std::numeric_limits<float>::infinity());
     const auto probs = at::softmax(bound, -1).masked_fill_(empty, 0);  // a row without pages: all NaN, then 0
     return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
+  }
+
+  /// The queries scores_of() counts for `real` [B, Q] bool (on the device; the columns observe()
+  /// counts) and bounds of H heads' queries in G key groups: [B, 1|G, M, 1] bool, M = H Q for G = 1.
+  static at::Tensor columns(const at::Tensor& real, int64_t H, int64_t G) {
+    const int64_t B = real.size(0), Q = real.size(1);
+    return (G == 1 ? real.unsqueeze(1).expand({B, H, Q}).reshape({B, 1, H * Q}) : real.unsqueeze(1)).unsqueeze(3);
+  }
+
+  /// Page scores of every row, on the device, without a sync: for the queries `query` [B, H, Q,
+  /// D] (fp32, on the device; `real` [B, Q] bool there), per head and query a softmax over the
+  /// row's pages of scale * (the Quest bound, bound()), summed over heads and queries
+  /// (scores_of()). As PageDigests::score() row by row, up to fp32 rounding of the matmuls and
+  /// the softmax (the host's are per row, these batched).
+  at::Tensor score(const at::Tensor& query, const at::Tensor& real, double scale, int64_t P) const {
+    return scores_of(bound(query, scale, P), columns(real, query.size(1), digest_.size(2)), P);
   }
 
  private:
@@ -274,6 +292,21 @@ void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
   sums = on_device.to(sums.device());
 }
 
+/// TierScoring::kHeadMean's mean over the heads, in two steps around the reduction across
+/// processes (reduce_scores, not an allocation: it throws its own error): head_sum() of
+/// `per_head` [B, H, ...] fp32 (queries, or Quest bounds) is their sum over dim 1 in fp64,
+/// [B, 1, ...]; once reduced, every process holds the sum over every process's heads, and
+/// head_mean() divides it by core.divisor_heads() and rounds it to fp32 once. Equal on every
+/// process; equal to one process with every head whenever the fp64 sums are exact, which they
+/// are unless one channel's values across the H heads differ in magnitude by more than
+/// 2^(29 - log2 H) (2^22 at 128 heads); even then they differ from it by fp64 rounding before
+/// the one rounding to fp32. Both allocate.
+inline at::Tensor head_sum(const at::Tensor& per_head) { return per_head.sum(1, /*keepdim=*/true, at::kDouble); }
+template <class Core>
+at::Tensor head_mean(const at::Tensor& sum, const Core& core) {
+  return sum.div(static_cast<double>(core.divisor_heads())).to(at::kFloat);
+}
+
 /// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows
 /// are not): [B, Q] bool, on the CPU.
 template <class Core>
@@ -294,24 +327,41 @@ struct DeviceScores {
 
 /// LayerTier::recall()'s scoring on the tensor path: `device` takes what changed in `digests`
 /// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
-/// (fp32, on core.device) where they are, reduces the scores across processes
-/// (reduce_scores), and copies them with L's positions and states to the host: one wait, after
-/// every copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
+/// (fp32, on core.device) where they are, per head (reducing the scores across processes,
+/// reduce_scores) or, `head_mean`, by the heads' mean logit (TierScoring::kHeadMean: the mean
+/// query's bound for G = 1, the mean of the heads' bounds otherwise, reduced before the
+/// softmax), and copies them with L's positions and states to the host: one wait, after every
+/// copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
 /// naming `layer`; nothing but the device copy (then sent whole next time) changes.
 template <class Core>
 DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
-                             int64_t layer, const at::Tensor& query, double scale, const LayerState& L,
-                             const Core& core) {
+                             int64_t layer, const at::Tensor& query, double scale, bool head_mean_scoring,
+                             const LayerState& L, const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
-  at::Tensor on_device;
-  allocating([&] {
-    const int64_t P = std::max<int64_t>(device.upload(digests, G, D, core.device), 1);
-    on_device = device.score(query, to_device_async(real_columns(core, L, B, Q), core.device), scale, P);
-  }, [&](const std::string& why) {
+  const auto fail = [&](const std::string& why) {
     KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
                   " (the digests' copy holds ", device.bytes(), " bytes): ", why);
-  });
-  reduce_scores(layer, core, on_device);
+  };
+  at::Tensor on_device, real, sum;
+  int64_t P = 1;
+  allocating([&] {
+    P = std::max<int64_t>(device.upload(digests, G, D, core.device), 1);
+    real = to_device_async(real_columns(core, L, B, Q), core.device);
+    if (!head_mean_scoring)
+      on_device = device.score(query, real, scale, P);
+    else
+      sum = head_sum(G == 1 ? query : device.bound(query, scale, P));  // the mean query, or the mean bound
+  }, fail);
+  if (head_mean_scoring) {
+    reduce_scores(layer, core, sum);
+    allocating([&] {
+      const auto mean = head_mean(sum, core);
+      on_device = G == 1 ? device.score(mean, real, scale, P)
+                         : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
+    }, fail);
+  } else {
+    reduce_scores(layer, core, on_device);
+  }
   DeviceScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
   DeviceWait copied;
   copied.record(core.device);
