@@ -10,7 +10,7 @@
 //                its queries (Q = 1), attends (attend_absorbed, observing) and evicts;
 //   per question a --question-tokens append (a new user turn) recalls once with its Q queries,
 //                then attends; the decode steps between questions do not recall.
-// Reported, means over --steps steps (or questions): attend ms (of the same Q), score ms (a
+// Reported, medians over --steps steps (or questions): attend ms (of the same Q), score ms (a
 // recall with a budget of 0: the checks and the digest scoring alone), recall ms (digest
 // scoring + the swap), each as a share of attend, tokens recalled per call (the recall budget is
 // max(--recall-tokens, page): at least one whole page), bytes moved from
@@ -75,12 +75,21 @@ struct Row {
   double attend_ms = 0, score_ms = 0, recall_ms = 0, recalled = 0;
 };
 
-/// Mean attend and recall time over `n` appends of `q_len` tokens, recalling up to `budget`
-/// tokens at every one (two-level with a pool of `rescore` tokens when rescore > budget).
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Median attend and recall time over `n` appends of `q_len` tokens (medians: one slow call, a
+/// page fault storm or a preemption, moves a mean by 2x here), recalling up to `budget` tokens
+/// at every one (two-level with a pool of `rescore` tokens when rescore > budget); tokens
+/// recalled: the mean.
 Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_t n, int64_t budget,
             int64_t rescore) {
   const double scale = 1.0 / std::sqrt(192.0);
   Row r;
+  std::vector<double> att_ms, score_ms, rec_ms;
   const int64_t warmup = 2;
   for (int64_t i = 0; i < warmup + n; ++i) {
     cache.update(0, at::randn({1, q_len, kW}), at::randn({1, q_len, kR}));
@@ -97,18 +106,21 @@ Row measure(kvevict::MlaLatentCache& cache, const Args& a, int64_t q_len, int64_
     const double att = seconds_since(t0);
     cache.evict_now(0);
     if (i >= warmup) {
-      r.attend_ms += 1e3 * att / n;
-      r.recall_ms += 1e3 * rec / n;
-      r.score_ms += 1e3 * score / n;
+      att_ms.push_back(1e3 * att);
+      rec_ms.push_back(1e3 * rec);
+      score_ms.push_back(1e3 * score);
       r.recalled += static_cast<double>(cache.stats(0).tier_recalled - before) / n;
     }
   }
+  r.attend_ms = median(att_ms);
+  r.score_ms = median(score_ms);
+  r.recall_ms = median(rec_ms);
   return r;
 }
 
 void run(const Args& a) {
   std::printf("latent layout, %lld heads, capacity %lld, tier %lld tokens, fp32, CPU, %lld thread(s); recall budget "
-              "max(%lld, page) tokens per call; question appends of %lld tokens; means over %lld calls\n",
+              "max(%lld, page) tokens per call; question appends of %lld tokens; medians over %lld calls\n",
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
