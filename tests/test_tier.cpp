@@ -685,6 +685,37 @@ TEST_CASE("recall by hand: per head, one head's sharp attention wins; by the hea
   }
 }
 
+TEST_CASE("recall skips whole pages that do not fit, however many rank above the best that does", "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
+  // One head, 1-wide keys (key of position p: p / 10), pages of 2, 2 heavy hitters, no sink or
+  // window. 84 tokens, positions 0 and 50 scored 9: the other 82 go to the tier, so page 0 =
+  // {1} and page 25 = {51} hold one token each, and the other 40 pages two. q = 1: a page's
+  // bound is its largest key, so pages rank by id, 41 first (page 0's softmax share, about
+  // 5e-5, is well above 2^-32). With a budget of 1 token the 16 two-token pages above page 25
+  // are skipped, and page 25 ({51}) comes back, not page 0 ({1}), in place of position 0 (of
+  // the two heavy hitters, both 9, the older goes first; both lie below the window before the
+  // latest append, position 84).
+  kvevict::MlaCache cache(kvevict::MlaCacheOptions(1, 1).qk_dim(1).v_dim(1).tier_tokens(100).tier_page_size(2),
+                          EvictionOptions(2).n_sink(0).n_recent(0));
+  cache.update(0, at::arange(84, at::kFloat).div_(10).view({1, 1, 84, 1}), at::zeros({1, 1, 84, 1}));
+  auto scores = at::zeros({1, 84});
+  scores[0][0] = 9.f;
+  scores[0][50] = 9.f;
+  cache.add_scores(0, scores);
+  cache.evict(0);
+  REQUIRE(cache.tier_size(0, 0) == 82);
+  cache.update(0, at::zeros({1, 1, 1, 1}), at::zeros({1, 1, 1, 1}));
+  CHECK(cache.recall(0, at::ones({1, 1, 1, 1}), 1.0, 1) == 1);
+  CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{50, 51, 84});
+  const auto tier = sorted_positions(cache.tier_positions(0, 0), cache.tier_size(0, 0));
+  REQUIRE(tier.size() == 82);
+  CHECK(tier[0] == 0);
+  CHECK(tier[1] == 1);
+  CHECK(std::find(tier.begin(), tier.end(), 51) == tier.end());
+}
+
 TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
   kvevict_test::ForceTensorPath force(tensor_path);

@@ -387,15 +387,26 @@ class LayerTier {
     for (int64_t s = 0; s < dg.slots(); ++s) {
       if (dg.members(s) > 0 && scores[s] > 0) order_.push_back(s);
     }
-    std::sort(order_.begin(), order_.end(), [&](int64_t x, int64_t y) {
+    const auto better = [&](int64_t x, int64_t y) {
       return scores[x] != scores[y] ? scores[x] > scores[y] : dg.page_of_slot(x) < dg.page_of_slot(y);
-    });
+    };
+    // Only the pages the fill reaches need their order: a sorted prefix, grown geometrically
+    // (O(pages log pages) at worst) when pages too large to fit are skipped. `better` is a
+    // strict total order (page ids differ), so each prefix is the full sort's.
     int64_t left = limit;
-    for (const int64_t s : order_) {
+    size_t sorted = 0;
+    for (size_t i = 0; i < order_.size() && left > 0; ++i) {
+      if (i == sorted) {
+        const size_t grow_by = std::max<size_t>({static_cast<size_t>(left), sorted, size_t{16}});
+        const size_t upto = std::min(order_.size(), sorted + grow_by);
+        std::partial_sort(order_.begin() + static_cast<std::ptrdiff_t>(sorted),
+                          order_.begin() + static_cast<std::ptrdiff_t>(upto), order_.end(), better);
+        sorted = upto;
+      }
+      const int64_t s = order_[i];
       if (dg.members(s) > left) continue;
       for (int64_t t = dg.head(s); t >= 0; t = dg.next(t)) out.push_back(t);
       left -= dg.members(s);
-      if (left == 0) break;
     }
   }
 
