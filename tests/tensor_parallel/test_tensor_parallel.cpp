@@ -62,15 +62,18 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// A recall run: how the pages are scored (per head, or by the heads' mean logit), on which path.
+/// A recall run: how the pages are scored (per head, or by the heads' mean logit), on which
+/// path, with how many heads in all (0: the harness's 8).
 struct RecallRun {
   bool on = false, head_mean = false, tensor_path = false;
+  int64_t heads = 0;
   /// The worker's --mode for it.
   std::string mode() const {
-    return std::string(head_mean ? "recall_mean" : "recall") + (tensor_path ? "_tensor" : "");
+    return std::string(head_mean ? "recall_mean" : "recall") + (tensor_path ? "_tensor" : "") +
+           (heads > 0 ? "_heads" + std::to_string(heads) : "");
   }
   bool operator<(const RecallRun& o) const {
-    return std::tie(on, head_mean, tensor_path) < std::tie(o.on, o.head_mean, o.tensor_path);
+    return std::tie(on, head_mean, tensor_path, heads) < std::tie(o.on, o.head_mean, o.tensor_path, o.heads);
   }
 };
 
@@ -80,6 +83,7 @@ tp_harness::RunOptions run_options(bool lazy, int64_t steps, const RecallRun& re
   o.steps = steps;
   o.recall_every = recall.on ? kRecallEvery : 0;
   o.scoring = recall.head_mean ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead;
+  if (recall.heads > 0) o.dims.heads = recall.heads;
   return o;
 }
 
@@ -93,13 +97,14 @@ int worker_main(const Args& a) {
   auto step_start = Clock::now();
   try {
     auto store = c10::make_intrusive<c10d::FileStore>(a.dir + "/store", a.world);
-    const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, tp_harness::Dims().heads, at::kCPU,
-                                                     std::chrono::milliseconds(a.timeout_ms));
     RecallRun recall;
     for (const bool mean : {false, true})
       for (const bool tensor : {false, true})
-        if (a.mode == RecallRun{true, mean, tensor}.mode()) recall = {true, mean, tensor};
+        for (const int64_t heads : {int64_t{0}, int64_t{3}})
+          if (a.mode == RecallRun{true, mean, tensor, heads}.mode()) recall = {true, mean, tensor, heads};
     auto o = run_options(a.lazy, a.steps, recall);
+    const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, o.dims.heads, at::kCPU,
+                                                     std::chrono::milliseconds(a.timeout_ms));
     // The tensor path (what CUDA runs) on the CPU: hand-overs, recall scored on the digests' copy.
     kvevict::detail::force_tensor_path() = recall.tensor_path;
     const bool last = a.rank == a.world - 1;
@@ -290,6 +295,14 @@ TEST_CASE("2 ranks, a host tier, pages scored by the heads' mean logit (reduced 
   check_agreement(2, false, {true, true, tensor_path});
   // And the scoring is not the per-head one: the runs keep different tokens.
   CHECK(reference(false, {true, true, tensor_path}).latent != reference(false, {true, false, tensor_path}).latent);
+}
+
+TEST_CASE("2 ranks holding 2 heads and 1 (3 in all), pages scored by the heads' mean logit, on both paths: every rank "
+          "recalls what one process with all heads recalls, the expanded layout's one-head rank included",
+          "[tensor_parallel][agree][tier]") {
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  check_agreement(2, false, {true, true, tensor_path, 3});
 }
 
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {

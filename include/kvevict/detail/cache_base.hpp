@@ -351,13 +351,19 @@ class CacheBase {
       live_views_.resize(buffers_.size());
       if (tier_tokens_ > 0) {
         std::vector<int64_t> row_bytes, groups;
-        TierKeys keys{{}, dtype_, tier_page_size, tier_scoring == TierScoring::kHeadMean};
+        TierKeys keys;
+        keys.dtype = dtype_;
+        keys.page_size = tier_page_size;
+        keys.head_mean = tier_scoring == TierScoring::kHeadMean;
         for (size_t i = 0; i < specs_.size(); ++i) {
           const auto& spec = specs_[i];
           groups.push_back(1);
           for (auto o : spec.outer) groups.back() *= o;
           row_bytes.push_back(groups.back() * spec.inner * static_cast<int64_t>(c10::elementSize(dtype_)));
-          if (spec.key) keys.buffers.push_back(i);
+          if (spec.key) {
+            keys.buffers.push_back(i);
+            keys.shared = spec.outer.empty();  // latent: no head dim, every head meets the key
+          }
         }
         for (int64_t l = 0; l < num_layers(); ++l) {
           tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys);

@@ -12,6 +12,7 @@
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 
+#include <kvevict/detail/tier_host_path.hpp>
 #include <kvevict/detail/tier_tensor_path.hpp>
 
 #include <ATen/ATen.h>
@@ -108,6 +109,7 @@ struct TierKeys {
   std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
   at::ScalarType dtype = at::kFloat;
   int64_t page_size = 16;
+  bool shared = false;     // one key shared by every head (the latent layout), else one per head
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
@@ -218,69 +220,18 @@ class LayerTier {
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
                  const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
-    const int64_t B = static_cast<int64_t>(rows_.size()), H = query.size(1), Q = query.size(2), D = query.size(3);
+    const int64_t B = static_cast<int64_t>(rows_.size());
     at::Tensor host_query = host ? query : at::Tensor();  // on the tensor path: copied when needed
-    // Row b's real queries of `q` [B, Hq, Q, D] (on the host) as [key groups, M, D] (undefined
-    // when the row has none).
-    const auto real_queries = [&](const at::Tensor& q, int64_t b) {
-      const int64_t first = core.first_real(L, b, Q), Hq = q.size(1);
-      if (first >= Q) return at::Tensor();
-      auto r = q.select(0, b).narrow(1, first, Q - first);  // [Hq, Qr, D]
-      return (key_groups_ == 1 ? r.reshape({1, Hq * (Q - first), D}) : r).contiguous();
-    };
     const auto row_queries = [&](int64_t b) {
       if (!host_query.defined()) host_query = query.to(at::kCPU).contiguous();
-      return real_queries(host_query, b);
+      return real_queries(core, L, host_query, b, keys_.shared);
     };
     at::Tensor sums, pos_t = L.position, st_t = L.state;  // on the tensor path: host copies, below
     if (host) {
-      const auto fail = [&](const std::string& why) {
-        KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, ": ", why);
-      };
-      int64_t P = 1;
-      at::Tensor sum;  // kHeadMean: the heads' sum of the queries (latent) or of the bounds
-      allocating([&] {
-        for (int64_t b = 0; b < B; ++b) P = std::max(P, digests(b).slots());
-        sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
-        if (!keys_.head_mean) {
-          for (int64_t b = 0; b < B; ++b) {
-            const auto q = row_queries(b);
-            if (q.defined() && digests(b).pages() > 0) digests(b).score(q, scale, sums.template data_ptr<double>() + b * P);
-          }
-        } else if (key_groups_ == 1) {
-          sum = head_sum(query);  // [B, 1, Q, D]
-        } else {  // every row's bounds [H, Q, P] side by side, 0 where it has no query or page
-          auto bounds = at::zeros({B, H, Q, P}, at::TensorOptions().dtype(at::kFloat));
-          for (int64_t b = 0; b < B; ++b) {
-            const auto q = row_queries(b);
-            const int64_t n = digests(b).slots();
-            if (q.defined() && digests(b).pages() > 0)
-              bounds.select(0, b).narrow(1, Q - q.size(1), q.size(1)).narrow(2, 0, n).copy_(digests(b).bound(q, scale));
-          }
-          sum = head_sum(bounds);  // [B, 1, Q, P]
-        }
-      }, fail);
-      if (keys_.head_mean) {  // the sums over every process's heads, then the softmax
-        reduce_scores(layer, core, sum);
-        allocating([&] {
-          const auto mean = head_mean(sum, core);
-          for (int64_t b = 0; b < B; ++b) {
-            const auto& dg = digests(b);
-            const auto m = real_queries(mean, b);  // latent [1, Qr, D], expanded [1, Qr, P]
-            if (!m.defined() || dg.pages() == 0) continue;
-            double* out = sums.template data_ptr<double>() + b * P;
-            if (key_groups_ == 1)
-              dg.score(m, scale, out);
-            else
-              dg.score_bounds(m.narrow(2, 0, dg.slots()), out);
-          }
-        }, fail);
-      } else {
-        reduce_scores(layer, core, sums);
-      }
+      sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core);
     } else {  // the digests' copy on the device, scored there; one wait for what the plan reads
-      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, layer, query, scale, keys_.head_mean,
-                                    L, core);
+      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, keys_.shared, keys_.head_mean, layer,
+                                    query, scale, L, core);
       sums = scored.sums;
       pos_t = scored.position;
       st_t = scored.state;

@@ -129,7 +129,8 @@ class DeviceDigests {
 
   /// scale * (the Quest bound) of `query` [B, H, Q, D] (fp32, on the device) on every row's
   /// first P page slots, without a sync: [B, G, M, P] fp32. Latent G = 1, M = H Q: every head's
-  /// query meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys.
+  /// query meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys
+  /// (with one head, G = H = 1, both readings give the same product).
   at::Tensor bound(const at::Tensor& query, double scale, int64_t P) const {
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
     const auto q = digest_.size(2) == 1 ? query.reshape({B, 1, H * Q, D}) : query;  // [B, G, M, D]
@@ -328,15 +329,15 @@ struct DeviceScores {
 /// LayerTier::recall()'s scoring on the tensor path: `device` takes what changed in `digests`
 /// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
 /// (fp32, on core.device) where they are, per head (reducing the scores across processes,
-/// reduce_scores) or, `head_mean`, by the heads' mean logit (TierScoring::kHeadMean: the mean
-/// query's bound for G = 1, the mean of the heads' bounds otherwise, reduced before the
-/// softmax), and copies them with L's positions and states to the host: one wait, after every
-/// copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
+/// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
+/// the mean query's bound when `shared_key`, the latent layout; the mean of the heads' bounds
+/// otherwise, also when this process holds one head; reduced before the softmax), and copies
+/// them with L's positions and states to the host: one wait, after every copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
 /// naming `layer`; nothing but the device copy (then sent whole next time) changes.
 template <class Core>
 DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
-                             int64_t layer, const at::Tensor& query, double scale, bool head_mean_scoring,
-                             const LayerState& L, const Core& core) {
+                             bool shared_key, bool head_mean_scoring, int64_t layer, const at::Tensor& query,
+                             double scale, const LayerState& L, const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
     KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
@@ -350,14 +351,14 @@ DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
     if (!head_mean_scoring)
       on_device = device.score(query, real, scale, P);
     else
-      sum = head_sum(G == 1 ? query : device.bound(query, scale, P));  // the mean query, or the mean bound
+      sum = head_sum(shared_key ? query : device.bound(query, scale, P));  // the mean query, or the mean bound
   }, fail);
   if (head_mean_scoring) {
     reduce_scores(layer, core, sum);
     allocating([&] {
       const auto mean = head_mean(sum, core);
-      on_device = G == 1 ? device.score(mean, real, scale, P)
-                         : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
+      on_device = shared_key ? device.score(mean, real, scale, P)
+                             : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
     }, fail);
   } else {
     reduce_scores(layer, core, on_device);
