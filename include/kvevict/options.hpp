@@ -187,7 +187,8 @@ enum class TierScoring {
   /// multiply-adds, heads times fewer than kPerHead; in the expanded layout (a key per head) the
   /// mean of the heads' Quest bounds, the same matmul as kPerHead with heads times fewer
   /// softmaxes. With pages of 1 token both layouts give the mean logit itself. A page's score
-  /// then counts how strongly the heads together attend to it, not how many heads do.
+  /// then counts how strongly the heads together attend to it, not how many heads do. Two-level
+  /// recall (rescore) still rescores its pool per head.
   kHeadMean,
 };
 
