@@ -104,13 +104,14 @@ inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
 
 /// What a tier's digests are made of: the buffers that hold the keys (their pieces, per key
 /// group, side by side: the latent [ckv | kpe], or the expanded keys of one head), the cached
-/// dtype and the page size.
+/// dtype, the page size and the layer's key basis (tier_key_basis), if any.
 struct TierKeys {
   std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
   at::ScalarType dtype = at::kFloat;
   int64_t page_size = 16;
   bool shared = false;     // one key shared by every head (the latent layout), else one per head
   bool head_mean = false;  // TierScoring::kHeadMean
+  at::Tensor basis;        // [key width, r] fp32 contiguous on the CPU, or undefined
 };
 
 /// The tiers of one layer: one TierRow per batch row, a token budget per row, and the byte
@@ -133,14 +134,17 @@ class LayerTier {
       key_width_ += row_bytes_[i] / groups_[i] / elem;
     }
     key_.resize(static_cast<size_t>(key_groups_ * key_width_));
-    for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_);
+    for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_, keys_.basis);
+    digest_width_ = keys_.basis.defined() ? keys_.basis.size(1) : key_width_;
   }
 
   /// The digests' page size, tokens (cache options' tier_page_size).
   int64_t page_size() const noexcept { return keys_.page_size; }
-  /// Key groups G of a token (expanded: heads; latent: 1) and the width of each.
+  /// Key groups G of a token (expanded: heads; latent: 1) and the width of each; the digests'
+  /// width per group (r with a key basis, else the key width).
   int64_t key_groups() const noexcept { return key_groups_; }
   int64_t key_width() const noexcept { return key_width_; }
+  int64_t digest_width() const noexcept { return digest_width_; }
   const PageDigests& digests(int64_t b) const { return digests_[static_cast<size_t>(b)]; }
 
   /// Token i of row b's keys as floats [groups, width] in `out`.
@@ -230,7 +234,7 @@ class LayerTier {
     if (host) {
       sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core);
     } else {  // the digests' copy on the device, scored there; one wait for what the plan reads
-      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, keys_.shared, keys_.head_mean, layer,
+      auto scored = score_on_device(device_, digests_, key_groups_, digest_width_, keys_.shared, keys_.head_mean, layer,
                                     query, scale, L, core);
       sums = scored.sums;
       pos_t = scored.position;
@@ -253,13 +257,17 @@ class LayerTier {
         std::sort(pb.begin(), pb.end(), [&](int64_t x, int64_t y) { return r.position[x] < r.position[y]; });
         N = std::max(N, static_cast<int64_t>(pb.size()));
       }
-      exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
-      for (int64_t b = 0; b < B; ++b) {
-        const auto& pb = pool[static_cast<size_t>(b)];
-        const auto q = row_queries(b);
-        if (q.defined() && !pb.empty()) score_tokens(b, pb, q, scale, exact.select(0, b));
+      if (keys_.head_mean) {
+        exact = score_pools_head_mean(layer, pool, row_queries, query.size(1), query.size(2), N, scale, core);
+      } else {
+        exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
+        for (int64_t b = 0; b < B; ++b) {
+          const auto& pb = pool[static_cast<size_t>(b)];
+          const auto q = row_queries(b);
+          if (q.defined() && !pb.empty()) score_tokens(b, pb, q, scale, exact.select(0, b));
+        }
+        reduce_scores(layer, core, exact);
       }
-      reduce_scores(layer, core, exact);
     }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
     const auto& e = core.layer_eviction[layer];
@@ -373,6 +381,43 @@ class LayerTier {
     for (int64_t j = 0; j < n; ++j) key_of(b, pool[static_cast<size_t>(j)], k + j * key_groups_ * key_width_);
     const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
     out.narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
+  }
+
+  /// Two-level recall's exact scores under TierScoring::kHeadMean: per row b and real query
+  /// column, the heads' mean of scale * q.k over the pool's tokens `pool[b]` (the exact keys),
+  /// then one softmax over the pool, summed over the columns as fixed-point terms: [B, N] fp64
+  /// (pool[b][j] at column j; 0 past a row's pool and for a row without real queries).
+  /// `row_queries(b)`: row b's real queries [G, M, width] (real_queries()) of `H` heads and `Q`
+  /// columns. The heads' sums of the logits (fp64) are reduced across processes before the
+  /// softmax (head_sum() / head_mean()), as the pages' are. Allocates its temporaries.
+  template <class RowQueries, class Core>
+  at::Tensor score_pools_head_mean(int64_t layer, const std::vector<std::vector<int64_t>>& pool, RowQueries&& row_queries,
+                                   int64_t H, int64_t Q, int64_t N, double scale, const Core& core) const {
+    const auto B = static_cast<int64_t>(pool.size());
+    auto sums = at::zeros({B, Q, N}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
+    std::vector<int64_t> columns(static_cast<size_t>(B), 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& pb = pool[static_cast<size_t>(b)];
+      const auto q = row_queries(b);
+      if (!q.defined() || pb.empty()) continue;
+      const auto n = static_cast<int64_t>(pb.size());
+      auto keys = at::empty({n, key_groups_, key_width_});  // fp32
+      for (int64_t j = 0; j < n; ++j) key_of(b, pb[static_cast<size_t>(j)], keys.data_ptr<float>() + j * key_groups_ * key_width_);
+      const auto per_head = q.view({H, -1, key_width_});  // [H, Qr, width], latent and expanded alike
+      const int64_t qr = per_head.size(1);
+      const auto logits = at::matmul(per_head, keys.permute({1, 2, 0})).mul_(scale);  // [H, Qr, n]
+      sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
+      columns[static_cast<size_t>(b)] = qr;
+    }
+    reduce_scores(layer, core, sums);  // the sums over every process's heads, then the softmax
+    auto exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t qr = columns[static_cast<size_t>(b)], n = static_cast<int64_t>(pool[static_cast<size_t>(b)].size());
+      if (qr == 0) continue;
+      const auto mean = head_mean(sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).unsqueeze(0), core)[0];
+      exact.select(0, b).narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(mean, -1)), at::IntArrayRef{0}, false, at::kDouble));
+    }
+    return exact;
   }
 
   /// Two-level recall's pick: of `pool` (tier token indices by ascending position, `scores[j]`
@@ -568,7 +613,7 @@ class LayerTier {
   }
 
   /// Host bytes held by every row's tokens (positions, ranks, states and rows) and by the
-  /// digests of their pages (fp32 min and max per page slot).
+  /// digests of their pages (fp32 min and max per page slot and digest channel).
   int64_t bytes() const {
     int64_t per_token = 8 + 4 + 4 * W_;
     for (auto x : row_bytes_) per_token += x;
@@ -670,7 +715,7 @@ class LayerTier {
   int64_t W_ = 1;
   std::vector<int64_t> row_bytes_, groups_;
   TierKeys keys_;
-  int64_t key_groups_ = 1, key_width_ = 0;
+  int64_t key_groups_ = 1, key_width_ = 0, digest_width_ = 0;
   int64_t recalled_ = 0;
   std::vector<PageDigests> digests_;  // per row
   DeviceDigests device_;              // tensor path: digests_ on the cache's device
