@@ -23,10 +23,6 @@
 // --scoring per_head,head_mean gives each row under each TierScoring (cache option tier_scoring):
 // per head, or by the heads' mean logit (one query per column instead of one per head and
 // column). Default: per_head only.
-// --basis-dims 0,32 gives each row without a key basis (0: digests of the 576-wide keys) and
-// with one of r dims (cache option tier_key_basis: digests of the keys' projection on r
-// principal directions, key_basis() of 4,096 random keys here; the keys are random, so only the
-// cost means anything). Default: 0.
 #include "cli.hpp"
 
 #include <kvevict/kvevict.hpp>
@@ -53,22 +49,17 @@ struct Args {
           rescore = 0;
   std::vector<int64_t> pages = {1, 16, 64, 256};
   std::vector<kvevict::TierScoring> scorings = {kvevict::TierScoring::kPerHead};
-  std::vector<int64_t> basis_dims = {0};
 };
 
 const char* scoring_name(kvevict::TierScoring s) { return s == kvevict::TierScoring::kHeadMean ? "head_mean" : "per_head"; }
 
 constexpr int64_t kW = 512, kR = 64;
 
-/// A latent cache at capacity with `a.tier` tokens in its tier (digests on a key basis of `dims`
-/// directions, when > 0).
-kvevict::MlaLatentCache filled(const Args& a, int64_t page, kvevict::TierScoring scoring, int64_t dims) {
-  at::manual_seed(5);
-  std::vector<at::Tensor> basis;
-  if (dims > 0) basis.push_back(kvevict::key_basis(at::randn({4096, kW + kR}), dims));
+/// A latent cache at capacity with `a.tier` tokens in its tier.
+kvevict::MlaLatentCache filled(const Args& a, int64_t page, kvevict::TierScoring scoring) {
   kvevict::MlaLatentCache cache(
       kvevict::MlaLatentCacheOptions(1, a.heads).kv_lora_rank(kW).qk_rope_dim(kR).tier_tokens(a.tier).tier_page_size(page)
-          .tier_scoring(scoring).tier_key_basis(basis),
+          .tier_scoring(scoring),
       kvevict::EvictionOptions(a.capacity - 20).n_sink(4).n_recent(16));
   at::manual_seed(3);
   const int64_t chunk = 512;
@@ -133,15 +124,13 @@ void run(const Args& a) {
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
-  std::printf("%6s %10s %6s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "scoring", "basis", "when",
-              "recall", "pages",
+  std::printf("%6s %10s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "scoring", "when", "recall", "pages",
               "attend ms", "score ms", "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call",
               "host MiB");
   const double row_bytes = (kW + kR) * 4.0;
   for (const int64_t page : a.pages)
-  for (const auto scoring : a.scorings)
-  for (const int64_t dims : a.basis_dims) {
-    auto cache = filled(a, page, scoring, dims);
+  for (const auto scoring : a.scorings) {
+    auto cache = filled(a, page, scoring);
     const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
     const int64_t pool = std::max(a.rescore, page);
     for (const bool two_level : {false, true}) {
@@ -152,10 +141,8 @@ void run(const Args& a) {
         char score[2][16];
         std::snprintf(score[0], sizeof score[0], "%.3f", r.score_ms);
         std::snprintf(score[1], sizeof score[1], "%.1f%%", 100.0 * r.score_ms / r.attend_ms);
-        char basis[16];
-        std::snprintf(basis, sizeof basis, dims > 0 ? "%lld" : "-", static_cast<long long>(dims));
-        std::printf("%6lld %10s %6s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
-                    static_cast<long long>(page), scoring_name(scoring), basis, question ? "per question" : "every step",
+        std::printf("%6lld %10s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
+                    static_cast<long long>(page), scoring_name(scoring), question ? "per question" : "every step",
                     two_level ? "two-level" : "pages", pages, r.attend_ms, two_level ? "-" : score[0],
                     two_level ? "-" : score[1], r.recall_ms, 100.0 * r.recall_ms / r.attend_ms, r.recalled,
                     r.recalled * row_bytes, static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
@@ -181,7 +168,6 @@ int main(int argc, char** argv) {
          {"--question-tokens", [&](auto& f, auto& v) { a.question = kvevict_cli::parse_int(f, v, 1, 4096); }},
          {"--rescore", [&](auto& f, auto& v) { a.rescore = kvevict_cli::parse_int(f, v, 0, 1 << 20); }},
          {"--pages", [&](auto& f, auto& v) { a.pages = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }},
-         {"--basis-dims", [&](auto& f, auto& v) { a.basis_dims = kvevict_cli::parse_int_list(f, v, 0, kW + kR); }},
          {"--scoring", [&](auto& f, auto& v) {
             a.scorings.clear();
             std::string rest = v;
@@ -202,9 +188,9 @@ int main(int argc, char** argv) {
       std::printf(
           "usage: kvevict_tier_bench [--heads N] [--capacity N] [--tier N] [--pages 1,16,64,256] [--steps N]\n"
           "                          [--recall-tokens N] [--question-tokens N] [--rescore N] [--threads N]\n"
-          "                          [--scoring per_head,head_mean] [--basis-dims 0,32]\n"
+          "                          [--scoring per_head,head_mean]\n"
           "Defaults: 64 heads, capacity 4612, tier 32768, pages 1,16,64,256, 20 calls, recall 64 tokens, questions of\n"
-          "16 tokens, no two-level rows (--rescore 0), 1 thread, per_head scoring, no key basis (--basis-dims 0).\n");
+          "16 tokens, no two-level rows (--rescore 0), 1 thread, per_head scoring.\n");
       return 0;
     }
   } catch (const kvevict_cli::UsageError& e) {

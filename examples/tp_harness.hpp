@@ -4,7 +4,6 @@
 // and a random-init DeepSeek-V3-style MLA attention whose heads are split across the ranks.
 
 #include <kvevict/attention.hpp>
-#include <kvevict/key_basis.hpp>
 #include <kvevict/mla_cache.hpp>
 #include <kvevict/mla_latent_cache.hpp>
 #include <kvevict/tensor_parallel.hpp>
@@ -266,16 +265,7 @@ struct RunOptions {
                              // steps each layer recalls before its attention: whole pages, up to
                              // 8 tokens, and every other time two-level, 3 of a pool of 16
   kvevict::TierScoring scoring = kvevict::TierScoring::kPerHead;  // how the recalls score the pages
-  int64_t basis_dims = 0;  // > 0 (with a tier): low-rank digests, tier_key_basis of that many
-                           // directions per layer (key_basis() of fixed keys: every rank's own)
 };
-
-/// A layer's key basis for RunOptions::basis_dims: key_basis() of 64 fixed keys of `width`
-/// (the same on every rank and in every process, with no random generator).
-inline at::Tensor harness_basis(int64_t layer, int64_t width, int64_t dims) {
-  const auto keys = at::arange(64 * width, at::TensorOptions().dtype(at::kDouble)).view({64, width});
-  return kvevict::key_basis(keys.mul(0.37 + 0.11 * static_cast<double>(layer)).sin_(), dims);
-}
 
 struct RunResult {
   std::vector<uint64_t> expanded, latent;  // per step: digest of the kept positions
@@ -300,15 +290,6 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
   if (o.recall_every > 0) {
     eopts.tier_tokens(1000).tier_page_size(4).tier_scoring(o.scoring);
     lopts.tier_tokens(1000).tier_page_size(4).tier_scoring(o.scoring);
-    if (o.basis_dims > 0) {
-      std::vector<at::Tensor> eb, lb;
-      for (int64_t l = 0; l < d.layers; ++l) {
-        eb.push_back(harness_basis(l, d.qk(), o.basis_dims));
-        lb.push_back(harness_basis(l, d.kv_lora + d.qk_rope, o.basis_dims));
-      }
-      eopts.tier_key_basis(eb);
-      lopts.tier_key_basis(lb);
-    }
   }
   auto build = [&](auto opts, auto* tag) {
     using Cache = std::remove_pointer_t<decltype(tag)>;

@@ -35,31 +35,27 @@ text; writes OUT/quality.csv, gnuplot data and plots, and prints a summary table
 
 Options (default in brackets):
   --weights PATH         the model's weights [examples/quality/weights.pt]
-  --data DIR             brown_heldout.txt (and brown_train.txt, h2o_recall_lowrank's
-                         calibration) [build-quality/data]
+  --data DIR             brown_heldout.txt [build-quality/data]
   --out DIR              results [build-quality/eval]
   --contexts L,...       passkey document lengths, 12 .. 2^20 [256,512,1024]
   --budgets P,...        cache capacities, percent of the context, 1 .. 100 [10,25,50]
   --depths D,...         needle depths, fractions of the filler, 0 .. 1 [0.1,0.3,0.5,0.7,0.9]
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
                          sinks_window, random, snapkv, h2o_recall, h2o_recall_paged,
-                         h2o_recall_mean, h2o_recall_lowrank, h2o_recall_turn,
-                         snapkv_recall_turn; snapkv and the _turn ones: retrieval only)
+                         h2o_recall_mean, h2o_recall_turn, snapkv_recall_turn; snapkv and
+                         the _turn ones:
+                         retrieval only)
                          [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
-                          h2o_recall,h2o_recall_paged,h2o_recall_mean,h2o_recall_lowrank,
-                          h2o_recall_turn,snapkv_recall_turn]
+                          h2o_recall,h2o_recall_paged,h2o_recall_mean,h2o_recall_turn,
+                          snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
   --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [3]
-  --paged-page N         h2o_recall_paged's tier page size, tokens, 1 .. 4096 [16]
-  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [64]
+  --paged-page N         h2o_recall_paged's tier page size (pages scored by the heads' mean
+                         logit), tokens, 1 .. 4096 [64]
+  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [128]
   --mean-page N          h2o_recall_mean's tier page size (pages scored by the heads' mean
                          logit, TierScoring::kHeadMean), tokens, 1 .. 4096 [1]
   --mean-rescore N       its two-level pool, tokens, 0 (none) .. 2^20 [0]
-  --lowrank-dims N       h2o_recall_lowrank's digest width: each layer's key basis holds the
-                         N principal directions of keys from 10 calibration documents
-                         (training text, 1,024 tokens), 1 .. 1024 [16]
-  --lowrank-rescore N    its two-level pool, rescored with the exact keys, tokens,
-                         0 (none) .. 2^20 [32]
   --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [4]
   --turn-share X         their recall budget per question, a share of the heavy-hitter
                          budget, 0 .. 1 [0.25]
@@ -84,7 +80,7 @@ struct Args {
   std::vector<double> depths{0.1, 0.3, 0.5, 0.7, 0.9};
   std::vector<std::string> policies{"h2o",          "mean_observed", "tova",   "decay",      "h2o_pyramid",
                                     "sinks_window", "random",        "snapkv", "h2o_recall", "h2o_recall_paged",
-                                    "h2o_recall_mean", "h2o_recall_lowrank", "h2o_recall_turn", "snapkv_recall_turn"};
+                                    "h2o_recall_mean", "h2o_recall_turn", "snapkv_recall_turn"};
   RecallSettings recall;
   std::vector<std::string> layouts{"expanded", "latent"};
   int64_t docs = 4, text_windows = 8, text_len = 1024, threads = 1, jobs = 2, heat_budget = 25;
@@ -146,8 +142,6 @@ bool parse(int argc, char** argv, Args& a) {
           {"--paged-rescore", [&](auto& f, auto& v) { a.recall.paged_rescore = parse_int(f, v, 1, 1 << 20); }},
           {"--mean-page", [&](auto& f, auto& v) { a.recall.mean_page = parse_int(f, v, 1, 4096); }},
           {"--mean-rescore", [&](auto& f, auto& v) { a.recall.mean_rescore = parse_int(f, v, 0, 1 << 20); }},
-          {"--lowrank-dims", [&](auto& f, auto& v) { a.recall.lowrank_dims = parse_int(f, v, 1, 1024); }},
-          {"--lowrank-rescore", [&](auto& f, auto& v) { a.recall.lowrank_rescore = parse_int(f, v, 0, 1 << 20); }},
           {"--turn-page", [&](auto& f, auto& v) { a.recall.turn_page = parse_int(f, v, 1, 4096); }},
           {"--turn-share", [&](auto& f, auto& v) { a.recall.turn_share = kvevict_cli::parse_double(f, v, 0, 1); }},
       },
@@ -209,14 +203,6 @@ int main(int argc, char** argv) try {
     return 0;
   }
   const std::string held = read_file(a.data + "/brown_heldout.txt");
-  if (std::find(a.policies.begin(), a.policies.end(), "h2o_recall_lowrank") != a.policies.end()) {
-    // Its key basis per layer and layout, from training text (never the held-out documents).
-    const auto calib = passkey_docs(read_file(a.data + "/brown_train.txt"), 1024, {0.1, 0.3, 0.5, 0.7, 0.9}, 2, 4242).tok;
-    for (const auto& lname : a.layouts) {
-      if (lname == "expanded") a.recall.expanded_basis = calibrate_key_basis(m, Layout::Expanded, calib, a.recall.lowrank_dims);
-      if (lname == "latent") a.recall.latent_basis = calibrate_key_basis(m, Layout::Latent, calib, a.recall.lowrank_dims);
-    }
-  }
   Csv csv(a.out + "/quality.csv");
 
   // SnapKV compresses a prompt once, at its end (Model::prefill_compressed): a passkey

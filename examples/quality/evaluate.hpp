@@ -22,7 +22,7 @@ inline const char* layout_name(Layout l) { return l == Layout::Expanded ? "expan
 // compression sends the prompt tokens it drops to the tier, and each question recalls.
 enum class Policy {
   Full, H2O, MeanObserved, Tova, Decay, Window, Random, Pyramid, SnapKV, H2ORecall, H2ORecallPaged, H2ORecallMean,
-  H2ORecallLowRank, H2ORecallTurn, SnapKVRecallTurn
+  H2ORecallTurn, SnapKVRecallTurn
 };
 inline const char* policy_name(Policy p) {
   switch (p) {
@@ -38,7 +38,6 @@ inline const char* policy_name(Policy p) {
     case Policy::H2ORecall: return "h2o_recall";
     case Policy::H2ORecallPaged: return "h2o_recall_paged";
     case Policy::H2ORecallMean: return "h2o_recall_mean";
-    case Policy::H2ORecallLowRank: return "h2o_recall_lowrank";
     case Policy::H2ORecallTurn: return "h2o_recall_turn";
     case Policy::SnapKVRecallTurn: return "snapkv_recall_turn";
   }
@@ -46,8 +45,7 @@ inline const char* policy_name(Policy p) {
 }
 // The recall policies that recall at every append after the prefill (the others: at questions).
 inline bool recalls_every_step(Policy p) {
-  return p == Policy::H2ORecall || p == Policy::H2ORecallPaged || p == Policy::H2ORecallMean ||
-         p == Policy::H2ORecallLowRank;
+  return p == Policy::H2ORecall || p == Policy::H2ORecallPaged || p == Policy::H2ORecallMean;
 }
 inline bool recalls(Policy p) {
   return recalls_every_step(p) || p == Policy::H2ORecallTurn || p == Policy::SnapKVRecallTurn;
@@ -57,7 +55,7 @@ inline bool compresses_prompt(Policy p) { return p == Policy::SnapKV || p == Pol
 inline Policy policy_from(const std::string& s) {
   for (auto p : {Policy::Full, Policy::H2O, Policy::MeanObserved, Policy::Tova, Policy::Decay, Policy::Window,
                  Policy::Random, Policy::Pyramid, Policy::SnapKV, Policy::H2ORecall, Policy::H2ORecallPaged,
-                 Policy::H2ORecallMean, Policy::H2ORecallLowRank, Policy::H2ORecallTurn, Policy::SnapKVRecallTurn})
+                 Policy::H2ORecallMean, Policy::H2ORecallTurn, Policy::SnapKVRecallTurn})
     if (s == policy_name(p)) return p;
   throw std::runtime_error("unknown policy " + s);
 }
@@ -93,61 +91,51 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
 
 // Recall settings of the recall policies. The tier keeps every evicted token (tier_tokens = the
 // document length). h2o_recall: pages of `step_page` tokens, at most `step_tokens` back per step.
-// h2o_recall_paged: the same every step, two-level (recall's rescore): pages of `paged_page`,
-// the best pages up to `paged_rescore` tokens scored again token by token, `step_tokens` of them
-// back. h2o_recall_mean: every step, pages of `mean_page` scored by the heads' mean logit
-// (TierScoring::kHeadMean), `step_tokens` back (two-level with a pool of `mean_rescore` tokens,
-// rescored by the heads' mean too, when it is > step_tokens). h2o_recall_lowrank: every step, pages of 1 scored
-// by the heads' mean on low-rank digests (tier_key_basis: each layer's `lowrank_dims` principal
-// key directions, from calibration documents, calibrate_key_basis()), the best `lowrank_rescore`
-// tokens rescored exactly by the heads' mean, `step_tokens` back. h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget
+// h2o_recall_paged: the same every step, scored by the heads' mean logit (TierScoring::kHeadMean),
+// two-level (recall's rescore): pages of `paged_page`, the best pages up to `paged_rescore`
+// tokens scored again token by token with their exact keys, `step_tokens` of them back.
+// h2o_recall_mean: every step, pages of `mean_page` scored by the heads' mean logit,
+// `step_tokens` back (two-level with a pool of `mean_rescore` tokens when it is > step_tokens). h2o_recall_turn: pages of `turn_page`, at most `turn_share` of the heavy-hitter budget
 // back per question (whole pages, at least one). The defaults are the best of small sweeps
 // (examples/quality/README.md): a recall every step wants exact, small recalls (it comes back
 // for the next answer token); a recall once per question wants pages, so that the tokens after
 // the one the question finds come too.
 struct RecallSettings {
-  int64_t step_page = 1, step_tokens = 3, paged_page = 16, paged_rescore = 64, mean_page = 1, mean_rescore = 0,
-          lowrank_dims = 16, lowrank_rescore = 32, turn_page = 4;
+  int64_t step_page = 1, step_tokens = 3, paged_page = 64, paged_rescore = 128, mean_page = 1, mean_rescore = 0,
+          turn_page = 4;
   double turn_share = 0.25;
-  // h2o_recall_lowrank's key basis per layer, per layout (calibrate_key_basis()).
-  std::vector<torch::Tensor> expanded_basis, latent_basis;
   int64_t page(Policy p) const {
-    return p == Policy::H2ORecall          ? step_page
-           : p == Policy::H2ORecallPaged   ? paged_page
-           : p == Policy::H2ORecallMean    ? mean_page
-           : p == Policy::H2ORecallLowRank ? 1
-                                           : turn_page;
+    return p == Policy::H2ORecall        ? step_page
+           : p == Policy::H2ORecallPaged ? paged_page
+           : p == Policy::H2ORecallMean  ? mean_page
+                                         : turn_page;
   }
   Recall recall(Policy p, const kvevict::EvictionOptions& e) const {
     if (p == Policy::H2ORecall) return {step_tokens, 0};
     if (p == Policy::H2ORecallPaged) return {step_tokens, paged_rescore};
     if (p == Policy::H2ORecallMean) return {step_tokens, mean_rescore};
-    if (p == Policy::H2ORecallLowRank) return {step_tokens, lowrank_rescore};
     return {std::max<int64_t>(turn_page, static_cast<int64_t>(turn_share * static_cast<double>(e.budget()))), 0};
   }
 };
 
-// tier > 0: the cache keeps a host tier of that many tokens per row, pages of tier_page, its
-// digests on `basis` (tier_key_basis) when that is not empty.
+// tier > 0: the cache keeps a host tier of that many tokens per row, pages of tier_page.
 template <class F>
 void with_cache(Model& m, Layout layout, Policy p, const kvevict::EvictionOptions& e, int64_t batch, F&& f,
-                int64_t tier = 0, int64_t tier_page = 16, const std::vector<torch::Tensor>& basis = {}) {
-  const auto scoring = p == Policy::H2ORecallMean || p == Policy::H2ORecallLowRank ? kvevict::TierScoring::kHeadMean
-                                                                                   : kvevict::TierScoring::kPerHead;
+                int64_t tier = 0, int64_t tier_page = 16) {
+  const auto scoring = p == Policy::H2ORecallMean || p == Policy::H2ORecallPaged ? kvevict::TierScoring::kHeadMean
+                                                                                 : kvevict::TierScoring::kPerHead;
   std::vector<int64_t> layer_budgets;
   if (p == Policy::Pyramid) layer_budgets = pyramid_budgets(e.budget(), m->c.n_layers);
   auto run = [&](auto scorer) {
     using Scorer = decltype(scorer);
     if (layout == Layout::Expanded) {
       kvevict::BasicMlaCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->expanded_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring)
-              .tier_key_basis(basis),
+          m->expanded_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring),
           e, scorer);
       f(cache);
     } else {
       kvevict::BasicMlaLatentCache<kvevict::EvictionPolicy<Scorer>> cache(
-          m->latent_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring)
-              .tier_key_basis(basis),
+          m->latent_options(batch).layer_budgets(layer_budgets).tier_tokens(tier).tier_page_size(tier_page).tier_scoring(scoring),
           e, scorer);
       f(cache);
     }
@@ -223,38 +211,11 @@ inline RunResult run_policy(Model& m, Layout layout, Policy p, const kvevict::Ev
         chunks.push_back(m->step(tok.narrow(1, t, n), cache, state, tap, p != Policy::Random, evict, recall));
       t += n;
     }
-  }, recalls(p) ? T : 0, rs.page(p),
-     p != Policy::H2ORecallLowRank ? std::vector<torch::Tensor>{}
-     : layout == Layout::Expanded  ? rs.expanded_basis
-                                   : rs.latent_basis);
+  }, recalls(p) ? T : 0, rs.page(p));
   res.logits = torch::cat(chunks, 1);
   if (attn_out)
     for (int64_t l = 0; l < m->c.n_layers; ++l) (*attn_out)[l] = torch::cat(attn_parts[l], 2);
   return res;
-}
-
-// The keys a cache holds, per layer, as the tier's digests see them: the latent [ckv | kpe]
-// rows [B, S, kv_lora + rope], or every head's expanded keys [B, H, S, qk].
-template <class P>
-torch::Tensor digest_keys(const kvevict::BasicMlaCache<P>& c, int64_t l) { return c.keys(l); }
-template <class P>
-torch::Tensor digest_keys(const kvevict::BasicMlaLatentCache<P>& c, int64_t l) {
-  return torch::cat({c.ckv(l), c.kpe(l)}, -1);
-}
-
-// h2o_recall_lowrank's calibration (Loki, Singhania et al. 2024, Sec. 3: PCA of keys,
-// offline): per layer, kvevict::key_basis() of `dims` directions over the keys a full cache
-// holds after `tok` [B, T] (one prefill chunk).
-inline std::vector<torch::Tensor> calibrate_key_basis(Model& m, Layout layout, const torch::Tensor& tok, int64_t dims) {
-  torch::NoGradGuard g;
-  const int64_t T = tok.size(1);
-  std::vector<torch::Tensor> basis;
-  with_cache(m, layout, Policy::Full, eviction_for(Policy::Full, T, T), tok.size(0), [&](auto& cache) {
-    DecodeState state;
-    m->step(tok, cache, state);
-    for (int64_t l = 0; l < m->c.n_layers; ++l) basis.push_back(kvevict::key_basis(digest_keys(cache, l), dims));
-  });
-  return basis;
 }
 
 // Retrieval documents: n passkey rows per depth, all of length T (context T - kPassLen).

@@ -14,4 +14,3 @@
 #include <kvevict/lse_scores.hpp>
 #include <kvevict/prefill.hpp>
 #include <kvevict/memory_model.hpp>
-#include <kvevict/key_basis.hpp>

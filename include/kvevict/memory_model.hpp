@@ -99,22 +99,19 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 /// (as in the cache's dtype) plus 8 + 4 + 4 x state_width bytes (position, rank at eviction,
 /// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
 /// Plus the page digests (cache options' tier_page_size): an fp32 min and max per key channel
-/// (latent: kv_lora_rank + qk_rope_dim; expanded: num_heads x qk_dim; with a key basis of
-/// `key_basis_dims` r > 0, tier_key_basis: r, and num_heads x r) for at most
+/// (latent: kv_lora_rank + qk_rope_dim; expanded: num_heads x qk_dim) for at most
 /// min(tier tokens, ceil(seq_len / page_size)) pages per layer. On the tensor path the cache's
 /// device holds a copy of the digests as well (CacheStats::tier_device_bytes): their part of
 /// this again, up to twice it (its capacity grows geometrically).
 /// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1,
-///         page_size < 1, key_basis_dims < 0, or the result overflows int64.
+///         page_size < 1, or the result overflows int64.
 inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity,
-                          int64_t tier_tokens, int64_t state_width = 1, int64_t page_size = 16,
-                          int64_t key_basis_dims = 0) {
+                          int64_t tier_tokens, int64_t state_width = 1, int64_t page_size = 16) {
   KVEVICT_CHECK_VALUE(seq_len >= 0, "seq_len must be >= 0, got ", seq_len);
   KVEVICT_CHECK_VALUE(capacity >= 1, "capacity must be >= 1, got ", capacity);
   KVEVICT_CHECK_VALUE(tier_tokens >= 0, "tier_tokens must be >= 0, got ", tier_tokens);
   KVEVICT_CHECK_VALUE(state_width >= 1, "state_width must be >= 1, got ", state_width);
   KVEVICT_CHECK_VALUE(page_size >= 1, "page_size must be >= 1, got ", page_size);
-  KVEVICT_CHECK_VALUE(key_basis_dims >= 0, "key_basis_dims must be >= 0, got ", key_basis_dims);
   using detail::checked_add;
   using detail::checked_mul;
   const int64_t tokens = std::min(std::max<int64_t>(seq_len - capacity, 0), tier_tokens);
@@ -122,10 +119,8 @@ inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_l
                                         checked_add(12, checked_mul(4, state_width, "state bytes"), "tier bookkeeping"),
                                         "tier bytes per token and layer");
   const int64_t pages = std::min(tokens, seq_len / page_size + (seq_len % page_size != 0));
-  const int64_t key_floats =
-      layout == Layout::kLatent
-          ? (key_basis_dims > 0 ? key_basis_dims : checked_add(c.kv_lora_rank, c.qk_rope_dim, "key width"))
-          : checked_mul(c.num_heads, key_basis_dims > 0 ? key_basis_dims : c.qk_dim, "key width");
+  const int64_t key_floats = layout == Layout::kLatent ? checked_add(c.kv_lora_rank, c.qk_rope_dim, "key width")
+                                                       : checked_mul(c.num_heads, c.qk_dim, "key width");
   const int64_t digest = checked_mul(pages, checked_mul(8, key_floats, "digest bytes per page"), "digest bytes");
   return checked_mul(checked_add(checked_mul(tokens, per_token, "tier tokens x bytes"), digest, "tier bytes"),
                      c.num_layers, "tier bytes (all layers)");

@@ -46,8 +46,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}, true},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
-             options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring(),
-             options.tier_key_basis()),
+             options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring()),
         options_(options) {}
 
   const MlaCacheOptions& options() const noexcept { return options_; }
@@ -117,10 +116,6 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// keeps its window whole), which go to the tier with their rank. Rows come back bit for
   /// bit, at their own positions (RoPE is untouched), so capacity stays a cap: the cache holds
   /// no more tokens than before.
-  ///
-  /// With tier_key_basis (low-rank digests, Loki), the digests and the queries that meet them
-  /// are projected on the layer's basis P first: the bound is then on q^T P P^T k, an estimate
-  /// of q.k, at r / qk_dim of the digests' cost. Two-level recall still rescores exactly.
   ///
   /// Two-level recall (rescore > tokens): the pages are only a first cut. The best whole pages
   /// up to `rescore` tokens per row form a pool; every pool token is scored again with its own

@@ -44,8 +44,7 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
       : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
              {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}, true},
               {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}, true}},
-             options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring(),
-             options.tier_key_basis()),
+             options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring()),
         options_(options) {}
 
   const MlaLatentCacheOptions& options() const noexcept { return options_; }

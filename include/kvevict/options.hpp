@@ -215,28 +215,6 @@ struct CacheOptionsBase {
     KVEVICT_CHECK_VALUE(tier_scoring_ == TierScoring::kPerHead || tier_scoring_ == TierScoring::kHeadMean, type,
                         ": tier_scoring must be kPerHead or kHeadMean, got ", static_cast<int>(tier_scoring_));
     static_cast<const Derived&>(*this).validate_layout();
-    validate_key_basis(type);
-  }
-
-  /// tier_key_basis's checks (validate()). Reads each basis once (a sync for one on CUDA).
-  void validate_key_basis(const char* type) const {
-    if (tier_key_basis_.empty()) return;
-    KVEVICT_CHECK_VALUE(tier_tokens_ > 0, type, ": tier_key_basis needs a host tier (tier_tokens > 0), got tier_tokens ",
-                        tier_tokens_);
-    KVEVICT_CHECK_VALUE(static_cast<int64_t>(tier_key_basis_.size()) == num_layers_, type,
-                        ": tier_key_basis must hold one basis per layer (num_layers ", num_layers_, "), got ",
-                        tier_key_basis_.size());
-    const int64_t D = static_cast<const Derived&>(*this).tier_key_width();
-    for (size_t l = 0; l < tier_key_basis_.size(); ++l) {
-      const auto& b = tier_key_basis_[l];
-      KVEVICT_CHECK_VALUE(b.defined() && b.dim() == 2 && b.size(0) == D && b.size(1) >= 1 && b.size(1) <= D, type,
-                          ": tier_key_basis[", l, "] must be [", D, ", r] with 1 <= r <= ", D,
-                          " (the key width), got ", b.defined() ? b.sizes() : at::IntArrayRef{});
-      KVEVICT_CHECK_VALUE(at::isFloatingType(b.scalar_type()), type, ": tier_key_basis[", l,
-                          "] must be a floating tensor, got ", b.scalar_type());
-      KVEVICT_CHECK_VALUE(at::isfinite(b).all().template item<bool>(), type, ": tier_key_basis[", l,
-                          "] must be finite, got a NaN or an infinity");
-    }
   }
 
   /// The eviction state's shape for these options.
@@ -284,18 +262,6 @@ struct CacheOptionsBase {
   /// How recall() scores the pages (TierScoring): per head, or by the heads' mean logit, which
   /// in the latent layout costs heads times less. Default: TierScoring::kPerHead.
   KVEVICT_ARG_AS(Derived, TierScoring, tier_scoring) = TierScoring::kPerHead;
-  /// Low-rank digests (Loki, Singhania et al. 2024, Sec. 3-4: keys live in a low-dimensional
-  /// subspace, found offline by PCA). Per layer, a basis P [D, r] of any floating dtype and
-  /// device (D the key width: kv_lora_rank + qk_rope_dim in the latent layout, qk_dim per head in
-  /// the expanded one, where every head shares it; 1 <= r <= D), e.g. key_basis() of keys from
-  /// calibration text. The digests then hold the per-channel min and max of P^T k instead of k,
-  /// r channels instead of D, and recall scores them with P^T q: pages x r instead of pages x D
-  /// per query row, memory and multiply-adds alike. The bound is then on q^T P P^T k, an estimate
-  /// of q.k, not a bound: exact for keys in span(P) plus a constant (the score is a softmax over
-  /// pages, so what every key shares cancels; that is why key_basis() centres the keys). Two-level
-  /// recall (rescore) still rescores its pool with the exact keys. Copied (CPU fp32) when the
-  /// cache is built. Needs tier_tokens > 0. Empty (the default): the digests hold the keys.
-  KVEVICT_ARG_AS(Derived, std::vector<at::Tensor>, tier_key_basis) = {};
 };
 
 }  // namespace detail
@@ -318,9 +284,6 @@ struct MlaCacheOptions : detail::CacheOptionsBase<MlaCacheOptions> {
     KVEVICT_CHECK_VALUE(qk_dim_ >= 1, kName, ": qk_dim must be >= 1, got ", qk_dim_);
     KVEVICT_CHECK_VALUE(v_dim_ >= 1, kName, ": v_dim must be >= 1, got ", v_dim_);
   }
-
-  /// The width D of a key the tier's digests see (tier_key_basis): qk_dim, per head.
-  int64_t tier_key_width() const noexcept { return qk_dim_; }
 
   /// Key width per head: qk_nope + qk_rope. Default: 192 (128 + 64).
   KVEVICT_ARG(int64_t, qk_dim) = 192;
@@ -346,10 +309,6 @@ struct MlaLatentCacheOptions : detail::CacheOptionsBase<MlaLatentCacheOptions> {
     KVEVICT_CHECK_VALUE(qk_rope_dim_ >= 1, kName, ": qk_rope_dim must be >= 1, got ", qk_rope_dim_);
     KVEVICT_CHECK_VALUE(qk_nope_dim_ >= 0, kName, ": qk_nope_dim must be >= 0, got ", qk_nope_dim_);
   }
-
-  /// The width D of a key the tier's digests see (tier_key_basis): [ckv | kpe], kv_lora_rank +
-  /// qk_rope_dim.
-  int64_t tier_key_width() const noexcept { return kv_lora_rank_ + qk_rope_dim_; }
 
   /// Width of the compressed KV (ckv). Default: 512.
   KVEVICT_ARG(int64_t, kv_lora_rank) = 512;

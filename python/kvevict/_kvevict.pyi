@@ -36,7 +36,7 @@ class EvictionPolicyOptions:
 
 
 class MlaCacheOptions:
-    def __init__(self, num_layers: int, num_heads: int, *, qk_dim: int = 192, v_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ..., tier_key_basis: List[torch.Tensor] = ...) -> None: ...
+    def __init__(self, num_layers: int, num_heads: int, *, qk_dim: int = 192, v_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ...) -> None: ...
     qk_dim: int
     v_dim: int
     num_layers: int
@@ -51,12 +51,11 @@ class MlaCacheOptions:
     tier_tokens: int
     tier_page_size: int
     tier_scoring: TierScoring
-    tier_key_basis: List[torch.Tensor]
     def validate(self) -> None: ...
 
 
 class MlaLatentCacheOptions:
-    def __init__(self, num_layers: int, num_heads: int, *, kv_lora_rank: int = 512, qk_rope_dim: int = 64, qk_nope_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ..., tier_key_basis: List[torch.Tensor] = ...) -> None: ...
+    def __init__(self, num_layers: int, num_heads: int, *, kv_lora_rank: int = 512, qk_rope_dim: int = 64, qk_nope_dim: int = 128, batch_size: int = 1, dtype: torch.dtype = ..., device: Union[str, torch.device] = 'cpu', check_observations: Optional[bool] = None, layer_budgets: List[int] = ..., total_heads: int = 0, lazy_reduction: bool = False, tier_tokens: int = 0, tier_page_size: int = 16, tier_scoring: TierScoring = ...) -> None: ...
     kv_lora_rank: int
     qk_rope_dim: int
     qk_nope_dim: int
@@ -72,7 +71,6 @@ class MlaLatentCacheOptions:
     tier_tokens: int
     tier_page_size: int
     tier_scoring: TierScoring
-    tier_key_basis: List[torch.Tensor]
     def validate(self) -> None: ...
 
 
@@ -204,9 +202,7 @@ def full_cache_bytes(config: MlaMemoryConfig, layout: Layout, seq_len: int) -> i
 def capped_cache_bytes(config: MlaMemoryConfig, layout: Layout, seq_len: int, capacity: int) -> int: ...
 
 def tier_bytes(config: MlaMemoryConfig, layout: Layout, seq_len: int, capacity: int, tier_tokens: int,
-               state_width: int = 1, page_size: int = 16, key_basis_dims: int = 0) -> int: ...
-
-def key_basis(keys: torch.Tensor, dims: int) -> torch.Tensor: ...
+               state_width: int = 1, page_size: int = 16) -> int: ...
 Scorer = Union[CumulativeAttention, MeanObservedAttention, LatestAttention, DecayedAttention, SnapKV]
 
 

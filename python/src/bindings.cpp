@@ -396,8 +396,6 @@ void def_cache_options_common(py::class_<O>& c) {
                     [](O& o, int64_t v) { o.tier_page_size(v); })
       .def_property("tier_scoring", [](const O& o) { return o.tier_scoring(); },
                     [](O& o, kv::TierScoring v) { o.tier_scoring(v); })
-      .def_property("tier_key_basis", [](const O& o) { return o.tier_key_basis(); },
-                    [](O& o, std::vector<at::Tensor> v) { o.tier_key_basis(std::move(v)); })
       .def("validate", [](const O& o) { o.validate(); }, "Raises ValueError naming a bad value.");
 }
 
@@ -479,22 +477,19 @@ void def_options(py::module_& m) {
                                      "64 RoPE, and 128).");
   eo.def(py::init([](int64_t layers, int64_t heads, int64_t qk_dim, int64_t v_dim, int64_t batch, at::ScalarType dtype,
                      py::object device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
-                     bool lazy, int64_t tier_tokens, int64_t tier_page_size, kv::TierScoring tier_scoring,
-                     std::vector<at::Tensor> tier_key_basis) {
+                     bool lazy, int64_t tier_tokens, int64_t tier_page_size, kv::TierScoring tier_scoring) {
            kv::MlaCacheOptions o(layers, heads);
            o.qk_dim(qk_dim).v_dim(v_dim);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
            o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
-           o.tier_key_basis(std::move(tier_key_basis));
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("qk_dim") = 192, py::arg("v_dim") = 128,
          py::arg("batch_size") = 1, py::arg("dtype") = at::kFloat, py::arg("device") = "cpu",
          py::arg("check_observations") = py::none(), py::arg("layer_budgets") = std::vector<int64_t>{},
          py::arg("total_heads") = 0, py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0,
-         py::arg("tier_page_size") = 16, py::arg("tier_scoring") = kv::TierScoring::kPerHead,
-         py::arg("tier_key_basis") = std::vector<at::Tensor>{})
+         py::arg("tier_page_size") = 16, py::arg("tier_scoring") = kv::TierScoring::kPerHead)
       .def_property("qk_dim", [](const kv::MlaCacheOptions& o) { return o.qk_dim(); },
                     [](kv::MlaCacheOptions& o, int64_t v) { o.qk_dim(v); })
       .def_property("v_dim", [](const kv::MlaCacheOptions& o) { return o.v_dim(); },
@@ -508,13 +503,12 @@ void def_options(py::module_& m) {
   lo.def(py::init([](int64_t layers, int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t batch,
                      at::ScalarType dtype, py::object device, c10::optional<bool> check, std::vector<int64_t> budgets,
                      int64_t total_heads, bool lazy, int64_t tier_tokens, int64_t tier_page_size,
-                     kv::TierScoring tier_scoring, std::vector<at::Tensor> tier_key_basis) {
+                     kv::TierScoring tier_scoring) {
            kv::MlaLatentCacheOptions o(layers, heads);
            o.kv_lora_rank(rank).qk_rope_dim(rope).qk_nope_dim(nope);
            o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
            o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
-           o.tier_key_basis(std::move(tier_key_basis));
            return o;
          }),
          py::arg("num_layers"), py::arg("num_heads"), py::kw_only(), py::arg("kv_lora_rank") = 512,
@@ -522,7 +516,7 @@ void def_options(py::module_& m) {
          py::arg("dtype") = at::kFloat, py::arg("device") = "cpu", py::arg("check_observations") = py::none(),
          py::arg("layer_budgets") = std::vector<int64_t>{}, py::arg("total_heads") = 0,
          py::arg("lazy_reduction") = false, py::arg("tier_tokens") = 0, py::arg("tier_page_size") = 16,
-         py::arg("tier_scoring") = kv::TierScoring::kPerHead, py::arg("tier_key_basis") = std::vector<at::Tensor>{})
+         py::arg("tier_scoring") = kv::TierScoring::kPerHead)
       .def_property("kv_lora_rank", [](const kv::MlaLatentCacheOptions& o) { return o.kv_lora_rank(); },
                     [](kv::MlaLatentCacheOptions& o, int64_t v) { o.kv_lora_rank(v); })
       .def_property("qk_rope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_rope_dim(); },
@@ -1007,16 +1001,11 @@ void def_tools(py::module_& m) {
   m.def("capped_cache_bytes", &kv::capped_cache_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"),
         py::arg("capacity"), "Bytes a cache capped at `capacity` tokens takes after seq_len tokens.");
   m.def("tier_bytes", &kv::tier_bytes, py::arg("config"), py::arg("layout"), py::arg("seq_len"), py::arg("capacity"),
-        py::arg("tier_tokens"), py::arg("state_width") = 1, py::arg("page_size") = 16, py::arg("key_basis_dims") = 0,
+        py::arg("tier_tokens"), py::arg("state_width") = 1, py::arg("page_size") = 16,
         "Host bytes the host tier holds for one sequence, all layers, after seq_len tokens with device capacity "
         "`capacity` and at most `tier_tokens` per layer: the tokens' rows, 12 + 4 x state_width bytes of bookkeeping "
-        "each, and the page digests (an fp32 min and max per key channel per page of page_size positions; with "
-        "key_basis_dims r > 0, tier_key_basis, r channels, per head in the expanded layout). "
+        "each, and the page digests (an fp32 min and max per key channel per page of page_size positions). "
         "Raises ValueError on a bad argument or an overflow.");
-  m.def("key_basis", &kv::key_basis, py::arg("keys"), py::arg("dims"),
-        "The dims principal directions of keys [..., D] (PCA of the centred keys, Loki): [D, dims] float32 on "
-        "the CPU, orthonormal columns by descending variance, each with its largest entry positive. A layer's "
-        "tier_key_basis. Raises ValueError naming a bad argument.");
 }
 
 }  // namespace

@@ -484,41 +484,6 @@ def test_tier_scoring_head_mean_hand_worked():
     assert expanded.tier_scoring == kvevict.TierScoring.kHeadMean
 
 
-def test_tier_key_basis_hand_worked():
-    # As the C++ case "recall by hand: with a key basis ...": one head, 3-wide keys, pages of 1.
-    # Tier tokens (positions 2, 3, 4) with keys (0, 5, 0), (2, 0, 0), (1, 1.5, 0); query (1, 1, 0).
-    # No basis: position 2 (logit 5). On e0: projected logits 0, 2, 1: position 3. On e0 with a
-    # two-level pool of 2 (positions 3, 4), rescored exactly (2, 2.5): position 4.
-    keys = torch.tensor([[0., 0., 0.], [0., 0., 0.], [0., 5., 0.], [2., 0., 0.], [1., 1.5, 0.]])
-    e0 = torch.tensor([[1.], [0.], [0.]])
-    for basis, rescore, position in [([], 0, 2), ([e0], 0, 3), ([e0], 2, 4)]:
-        opts = kvevict.MlaLatentCacheOptions(1, 1, kv_lora_rank=2, qk_rope_dim=1, tier_tokens=10, tier_page_size=1,
-                                             tier_key_basis=basis)
-        assert len(opts.tier_key_basis) == len(basis)
-        cache = kvevict.MlaLatentCache(opts, kvevict.EvictionOptions(2, n_sink=0, n_recent=0))
-        cache.update(0, keys[:, :2].reshape(1, 5, 2).contiguous(), keys[:, 2:].reshape(1, 5, 1).contiguous())
-        cache.add_scores(0, torch.tensor([[9., 8., 0., 0., 0.]]))
-        cache.evict(0)
-        cache.update(0, torch.zeros(1, 1, 2), torch.zeros(1, 1, 1))
-        assert cache.recall_absorbed(0, torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 1), 1.0, 1, rescore) == 1
-        assert sorted(cache.positions(0)[0].tolist()) == [0, position, 5]
-    with pytest.raises(ValueError, match=r"tier_key_basis\[0\] must be \[3, r\]"):
-        kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 1, kv_lora_rank=2, qk_rope_dim=1, tier_tokens=10,
-                                                             tier_key_basis=[torch.ones(2, 1)]))
-
-
-def test_key_basis_hand_worked():
-    # Centred on (0, 1, 5): (3, 0, 0), (-3, 0, 0), (0, 1, 0), (0, -1, 0): covariance diag(18, 2, 0).
-    keys = torch.tensor([[3., 1., 5.], [-3., 1., 5.], [0., 2., 5.], [0., 0., 5.]])
-    basis = kvevict.key_basis(keys, 2)
-    assert basis.dtype == torch.float32 and basis.shape == (3, 2)
-    assert torch.allclose(basis, torch.tensor([[1., 0.], [0., 1.], [0., 0.]]), atol=1e-6)
-    with pytest.raises(ValueError, match=r"dims must be in \[1, 3\]"):
-        kvevict.key_basis(keys, 4)
-    with pytest.raises(ValueError, match="keys must be finite"):
-        kvevict.key_basis(keys / 0, 1)
-
-
 def test_observe_discard_leaves_the_scores_as_they_were():
     cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, 2, kv_lora_rank=4, qk_rope_dim=2),
                                    kvevict.EvictionOptions(8, n_sink=1, n_recent=1))

@@ -63,24 +63,19 @@ Args parse(int argc, char** argv) {
 }
 
 /// A recall run: how the pages are scored (per head, or by the heads' mean logit), on which
-/// path, with how many heads in all (0: the harness's 8), with low-rank digests of how many
-/// directions (0: none).
+/// path, with how many heads in all (0: the harness's 8).
 struct RecallRun {
   bool on = false, head_mean = false, tensor_path = false;
-  int64_t heads = 0, basis_dims = 0;
+  int64_t heads = 0;
   /// The worker's --mode for it.
   std::string mode() const {
     return std::string(head_mean ? "recall_mean" : "recall") + (tensor_path ? "_tensor" : "") +
-           (heads > 0 ? "_heads" + std::to_string(heads) : "") +
-           (basis_dims > 0 ? "_basis" + std::to_string(basis_dims) : "");
+           (heads > 0 ? "_heads" + std::to_string(heads) : "");
   }
   bool operator<(const RecallRun& o) const {
-    return std::tie(on, head_mean, tensor_path, heads, basis_dims) <
-           std::tie(o.on, o.head_mean, o.tensor_path, o.heads, o.basis_dims);
+    return std::tie(on, head_mean, tensor_path, heads) < std::tie(o.on, o.head_mean, o.tensor_path, o.heads);
   }
 };
-
-constexpr int64_t kBasisDims = 5;  // the low-rank digests' directions in the "_basis" runs
 
 tp_harness::RunOptions run_options(bool lazy, int64_t steps, const RecallRun& recall = {}) {
   tp_harness::RunOptions o;
@@ -89,7 +84,6 @@ tp_harness::RunOptions run_options(bool lazy, int64_t steps, const RecallRun& re
   o.recall_every = recall.on ? kRecallEvery : 0;
   o.scoring = recall.head_mean ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead;
   if (recall.heads > 0) o.dims.heads = recall.heads;
-  o.basis_dims = recall.basis_dims;
   return o;
 }
 
@@ -107,8 +101,7 @@ int worker_main(const Args& a) {
     for (const bool mean : {false, true})
       for (const bool tensor : {false, true})
         for (const int64_t heads : {int64_t{0}, int64_t{3}})
-          for (const int64_t dims : {int64_t{0}, kBasisDims})
-            if (a.mode == RecallRun{true, mean, tensor, heads, dims}.mode()) recall = {true, mean, tensor, heads, dims};
+          if (a.mode == RecallRun{true, mean, tensor, heads}.mode()) recall = {true, mean, tensor, heads};
     auto o = run_options(a.lazy, a.steps, recall);
     const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, o.dims.heads, at::kCPU,
                                                      std::chrono::milliseconds(a.timeout_ms));
@@ -310,18 +303,6 @@ TEST_CASE("2 ranks holding 2 heads and 1 (3 in all), pages scored by the heads' 
   const bool tensor_path = GENERATE(false, true);
   CAPTURE(tensor_path);
   check_agreement(2, false, {true, true, tensor_path, 3});
-}
-
-TEST_CASE("2 ranks, a host tier with low-rank digests (tier_key_basis), per head and by the heads' mean, on both paths: "
-          "every rank recalls what one process with all heads recalls",
-          "[tensor_parallel][agree][tier]") {
-  const bool tensor_path = GENERATE(false, true);
-  const bool head_mean = GENERATE(false, true);
-  CAPTURE(tensor_path, head_mean);
-  check_agreement(2, false, {true, head_mean, tensor_path, 0, kBasisDims});
-  // And the digests are not the full keys': the runs keep different tokens.
-  CHECK(reference(false, {true, head_mean, tensor_path, 0, kBasisDims}).latent !=
-        reference(false, {true, head_mean, tensor_path}).latent);
 }
 
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {

@@ -342,11 +342,9 @@ class CacheBase {
 
  protected:
   /// `tier_tokens`: the host tier's budget per row and layer (0: no tier);
-  /// `tier_page_size`: its digests' page size; `tier_scoring`: how recall() scores the pages;
-  /// `tier_key_basis`: per layer, the digests' key basis (empty: none; validated by the options).
+  /// `tier_page_size`: its digests' page size; `tier_scoring`: how recall() scores the pages.
   CacheBase(Policy policy, std::vector<BufferSpec> specs, at::ScalarType dtype, int64_t tier_tokens = 0,
-            int64_t tier_page_size = 16, TierScoring tier_scoring = TierScoring::kPerHead,
-            const std::vector<at::Tensor>& tier_key_basis = {})
+            int64_t tier_page_size = 16, TierScoring tier_scoring = TierScoring::kPerHead)
       : policy_(std::move(policy)), specs_(std::move(specs)), dtype_(dtype), tier_tokens_(tier_tokens) {
     allocating([&] {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
@@ -368,8 +366,6 @@ class CacheBase {
           }
         }
         for (int64_t l = 0; l < num_layers(); ++l) {
-          if (!tier_key_basis.empty())
-            keys.basis = tier_key_basis[static_cast<size_t>(l)].to(at::kCPU, at::kFloat).contiguous().clone();
           tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys);
         }
       }

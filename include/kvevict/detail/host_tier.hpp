@@ -104,14 +104,13 @@ inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
 
 /// What a tier's digests are made of: the buffers that hold the keys (their pieces, per key
 /// group, side by side: the latent [ckv | kpe], or the expanded keys of one head), the cached
-/// dtype, the page size and the layer's key basis (tier_key_basis), if any.
+/// dtype and the page size.
 struct TierKeys {
   std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
   at::ScalarType dtype = at::kFloat;
   int64_t page_size = 16;
   bool shared = false;     // one key shared by every head (the latent layout), else one per head
   bool head_mean = false;  // TierScoring::kHeadMean
-  at::Tensor basis;        // [key width, r] fp32 contiguous on the CPU, or undefined
 };
 
 /// The tiers of one layer: one TierRow per batch row, a token budget per row, and the byte
@@ -134,17 +133,14 @@ class LayerTier {
       key_width_ += row_bytes_[i] / groups_[i] / elem;
     }
     key_.resize(static_cast<size_t>(key_groups_ * key_width_));
-    for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_, keys_.basis);
-    digest_width_ = keys_.basis.defined() ? keys_.basis.size(1) : key_width_;
+    for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_);
   }
 
   /// The digests' page size, tokens (cache options' tier_page_size).
   int64_t page_size() const noexcept { return keys_.page_size; }
-  /// Key groups G of a token (expanded: heads; latent: 1) and the width of each; the digests'
-  /// width per group (r with a key basis, else the key width).
+  /// Key groups G of a token (expanded: heads; latent: 1) and the width of each.
   int64_t key_groups() const noexcept { return key_groups_; }
   int64_t key_width() const noexcept { return key_width_; }
-  int64_t digest_width() const noexcept { return digest_width_; }
   const PageDigests& digests(int64_t b) const { return digests_[static_cast<size_t>(b)]; }
 
   /// Token i of row b's keys as floats [groups, width] in `out`.
@@ -234,7 +230,7 @@ class LayerTier {
     if (host) {
       sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core);
     } else {  // the digests' copy on the device, scored there; one wait for what the plan reads
-      auto scored = score_on_device(device_, digests_, key_groups_, digest_width_, keys_.shared, keys_.head_mean, layer,
+      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, keys_.shared, keys_.head_mean, layer,
                                     query, scale, L, core);
       sums = scored.sums;
       pos_t = scored.position;
@@ -613,7 +609,7 @@ class LayerTier {
   }
 
   /// Host bytes held by every row's tokens (positions, ranks, states and rows) and by the
-  /// digests of their pages (fp32 min and max per page slot and digest channel).
+  /// digests of their pages (fp32 min and max per page slot).
   int64_t bytes() const {
     int64_t per_token = 8 + 4 + 4 * W_;
     for (auto x : row_bytes_) per_token += x;
@@ -715,7 +711,7 @@ class LayerTier {
   int64_t W_ = 1;
   std::vector<int64_t> row_bytes_, groups_;
   TierKeys keys_;
-  int64_t key_groups_ = 1, key_width_ = 0, digest_width_ = 0;
+  int64_t key_groups_ = 1, key_width_ = 0;
   int64_t recalled_ = 0;
   std::vector<PageDigests> digests_;  // per row
   DeviceDigests device_;              // tensor path: digests_ on the cache's device

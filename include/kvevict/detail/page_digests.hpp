@@ -12,11 +12,6 @@
 // costs O(its page's members x width), not a scan of the tier. The slots whose digest changed
 // since the last take_touched() are listed, so a copy on the cache's device (DeviceDigests,
 // tier_tensor_path.hpp) follows with O(changed slots) uploads.
-//
-// With a key basis P [width, r] (cache options' tier_key_basis; Loki, Singhania et al. 2024,
-// Sec. 3-4) the digests hold the min and max of P^T k, r channels per group, and queries are
-// projected the same way before they meet them: the bound is then on q^T P P^T k, an estimate
-// of q.k, at r / width of the cost.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/reduction.hpp>
@@ -27,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 namespace kvevict {
@@ -57,23 +51,15 @@ inline at::Tensor bound_query(const at::Tensor& q) {
   return at::cat({pos, q - pos}, -1);
 }
 
-/// The digests of one row's tier: per page slot, its digest [groups, 2, D] (max, then min; D
-/// the key width, or r with a key basis) and the member list.
+/// The digests of one row's tier: per page slot, its digest [groups, 2, width] (max, then min)
+/// and the member list.
 class PageDigests {
  public:
   PageDigests() = default;
-  /// Keys of `groups` x `width` floats; `basis` [width, r] fp32 contiguous on the CPU (shared,
-  /// not copied), or undefined for digests of the keys themselves.
-  PageDigests(int64_t page_size, int64_t groups, int64_t width, at::Tensor basis = {})
-      : page_(page_size), G_(groups), K_(width), D_(basis.defined() ? basis.size(1) : width),
-        basis_(std::move(basis)), key_(static_cast<size_t>(groups * width)),
-        projected_(basis_.defined() ? static_cast<size_t>(groups * D_) : 0) {}
+  PageDigests(int64_t page_size, int64_t groups, int64_t width)
+      : page_(page_size), G_(groups), D_(width), key_(static_cast<size_t>(groups * width)) {}
 
   int64_t page_size() const noexcept { return page_; }
-  /// Channels per key group of a digest: r with a key basis, else the key width.
-  int64_t width() const noexcept { return D_; }
-  /// The key basis [key width, r] (CPU fp32), or undefined.
-  const at::Tensor& basis() const noexcept { return basis_; }
   /// Page slots in use or freed (the width P of score()).
   int64_t slots() const noexcept { return static_cast<int64_t>(page_of_.size()); }
   /// Pages with at least one member.
@@ -114,9 +100,8 @@ class PageDigests {
     }
   }
 
-  /// Adds tier token `token` at `position` with keys `key` [groups, key width] to its page.
+  /// Adds tier token `token` at `position` with keys `key` [groups, width] to its page.
   void insert(int64_t token, int64_t position, const float* key) {
-    key = project(key);
     if (static_cast<int64_t>(next_.size()) <= token) {
       next_.resize(static_cast<size_t>(token) + 1, -1);
       prev_.resize(static_cast<size_t>(token) + 1, -1);
@@ -181,7 +166,7 @@ class PageDigests {
   }
 
   /// Recomputes the digests of the pages that lost members: key_of(token, out) writes a
-  /// member's keys [groups, key width]. Allocates nothing.
+  /// member's keys [groups, width]. Allocates nothing.
   template <class KeyOf>
   void refresh(KeyOf&& key_of) {
     const int64_t n = G_ * D_;
@@ -194,7 +179,7 @@ class PageDigests {
       }
       for (int64_t t = head_[s]; t >= 0; t = next_[t]) {
         key_of(t, key_.data());
-        fold(d, project(key_.data()));
+        fold(d, key_.data());
       }
       touch(s);
     }
@@ -229,15 +214,14 @@ class PageDigests {
     free_.clear();
   }
 
-  /// scale * (the Quest bound) of queries q [groups, M, key width] (fp32, CPU; with a key basis,
-  /// of q P) on every slot's page: [groups, M, P] fp32 (P = slots()). For the latent layout M is
-  /// every head's query; for the expanded layout head g's queries meet key group g. Allocates
-  /// (tensor ops).
+  /// scale * (the Quest bound) of queries q [groups, M, width] (fp32, CPU) on every slot's page:
+  /// [groups, M, P] fp32 (P = slots()). For the latent layout M is every head's query; for the
+  /// expanded layout head g's queries meet key group g. Allocates (tensor ops).
   at::Tensor bound(const at::Tensor& q, double scale) const {
-    // digest_ is [P, G, 2 D]: as [G, 2 D, P] for the matmul.
+    // digest_ is [P, G, 2 width]: as [G, 2 width, P] for the matmul.
     const auto digests = at::from_blob(const_cast<float*>(digest_.data()), {slots(), G_, 2 * D_},
                                        at::TensorOptions().dtype(at::kFloat)).permute({1, 2, 0});
-    return at::matmul(bound_query(basis_.defined() ? at::matmul(q, basis_) : q), digests).mul_(scale);
+    return at::matmul(bound_query(q), digests).mul_(scale);
   }
 
   /// Page scores from `bound` [..., M, P] fp32 (bound(), or a mean of bounds over heads): per
@@ -253,7 +237,7 @@ class PageDigests {
     std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
   }
 
-  /// Page scores for queries q [groups, M, key width] (as bound()): per query a softmax over the
+  /// Page scores for queries q [groups, M, width] (as bound()): per query a softmax over the
   /// pages of scale * (the Quest bound), summed over the queries (score_bounds()).
   void score(const at::Tensor& q, double scale, double* out) const {
     if (slots() > 0) score_bounds(bound(q, scale), out);
@@ -289,25 +273,7 @@ class PageDigests {
   }
 
  private:
-  /// `key` [groups, key width] as the digests see it: itself, or with a key basis P its
-  /// projection P^T k per group, [groups, r] (summed in fp32 over the key channels in order, so
-  /// the same key always gives the same bits). Allocates nothing.
-  const float* project(const float* key) {
-    if (!basis_.defined()) return key;
-    const float* P = basis_.data_ptr<float>();
-    for (int64_t g = 0; g < G_; ++g) {
-      float* out = projected_.data() + g * D_;
-      std::fill(out, out + D_, 0.f);
-      for (int64_t c = 0; c < K_; ++c) {
-        const float k = key[g * K_ + c];
-        const float* row = P + c * D_;
-        for (int64_t j = 0; j < D_; ++j) out[j] += k * row[j];
-      }
-    }
-    return projected_.data();
-  }
-
-  /// Folds keys `key` [groups, D] (as the digests see them) into digest `d` [groups, 2, D].
+  /// Folds keys `key` [groups, width] into digest `d` [groups, 2, width].
   void fold(float* d, const float* key) const {
     for (int64_t g = 0; g < G_; ++g) {
       float* hi = d + 2 * g * D_;
@@ -328,15 +294,13 @@ class PageDigests {
     touched_.push_back(s);
   }
 
-  int64_t page_ = 16, G_ = 1, K_ = 1, D_ = 1;      // key groups, key width, digest width
-  at::Tensor basis_;                                 // [K, D] fp32 CPU, or undefined
+  int64_t page_ = 16, G_ = 1, D_ = 1;
   std::vector<int64_t> next_, prev_;                 // per tier token: its page's list
   std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
   std::vector<int64_t> free_, dirty_;                // free slots; slots to recompute
   std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
   std::vector<float> digest_;                        // [slot, G, 2, D]: max, then min
-  std::vector<float> key_;                           // refresh() scratch: one token's keys
-  std::vector<float> projected_;                     // project() scratch: [G, D]
+  std::vector<float> key_;                           // refresh() scratch
   std::vector<int64_t> touched_;                     // slots changed since take_touched()
   std::vector<uint8_t> is_touched_;                  // per slot: listed in touched_
 };

@@ -71,20 +71,16 @@ inline at::Tensor to_device_async(const at::Tensor& t, const at::Device& device)
 /// slots x width) bytes. Per row b, page slots [0, count[b]) are its pages.
 class DeviceDigests {
  public:
-  /// Device bytes held: the digests (fp32 max and min), the counts and the key basis, if any.
-  /// Capacity grows geometrically, so the digests take at most twice what is in use (after the
-  /// largest tier so far).
-  int64_t bytes() const {
-    return (digest_.defined() ? digest_.numel() * 4 + count_.numel() * 8 : 0) + (basis_.defined() ? basis_.numel() * 4 : 0);
-  }
+  /// Device bytes held: the digests (fp32 max and min) and the counts. Capacity grows
+  /// geometrically, so this is at most twice the digests in use (after the largest tier so far).
+  int64_t bytes() const { return digest_.defined() ? digest_.numel() * 4 + count_.numel() * 8 : 0; }
   /// Page slots per row the copy has room for.
   int64_t capacity() const { return digest_.defined() ? digest_.size(1) : 0; }
 
   /// Brings the copy on `device` up to date with `rows` (one PageDigests per batch row, every
-  /// slot in use, groups G and digest width D): grows it if a row has more slots, then copies the
-  /// slots changed since the last upload (take_touched()) and every row's slot count, through
-  /// pinned memory without a sync (the rows' key basis too, the first time). Returns the most
-  /// slots any row has (the width score() reads).
+  /// slot in use, groups G and width D): grows it if a row has more slots, then copies the slots
+  /// changed since the last upload (take_touched()) and every row's slot count, through pinned
+  /// memory without a sync. Returns the most slots any row has (the width score() reads).
   /// Allocates (device and pinned memory). A throw (c10::Error) leaves the copy marked stale:
   /// the next upload sends every slot.
   int64_t upload(std::vector<PageDigests>& rows, int64_t G, int64_t D, const at::Device& device) {
@@ -92,7 +88,6 @@ class DeviceDigests {
     int64_t P = 0;
     for (const auto& r : rows) P = std::max(P, r.slots());
     try {
-      if (!basis_.defined() && B > 0 && rows[0].basis().defined()) basis_ = to_device_async(rows[0].basis(), device);
       if (capacity() < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), G, D, device);
       int64_t n = 0;
       for (const auto& r : rows) n += stale_ ? r.slots() : std::min(r.touched(), r.slots());
@@ -132,12 +127,11 @@ class DeviceDigests {
     return P;
   }
 
-  /// scale * (the Quest bound) of `query` [B, H, Q, key width] (fp32, on the device; with a key
-  /// basis P, of query P) on every row's first P page slots, without a sync: [B, G, M, P] fp32.
-  /// Latent G = 1, M = H Q: every head's query meets the shared keys; expanded G = H, M = Q: head
-  /// h's queries meet head h's keys (with one head, G = H = 1, both readings give the same product).
-  at::Tensor bound(const at::Tensor& query_keys, double scale, int64_t P) const {
-    const auto query = basis_.defined() ? at::matmul(query_keys, basis_) : query_keys;
+  /// scale * (the Quest bound) of `query` [B, H, Q, D] (fp32, on the device) on every row's
+  /// first P page slots, without a sync: [B, G, M, P] fp32. Latent G = 1, M = H Q: every head's
+  /// query meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys
+  /// (with one head, G = H = 1, both readings give the same product).
+  at::Tensor bound(const at::Tensor& query, double scale, int64_t P) const {
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
     const auto q = digest_.size(2) == 1 ? query.reshape({B, 1, H * Q, D}) : query;  // [B, G, M, D]
     const auto digests = digest_.narrow(1, 0, P).permute({0, 2, 3, 1});             // [B, G, 2 D, P]
@@ -187,7 +181,6 @@ class DeviceDigests {
   }
 
   at::Tensor digest_;   // [B, capacity, G, 2 D] fp32 on the device: per group max, then min
-  at::Tensor basis_;    // the rows' key basis [key width, D] fp32 on the device, or undefined
   at::Tensor count_;    // [B] int64 on the device: each row's slots in use
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
@@ -334,7 +327,7 @@ struct DeviceScores {
 };
 
 /// LayerTier::recall()'s scoring on the tensor path: `device` takes what changed in `digests`
-/// (one PageDigests per row, G key groups of digest width D), scores the pages with `query` [B, H, Q, key width]
+/// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
 /// (fp32, on core.device) where they are, per head (reducing the scores across processes,
 /// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
 /// the mean query's bound when `shared_key`, the latent layout; the mean of the heads' bounds
