@@ -399,9 +399,13 @@ class LayerTier {
       const auto n = static_cast<int64_t>(pb.size());
       auto keys = at::empty({n, key_groups_, key_width_});  // fp32
       for (int64_t j = 0; j < n; ++j) key_of(b, pb[static_cast<size_t>(j)], keys.data_ptr<float>() + j * key_groups_ * key_width_);
-      const auto per_head = q.view({H, -1, key_width_});  // [H, Qr, width], latent and expanded alike
-      const int64_t qr = per_head.size(1);
-      const auto logits = at::matmul(per_head, keys.permute({1, 2, 0})).mul_(scale);  // [H, Qr, n]
+      const int64_t qr = q.numel() / (H * key_width_);
+      // [H, Qr, n]. One key group (latent, or a process holding one head): one plain matmul, not
+      // a broadcast over heads, which would copy the pool's keys once per head.
+      const auto logits = (key_groups_ == 1 ? at::matmul(q.view({H * qr, key_width_}), keys.view({n, key_width_}).t())
+                                            : at::matmul(q.view({H, qr, key_width_}), keys.permute({1, 2, 0})))
+                              .view({H, qr, n})
+                              .mul_(scale);
       sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
       columns[static_cast<size_t>(b)] = qr;
     }
