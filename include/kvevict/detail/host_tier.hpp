@@ -254,13 +254,15 @@ class LayerTier {
         N = std::max(N, static_cast<int64_t>(pb.size()));
       }
       if (keys_.head_mean) {
-        exact = score_pools_head_mean(layer, pool, row_queries, query.size(1), query.size(2), N, scale, core);
+        std::vector<at::Tensor> keys;  // per row: its pool's keys
+        for (int64_t b = 0; b < B; ++b) keys.push_back(pool_keys(b, pool[static_cast<size_t>(b)]));
+        exact = score_pools_head_mean(layer, keys, row_queries, query.size(1), query.size(2), N, scale, core);
       } else {
         exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
         for (int64_t b = 0; b < B; ++b) {
           const auto& pb = pool[static_cast<size_t>(b)];
           const auto q = row_queries(b);
-          if (q.defined() && !pb.empty()) score_tokens(b, pb, q, scale, exact.select(0, b));
+          if (q.defined() && !pb.empty()) score_pool(pool_keys(b, pb), q, scale, exact.select(0, b));
         }
         reduce_scores(layer, core, exact);
       }
@@ -365,59 +367,13 @@ class LayerTier {
     }
   }
 
-  /// Two-level recall's exact scores of row b's tier tokens `pool` for queries q [G, M, width]
-  /// (fp32, CPU, as PageDigests::score()): per query a softmax over the pool of scale * q.k,
-  /// summed over the queries as fixed-point terms (detail::fixed_terms) into out[j] (fp64,
-  /// out[j] for pool[j]). Allocates its temporaries (tensor ops).
-  void score_tokens(int64_t b, const std::vector<int64_t>& pool, const at::Tensor& q, double scale,
-                    const at::Tensor& out) const {
+  /// Row b's tier tokens `pool` (indices) as keys [n, G, key width] fp32 on the CPU. Allocates.
+  at::Tensor pool_keys(int64_t b, const std::vector<int64_t>& pool) const {
     const auto n = static_cast<int64_t>(pool.size());
-    auto keys = at::empty({n, key_groups_, key_width_});  // fp32
+    auto keys = at::empty({n, key_groups_, key_width_});
     float* k = keys.data_ptr<float>();
     for (int64_t j = 0; j < n; ++j) key_of(b, pool[static_cast<size_t>(j)], k + j * key_groups_ * key_width_);
-    const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
-    out.narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
-  }
-
-  /// Two-level recall's exact scores under TierScoring::kHeadMean: per row b and real query
-  /// column, the heads' mean of scale * q.k over the pool's tokens `pool[b]` (the exact keys),
-  /// then one softmax over the pool, summed over the columns as fixed-point terms: [B, N] fp64
-  /// (pool[b][j] at column j; 0 past a row's pool and for a row without real queries).
-  /// `row_queries(b)`: row b's real queries [G, M, width] (real_queries()) of `H` heads and `Q`
-  /// columns. The heads' sums of the logits (fp64) are reduced across processes before the
-  /// softmax (head_sum() / head_mean()), as the pages' are. Allocates its temporaries.
-  template <class RowQueries, class Core>
-  at::Tensor score_pools_head_mean(int64_t layer, const std::vector<std::vector<int64_t>>& pool, RowQueries&& row_queries,
-                                   int64_t H, int64_t Q, int64_t N, double scale, const Core& core) const {
-    const auto B = static_cast<int64_t>(pool.size());
-    auto sums = at::zeros({B, Q, N}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
-    std::vector<int64_t> columns(static_cast<size_t>(B), 0);
-    for (int64_t b = 0; b < B; ++b) {
-      const auto& pb = pool[static_cast<size_t>(b)];
-      const auto q = row_queries(b);
-      if (!q.defined() || pb.empty()) continue;
-      const auto n = static_cast<int64_t>(pb.size());
-      auto keys = at::empty({n, key_groups_, key_width_});  // fp32
-      for (int64_t j = 0; j < n; ++j) key_of(b, pb[static_cast<size_t>(j)], keys.data_ptr<float>() + j * key_groups_ * key_width_);
-      const int64_t qr = q.numel() / (H * key_width_);
-      // [H, Qr, n]. One key group (latent, or a process holding one head): one plain matmul, not
-      // a broadcast over heads, which would copy the pool's keys once per head.
-      const auto logits = (key_groups_ == 1 ? at::matmul(q.view({H * qr, key_width_}), keys.view({n, key_width_}).t())
-                                            : at::matmul(q.view({H, qr, key_width_}), keys.permute({1, 2, 0})))
-                              .view({H, qr, n})
-                              .mul_(scale);
-      sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
-      columns[static_cast<size_t>(b)] = qr;
-    }
-    reduce_scores(layer, core, sums);  // the sums over every process's heads, then the softmax
-    auto exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t qr = columns[static_cast<size_t>(b)], n = static_cast<int64_t>(pool[static_cast<size_t>(b)].size());
-      if (qr == 0) continue;
-      const auto mean = head_mean(sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).unsqueeze(0), core)[0];
-      exact.select(0, b).narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(mean, -1)), at::IntArrayRef{0}, false, at::kDouble));
-    }
-    return exact;
+    return keys;
   }
 
   /// Two-level recall's pick: of `pool` (tier token indices by ascending position, `scores[j]`

@@ -1,7 +1,8 @@
 #pragma once
 // The host tier's page scoring on the host path (LayerTier::recall() on the CPU), beside
 // score_on_device() in tier_tensor_path.hpp: per head, or by the heads' mean logit
-// (TierScoring::kHeadMean), reduced across processes like observations.
+// (TierScoring::kHeadMean), reduced across processes like observations. Also two-level
+// recall's pool scoring, per head or by the heads' mean, which both paths run on the host.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/layer_state.hpp>
@@ -88,6 +89,55 @@ at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_ke
     }
   }, fail);
   return sums;
+}
+
+/// Two-level recall's exact scores per head of a row's pool keys `keys` [n, G, width] (fp32,
+/// CPU) for its queries q [G, M, width] (as PageDigests::score()): per query a softmax over the
+/// pool of scale * q.k, summed over the queries as fixed-point terms (fixed_terms) into out[j]
+/// (fp64, for the pool's token j). Allocates its temporaries.
+inline void score_pool(const at::Tensor& keys, const at::Tensor& q, double scale, const at::Tensor& out) {
+  const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
+  out.narrow(0, 0, keys.size(0))
+      .copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
+}
+
+/// Two-level recall's exact scores under TierScoring::kHeadMean: per row b and real query
+/// column, the heads' mean of scale * q.k over the row's pool keys `keys[b]` [n_b, G, width]
+/// (fp32, CPU; tier token j of the pool at j), then one softmax over the pool, summed over the
+/// columns as fixed-point terms (fixed_terms): [B, N] fp64 (0 past a row's pool and for a row
+/// without real queries). `row_queries(b)`: row b's real queries (real_queries()) of `H` heads
+/// and `Q` columns. The heads' fp64 sums of the logits are reduced across processes before the
+/// softmax (head_sum() / head_mean()), as the pages' are. Allocates its temporaries; syncs
+/// nothing; throws as the reducer does.
+template <class RowQueries, class Core>
+at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& keys, RowQueries&& row_queries,
+                                 int64_t H, int64_t Q, int64_t N, double scale, const Core& core) {
+  const auto B = static_cast<int64_t>(keys.size());
+  auto sums = at::zeros({B, Q, N}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
+  std::vector<int64_t> columns(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& k = keys[static_cast<size_t>(b)];
+    const auto q = row_queries(b);
+    if (!q.defined() || k.size(0) == 0) continue;
+    const int64_t n = k.size(0), G = k.size(1), W = k.size(2), qr = q.numel() / (H * W);
+    // [H, Qr, n]. One key group (latent, or a process holding one head): one plain matmul, not
+    // a broadcast over heads, which would copy the pool's keys once per head.
+    const auto logits = (G == 1 ? at::matmul(q.view({H * qr, W}), k.view({n, W}).t())
+                                : at::matmul(q.view({H, qr, W}), k.permute({1, 2, 0})))
+                            .view({H, qr, n})
+                            .mul_(scale);
+    sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
+    columns[static_cast<size_t>(b)] = qr;
+  }
+  reduce_scores(layer, core, sums);  // the sums over every process's heads, then the softmax
+  auto exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t qr = columns[static_cast<size_t>(b)], n = keys[static_cast<size_t>(b)].size(0);
+    if (qr == 0) continue;
+    const auto mean = head_mean(sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).unsqueeze(0), core)[0];
+    exact.select(0, b).narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(mean, -1)), at::IntArrayRef{0}, false, at::kDouble));
+  }
+  return exact;
 }
 
 }  // namespace detail
