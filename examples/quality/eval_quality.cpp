@@ -52,7 +52,7 @@ Options (default in brackets):
   --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [3]
   --paged-page N         h2o_recall_paged's tier page size (pages scored by the heads' mean
                          logit), tokens, 1 .. 4096 [64]
-  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [128]
+  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [256]
   --mean-page N          h2o_recall_mean's tier page size (pages scored by the heads' mean
                          logit, TierScoring::kHeadMean), tokens, 1 .. 4096 [1]
   --mean-rescore N       its two-level pool, tokens, 0 (none) .. 2^20 [0]

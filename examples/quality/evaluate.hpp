@@ -101,7 +101,7 @@ inline std::vector<int64_t> pyramid_budgets(int64_t budget, int64_t n_layers) {
 // for the next answer token); a recall once per question wants pages, so that the tokens after
 // the one the question finds come too.
 struct RecallSettings {
-  int64_t step_page = 1, step_tokens = 3, paged_page = 64, paged_rescore = 128, mean_page = 1, mean_rescore = 0,
+  int64_t step_page = 1, step_tokens = 3, paged_page = 64, paged_rescore = 256, mean_page = 1, mean_rescore = 0,
           turn_page = 4;
   double turn_share = 0.25;
   int64_t page(Policy p) const {
