@@ -5,8 +5,10 @@
 # protocols (one passkey question; four questions in turn), in both cache layouts; then the
 # speed table.
 #   scripts/eval_quality.sh [extra eval_quality flags]
-# Installs what it needs (scripts/setup.sh, with npm and gnuplot) and builds into build/.
-# Output: build-quality/eval/quality.csv and *.png (gnuplot), build-quality/eval/speed.md.
+# Installs what it needs (scripts/setup.sh, with gnuplot-nox, and npm when no npm is on the
+# PATH) and builds into build/.
+# Output, in build-quality/eval/: quality.csv, summary.txt (the printed table), gnuplot data,
+# plots.gp and *.png, speed.md.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"

@@ -19,6 +19,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -43,19 +45,21 @@ Options (default in brackets):
   --policies P,...       eviction policies (full, h2o, mean_observed, tova, decay, h2o_pyramid,
                          sinks_window, random, snapkv, h2o_recall, h2o_recall_paged,
                          h2o_recall_mean, h2o_recall_turn, snapkv_recall_turn; snapkv and
-                         the _turn ones:
-                         retrieval only)
+                         the _turn ones: retrieval only)
                          [h2o,mean_observed,tova,decay,h2o_pyramid,sinks_window,random,snapkv,
                           h2o_recall,h2o_recall_paged,h2o_recall_mean,h2o_recall_turn,
                           snapkv_recall_turn]
   --recall-page N        h2o_recall's tier page size, tokens, 1 .. 4096 [1]
-  --recall-tokens N      h2o_recall's recall budget per step, tokens, 1 .. 2^20 [3]
+  --recall-tokens N      the recall budget per step of h2o_recall, h2o_recall_paged and
+                         h2o_recall_mean, tokens, 1 .. 2^20 [3]
   --paged-page N         h2o_recall_paged's tier page size (pages scored by the heads' mean
                          logit), tokens, 1 .. 4096 [64]
-  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, 1 .. 2^20 [256]
+  --paged-rescore N      h2o_recall_paged's two-level pool (recall's rescore), tokens, more
+                         than --recall-tokens and at least --paged-page, up to 2^20 [256]
   --mean-page N          h2o_recall_mean's tier page size (pages scored by the heads' mean
                          logit, TierScoring::kHeadMean), tokens, 1 .. 4096 [1]
-  --mean-rescore N       its two-level pool, tokens, 0 (none) .. 2^20 [0]
+  --mean-rescore N       its two-level pool, tokens: 0 .. --recall-tokens (none: whole
+                         pages), or at least --mean-page, up to 2^20 [0]
   --turn-page N          the _turn policies' tier page size, tokens, 1 .. 4096 [4]
   --turn-share X         their recall budget per question, a share of the heavy-hitter
                          budget, 0 .. 1 [0.25]
@@ -107,7 +111,7 @@ bool parse(int argc, char** argv, Args& a) {
   const auto depth = [](const std::string& f, const std::string& item) {
     return kvevict_cli::parse_double(f, item, 0, 1);
   };
-  return kvevict_cli::parse_flags(
+  const bool help = !kvevict_cli::parse_flags(
       argc, argv,
       {
           {"--weights", [&](auto&, auto& v) { a.weights = v; }},
@@ -146,6 +150,19 @@ bool parse(int argc, char** argv, Args& a) {
           {"--turn-share", [&](auto& f, auto& v) { a.recall.turn_share = kvevict_cli::parse_double(f, v, 0, 1); }},
       },
       {{"--no-plots", [&] { a.plots = false; }}});
+  if (help) return false;
+  // The pools against the pages and the recall budget (recall() would throw mid-run otherwise).
+  const auto uses = [&](const char* name) { return std::find(a.policies.begin(), a.policies.end(), name) != a.policies.end(); };
+  const auto& r = a.recall;
+  if (uses("h2o_recall_paged") && (r.paged_rescore <= r.step_tokens || r.paged_rescore < r.paged_page))
+    throw kvevict_cli::UsageError("--paged-rescore must be more than --recall-tokens (" + std::to_string(r.step_tokens) +
+                                  ") and at least --paged-page (" + std::to_string(r.paged_page) +
+                                  ") for h2o_recall_paged's two-level recall, got " + std::to_string(r.paged_rescore));
+  if (uses("h2o_recall_mean") && r.mean_rescore > r.step_tokens && r.mean_rescore < r.mean_page)
+    throw kvevict_cli::UsageError("--mean-rescore must be at most --recall-tokens (" + std::to_string(r.step_tokens) +
+                                  ", whole pages) or at least --mean-page (" + std::to_string(r.mean_page) + "), got " +
+                                  std::to_string(r.mean_rescore));
+  return true;
 }
 
 struct Csv {
@@ -177,7 +194,7 @@ int main(int argc, char** argv) try {
     return 0;
   }
   torch::set_num_threads(static_cast<int>(a.threads));
-  std::system(("mkdir -p " + a.out).c_str());
+  std::filesystem::create_directories(a.out);
   Model m{Config()};
   kvevict_cli::check_readable("--weights", a.weights);
   if (std::find(a.budgets.begin(), a.budgets.end(), a.heat_budget) == a.budgets.end()) {
@@ -302,12 +319,13 @@ int main(int argc, char** argv) try {
           for (auto budget : a.budgets) jobs.emplace_back(pname, budget);
       std::mutex mu;
       size_t next = 0;
+      std::exception_ptr failed;  // the first job that threw: the others stop, main rethrows it
       auto worker = [&] {
-        for (;;) {
+        for (;;) try {
           size_t j;
           {
             std::lock_guard<std::mutex> lk(mu);
-            if (next == jobs.size()) return;
+            if (next == jobs.size() || failed) return;
             j = next++;
           }
           const auto& [pname, budget] = jobs[j];
@@ -323,11 +341,16 @@ int main(int argc, char** argv) try {
           record(pname, budget, r);
           progress(lname + " " + task.name + " " + pname + " " + std::to_string(budget) + "% (capacity " +
                    std::to_string(cap) + ")");
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(mu);
+          if (!failed) failed = std::current_exception();
+          return;
         }
       };
       std::vector<std::thread> pool;
       for (int64_t i = 0; i < a.jobs; ++i) pool.emplace_back(worker);
       for (auto& t : pool) t.join();
+      if (failed) std::rethrow_exception(failed);
     }
   }
 
@@ -456,7 +479,7 @@ int main(int argc, char** argv) try {
          << " using 1:2:3 with image notitle, '' index " << i << " using 1:2:(sprintf('%.2f',$3)) with labels notitle\n";
     gp << "unset multiplot\n";
     gp.close();
-    const int rc = std::system(("gnuplot " + a.out + "/plots.gp").c_str());
+    const int rc = std::system(("gnuplot '" + a.out + "/plots.gp'").c_str());
     std::printf("plots (%s): %s/{retrieval_vs_budget,retrieval_tokens_vs_budget,questions_vs_budget,perplexity_vs_budget,attn_error_vs_budget,retrieval_heatmap}.png\n",
                 rc == 0 ? "gnuplot ok" : "gnuplot FAILED", a.out.c_str());
   }
