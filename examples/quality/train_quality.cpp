@@ -11,7 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <tuple>
 #include <string>
@@ -206,7 +206,7 @@ int main(int argc, char** argv) try {
     std::printf("\n");
     return 0;
   }
-  std::system(("mkdir -p " + a.out).c_str());
+  std::filesystem::create_directories(a.out);
 
   Model model{Config()};
   std::printf("params: %lld (%lld without the embedding)\n", (long long)count_params(model, true),
@@ -221,7 +221,7 @@ int main(int argc, char** argv) try {
     std::printf("resumed at step %lld\n", (long long)start);
   }
   auto save = [&](const std::string& dir, int64_t step) {
-    std::system(("mkdir -p " + dir).c_str());
+    std::filesystem::create_directories(dir);
     torch::save(model, dir + "/model.pt");
     torch::save(opt, dir + "/optim.pt");
     std::ofstream(dir + "/step.txt") << step << "\n";
