@@ -68,6 +68,10 @@ inline void reset_pass(const LayerState& L, Pass& p) {
 /// slot below the new length receives the next kept tail slot.
 inline void fill_moves_host(Pass& pass, int64_t b, const int64_t* evicted, int64_t n,
                             std::vector<uint8_t>& tail_flags) {
+  if (n <= 0) {  // nothing evicted (and GCC 14 cannot then warn of a negative fill size)
+    pass.moves[b] = 0;
+    return;
+  }
   const int64_t new_len = pass.new_len[b];
   if (pass.columns < n) {  // truncate(): one row's moves
     pass.columns = n;
