@@ -129,6 +129,41 @@ inline void write_rows_host(const at::Tensor& buffer, int64_t token_dim, const a
   }
 }
 
+/// Host append on a contiguous CPU buffer: row b's last counts[b] of the T = src.size(token_dim)
+/// columns of `src` go to slots [first(b), + counts[b]) of every [b, outer...] group. `src` has
+/// the buffer's dims but T tokens, and stride 1 in its last dim; it is read in place (a narrowed
+/// or transposed input costs no temporary copy). Allocates nothing.
+template <class FirstSlot>
+void append_rows_host(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& src, const int64_t* counts,
+                      FirstSlot&& first) {
+  const RowLayout L(buffer, token_dim);
+  const auto sizes = src.sizes();
+  const auto strides = src.strides();
+  const int64_t T = src.size(token_dim), elem = src.element_size(), row_bytes = L.row * elem;
+  const auto* s = static_cast<const char*>(src.data_ptr());
+  buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
+  auto* d = static_cast<char*>(buffer.data_ptr());
+  for (int64_t b = 0; b < src.size(0); ++b) {
+    const int64_t n = counts[b];
+    if (n == 0) continue;
+    const int64_t slot = first(b);
+    for (int64_t g = 0; g < L.groups_per_row; ++g) {
+      int64_t offset = b * strides[0], rest = g;  // element offset of (b, g) in src
+      for (int64_t dim = token_dim - 1; dim >= 1; --dim) {
+        offset += rest % sizes[dim] * strides[dim];
+        rest /= sizes[dim];
+      }
+      offset += (T - n) * strides[token_dim];
+      char* dst = d + ((b * L.groups_per_row + g) * L.slots + slot) * row_bytes;
+      if (n == 1 || strides[token_dim] == L.row) {
+        std::memcpy(dst, s + offset * elem, n * row_bytes);
+      } else {
+        for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * row_bytes, s + (offset + t * strides[token_dim]) * elem, row_bytes);
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Applies `moves` to one buffer the caller owns, in place. Bit-exact row copies.

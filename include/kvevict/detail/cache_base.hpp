@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -465,7 +464,7 @@ class CacheBase {
     if (grow) resize(layer, new_slots, "update");
     for (size_t i = 0; i < specs_.size(); ++i) {
       if (host) {
-        copy_rows_host(layer, i, src[i], T);
+        append_rows_host(bufs[i], token_dim(i), src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
       } else {
         scatter_rows(bufs[i], token_dim(i), src[i], map);
       }
@@ -624,43 +623,6 @@ class CacheBase {
     policy_.resize_slots(layer, slots, what);  // may throw: then the fresh buffers are dropped
     buffers_[layer] = std::move(fresh);
     live_views_[layer] = LiveViews{};
-  }
-
-  /// Host path: copies row b's last counts[b] columns of buffer `i` into slots
-  /// [size(layer, b), + counts[b]) of every [b, outer...] group; `src` has stride 1 in its last
-  /// dim (append() reads rows in place when each is contiguous, so a narrowed or transposed
-  /// input costs no temporary copy). Allocates nothing.
-  void copy_rows_host(int64_t layer, size_t i, const at::Tensor& src, int64_t T) {
-    const int64_t tdim = token_dim(i);
-    const auto sizes = src.sizes();
-    const auto strides = src.strides();
-    const int64_t elem = src.element_size(), row_bytes = specs_[i].inner * elem;
-    const auto* s = static_cast<const char*>(src.data_ptr());
-    auto& buf = buffers_[layer][i];
-    buf.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
-    auto* d = static_cast<char*>(buf.data_ptr());
-    const int64_t slots = buf.size(tdim);
-    int64_t groups_per_row = 1;
-    for (auto o : specs_[i].outer) groups_per_row *= o;
-    for (int64_t b = 0; b < batch_size(); ++b) {
-      const int64_t n = counts_[b];
-      if (n == 0) continue;
-      const int64_t first = size(layer, b);
-      for (int64_t g = 0; g < groups_per_row; ++g) {
-        int64_t offset = b * strides[0], rest = g;  // element offset of (b, g) in src
-        for (int64_t dim = tdim - 1; dim >= 1; --dim) {
-          offset += rest % sizes[dim] * strides[dim];
-          rest /= sizes[dim];
-        }
-        offset += (T - n) * strides[tdim];
-        char* dst = d + ((b * groups_per_row + g) * slots + first) * row_bytes;
-        if (n == 1 || strides[tdim] == specs_[i].inner) {
-          std::memcpy(dst, s + offset * elem, n * row_bytes);
-        } else {
-          for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * row_bytes, s + (offset + t * strides[tdim]) * elem, row_bytes);
-        }
-      }
-    }
   }
 
   template <class>
