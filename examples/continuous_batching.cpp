@@ -19,7 +19,7 @@
 // CPU host path's too). Prints one line per request and run, then PASS (exit 0) or FAIL (exit 1).
 #include <kvevict/kvevict.hpp>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -11,7 +11,7 @@
 
 #include <kvevict/kvevict.hpp>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstdint>

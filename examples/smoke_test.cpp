@@ -2,7 +2,7 @@
 // budget 8, n_sink 2, n_recent 2: one eviction pass must keep 2 + 8 + 2 = 12 tokens.
 #include <kvevict/kvevict.hpp>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <cstdlib>
 

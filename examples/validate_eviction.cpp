@@ -19,7 +19,7 @@
 
 #include <ATen/Parallel.h>
 
-#include <fmt/core.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>

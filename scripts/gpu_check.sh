@@ -79,6 +79,11 @@ fi
 # A CUDA LibTorch's CMake config looks for the CUDA toolkit: point it at one if nvcc is not on PATH.
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_EXAMPLES=OFF -DKVEVICT_BUILD_TESTS=ON -DKVEVICT_BUILD_BENCH=ON)
 [ -n "$torch_dir" ] && cmake_args+=("-DTorch_DIR=$torch_dir")
+# A pip torch's prefix (torch/, three levels above Torch_DIR) in CMAKE_PREFIX_PATH: its config
+# would otherwise take a system LibTorch's libraries (e.g. Debian's) where one is installed.
+if [ -n "$torch_dir" ] && [ -d "$torch_dir/../../../lib" ]; then
+  cmake_args+=("-DCMAKE_PREFIX_PATH=$(cd "$torch_dir/../../.." && pwd)")
+fi
 if ! command -v nvcc >/dev/null 2>&1; then
   for root in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-*; do
     if [ -n "$root" ] && [ -x "$root/bin/nvcc" ]; then

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Sets up (apt + CMake), builds everything, then runs the whole ctest suite.
+# Sets up (apt, the project venv with torch and transformers from PyPI, pip install of kvevict,
+# CMake against the venv's torch: see scripts/setup.sh), builds everything, then runs the whole
+# ctest suite (C++ and the pytest suite against the installed package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -81,7 +81,7 @@ jobs=$(nproc)
 mkdir -p "$src/build-libtorch2"
 log=$src/build-libtorch2/configure.log
 in_root cmake -S /src -B /src/build-libtorch2 -DCMAKE_BUILD_TYPE=Release -DKVEVICT_BUILD_TESTS=ON \
-  -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_BUILD_PYTHON=OFF > "$log" 2>&1 ||
+  -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_PYTHON_TESTS=OFF > "$log" 2>&1 ||
   { cat "$log" >&2; exit 1; }
 grep -E "kvevict:|Catch2" "$log" || true
 # The executables ctest runs (the tensor-parallel tests exist only where Gloo's headers were found).

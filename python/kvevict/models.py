@@ -17,7 +17,8 @@ The same operations in the same order as the C++ model, so the logits agree to f
   layer compressed once by ``kvevict.compress_prompt`` (SnapKV's setting).
 
 ``kvevict.install(model, ...)`` runs ``model(tokens)`` through a cache without these calls.
-Weights: ``Model.load(path)`` reads examples/quality/weights.pt (``torch::save`` of the fp16
+Weights: ``Model.load(path)`` reads ``WEIGHTS`` by default, the shipped weights installed with the
+package (the repository's examples/quality/weights.pt: ``torch::save`` of the fp16
 parameters in ``named_parameters()`` order: a TorchScript archive whose parameters are
 named "0", "1", ...).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple, Union
 
@@ -45,16 +47,18 @@ NUM_SYM = 64
 VOCAB = 392
 
 
-def _source_dir() -> str:
-    try:  # written by the CMake build next to the package (build/python/kvevict/_source.py)
-        from ._source import SOURCE_DIR
-        return SOURCE_DIR
-    except ImportError:  # run from the source tree: python/kvevict
-        return os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "..")
+def _weights() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "weights.pt")  # pip install . puts them into the package
+    if os.path.exists(installed):
+        return installed
+    # An editable install runs these sources from the tree: python/kvevict -> examples/quality.
+    return os.path.normpath(os.path.join(here, "..", "..", "examples", "quality", "weights.pt"))
 
 
-#: The shipped weights, in the source tree (examples/quality/weights.pt).
-WEIGHTS = os.path.normpath(os.path.join(_source_dir(), "examples", "quality", "weights.pt"))
+#: The shipped weights, installed with the package (kvevict/weights.pt, a copy of the
+#: repository's examples/quality/weights.pt).
+WEIGHTS = _weights()
 
 
 @dataclass
@@ -274,7 +278,7 @@ class Model(nn.Module):
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike] = WEIGHTS, config: Optional[Config] = None) -> "Model":
-        """A model with the weights at `path` (default: the shipped examples/quality/weights.pt),
+        """A model with the weights at `path` (default: ``WEIGHTS``, the shipped weights),
         in fp32 (stored as fp16), in eval mode. Raises ValueError naming the first tensor whose
         count or shape does not match."""
         m = cls(config)
@@ -285,7 +289,10 @@ class Model(nn.Module):
         """Loads a C++ ``kvq::save_weights`` file: the parameters as a list of
         fp16 tensors in ``named_parameters()`` order (``torch::save(std::vector<Tensor>)``, a
         TorchScript archive with parameters "0", "1", ...), converted to fp32."""
-        archive = torch.jit.load(str(path), map_location="cpu")
+        with warnings.catch_warnings():
+            # torch >= 2.10 deprecates torch.jit.load; the file is what C++ torch::save writes.
+            warnings.filterwarnings("ignore", message=".*torch.jit.load.*", category=FutureWarning)
+            archive = torch.jit.load(str(path), map_location="cpu")
         stored = dict(archive.named_parameters())
         tensors = [stored[str(i)] for i in range(len(stored))]
         params = list(self.named_parameters())

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
+#include <torch/version.h>
 
 #include <cstdint>
 #include <sstream>
@@ -29,7 +30,8 @@
 namespace py = pybind11;
 namespace kv = kvevict;
 
-// ---- torch.dtype <-> at::ScalarType -------------------------------------------------------------
+// ---- torch.dtype <-> at::ScalarType (torch >= 2.4 has its own, in torch/csrc/utils/pybind.h) -----
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
 namespace pybind11::detail {
 template <>
 struct type_caster<at::ScalarType> {
@@ -44,6 +46,7 @@ struct type_caster<at::ScalarType> {
   }
 };
 }  // namespace pybind11::detail
+#endif
 
 namespace {
 
@@ -107,7 +110,7 @@ at::Device to_device(const py::handle& h) {
     return h.cast<at::Device>();
   } catch (const py::cast_error&) {
     throw py::type_error("kvevict: device must be a str or a torch.device, got " +
-                         std::string(py::str(h.get_type().attr("__name__"))));
+                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
   }
 }
 

@@ -49,7 +49,8 @@ def reference(request: dict) -> dict:
         run = subprocess.run([reference_path(), req, rep], capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"kvevict_reference failed ({run.returncode}): {run.stderr.strip()}")
-        return torch.load(rep)
+        # A torch::save archive of the tool's own: not weights only (torch >= 2.6 defaults to that).
+        return torch.load(rep, weights_only=False)
 
 
 def oracle_keep(positions, scores, n_sink, budget, n_recent):

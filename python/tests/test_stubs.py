@@ -14,7 +14,9 @@ from kvevict import _kvevict
 
 STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvevict", "_kvevict.pyi")
 SIGNATURE = re.compile(r"^(?:\d+\. )?(\w+)\((.*)\) -> .*$")
-PYBIND_INTERNALS = {"__members__", "__entries", "__doc__", "__module__", "__init__", "__len__"}
+# What pybind11 adds to every bound class (_pybind11_conduit_v1_: pybind11 >= 2.13, torch 2.x).
+PYBIND_INTERNALS = {"__members__", "__entries", "__doc__", "__module__", "__init__", "__len__",
+                    "_pybind11_conduit_v1_"}
 
 
 def split_top(params: str):

@@ -12,6 +12,8 @@
 #   CONSUMER_WORK_DIR    scratch directory, emptied first (required)
 #   CONSUMER_GENERATOR   CMake generator for the consumer (default: CMake's default)
 #   CONSUMER_CXX_COMPILER, CONSUMER_BUILD_TYPE (default Release), Torch_DIR  forwarded if set
+#   CONSUMER_ENV_PREFIX_PATH  ':'-separated prefixes searched after the install prefix (the
+#                        main build's CMAKE_PREFIX_PATH: a pip torch's), as ENV{CMAKE_PREFIX_PATH}
 cmake_minimum_required(VERSION 3.18)
 
 foreach(var KVEVICT_BINARY_DIR CONSUMER_SOURCE_DIR CONSUMER_WORK_DIR)
@@ -23,6 +25,9 @@ if(NOT CONSUMER_BUILD_TYPE)
   set(CONSUMER_BUILD_TYPE Release)
 endif()
 
+if(CONSUMER_ENV_PREFIX_PATH)
+  set(ENV{CMAKE_PREFIX_PATH} "${CONSUMER_ENV_PREFIX_PATH}")
+endif()
 set(prefix "${CONSUMER_WORK_DIR}/prefix")
 set(build "${CONSUMER_WORK_DIR}/build")
 file(REMOVE_RECURSE "${CONSUMER_WORK_DIR}")

@@ -91,6 +91,7 @@ tp_harness::RunOptions run_options(bool lazy, int64_t steps, const RecallRun& re
 /// <dir>/rank<R>.txt.
 int worker_main(const Args& a) {
   ::alarm(240);  // the rank's own watchdog: SIGALRM ends it whatever happens
+  ::signal(SIGPIPE, SIG_IGN);  // a peer that died: writes fail with EPIPE (an error), not a silent death
   at::set_num_threads(1);
   std::ofstream out(a.dir + "/rank" + std::to_string(a.rank) + ".txt");
   tp_harness::RunResult result;

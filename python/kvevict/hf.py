@@ -1,0 +1,910 @@
+"""kvevict inside Hugging Face transformers' DeepSeek-V2/V3 models: one call, then ``generate()``.
+
+    from kvevict.hf import install_kv_eviction
+    handle = install_kv_eviction(model, budget=4096, n_sink=4, n_recent=512)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    handle.positions(layer=0)   # [B, S] kept positions, ascending, -1 past a row's length
+    handle.memory()             # cache bytes now against what transformers' own cache would hold
+    handle.remove()             # the model is as it was
+
+What ``install_kv_eviction`` does, and nothing else:
+
+- Each DeepSeek attention module (``DeepseekV3Attention``, ``DeepseekV2Attention`` or a
+  subclass) gets an instance-level ``forward``: with a ``KVEvictCache`` it projects q and the
+  latent (c_kv after ``kv_a_layernorm``, k_pe after RoPE) with the module's own layers and
+  RoPE, appends the latent to a kvevict cache, attends through ``kvevict.attend_absorbed``
+  (W_UK folded into the query, W_UV applied after; DeepSeek-V2, Sec. 2.1.2; nothing is
+  re-expanded through ``kv_b_proj``), feeds that attention to the scorer and evicts. With any
+  other cache (or none) it runs the module's own forward. Parameters, buffers and
+  ``state_dict()`` keys are untouched.
+- ``generate()`` gets a fresh ``KVEvictCache`` where it would have made a ``DynamicCache``. A
+  cache returned by ``generate()`` (``return_dict_in_generate=True``) continues a
+  conversation when passed back as ``past_key_values``.
+- A forward pre-hook on the decoder reads the 2-D ``attention_mask`` once per forward: each
+  row's real tokens must be the last columns of the chunk (left padding); they become the
+  per-row counts kvevict appends, so pads are never stored, scored or attended.
+
+Positions come from transformers (``position_ids`` from the mask, i.e. tokens seen, not
+tokens kept): ``get_seq_length()`` is the number of columns the cache has taken in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import warnings
+import weakref
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple
+
+import torch
+from torch import nn
+
+try:
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+except ImportError as e:  # pragma: no cover - the [hf] extra
+    raise ImportError("kvevict.hf needs transformers: pip install 'kvevict[hf]'") from e
+
+from . import _kvevict as _k
+from .install import ScorerLike, make_scorer
+
+__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "MemoryReport", "install_kv_eviction",
+           "reset_eviction_scores", "press"]
+
+#: transformers >= 5.15: ``crop(n)`` takes a negative count of tokens to drop (before: a length to
+#: keep), and DeepSeek attention caches the compressed latent (c_kv, k_pe) instead of the expanded
+#: per-head keys and values. One release changed both; ``memory()`` reads the layout from this too.
+_CROP_COUNTS = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
+
+
+def _deepseek_attention_classes() -> Dict[type, str]:
+    """{attention class: "v2" | "v3"} for the DeepSeek attention classes this transformers has."""
+    found = {}
+    for name, family in (("deepseek_v3", "v3"), ("deepseek_v2", "v2")):
+        try:
+            mod = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["x"])
+        except ImportError:
+            continue
+        cls = getattr(mod, f"Deepseek{family.upper()}Attention", None)
+        if cls is not None:
+            found[cls] = family
+    return found
+
+
+def _family(module: nn.Module) -> Optional[Tuple[str, Any]]:
+    """("v2" | "v3", the modeling module of its DeepSeek base class) or None."""
+    for cls, family in _deepseek_attention_classes().items():
+        if isinstance(module, cls):
+            return family, sys.modules[cls.__module__]
+    return None
+
+
+# ---- options ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EvictionConfig:
+    """What ``install_kv_eviction`` builds (H2O, Zhang et al. 2023, Sec. 3: sinks, heavy hitters
+    and a recent window per layer and sequence). Capacity per row and layer =
+    ``n_sink + budget + n_recent`` tokens (``layer_budgets`` replaces ``budget`` per layer).
+
+    Attributes:
+        budget: heavy hitters kept per row and layer (tokens).
+        n_sink: the first positions, always kept (attention sinks).
+        n_recent: the newest positions, always kept (the recent window).
+        scorer: "h2o" (accumulated attention, the default), "mean", "tova", "decay", or a kvevict
+            scorer object. SnapKV scores a prompt: use ``kvevict.hf.press``.
+        evict_every: a row evicts once it holds more than capacity and has appended in this many
+            forwards since its last pass (the cache then holds up to capacity + evict_every - 1).
+        layer_budgets: one budget per layer (PyramidKV-style), or None.
+        layout: "latent" (c_kv 512 + k_pe 64 per token, absorbed attention) or "expanded" (per-head
+            keys 192 and values 128, ``kv_b_proj`` applied once per token on its way in).
+        tier_tokens: evicted tokens kept per row and layer in a host tier (0: no tier). With a
+            tier, each forward recalls up to ``recall_tokens`` of them before attending (ArkVale,
+            Chen et al. 2024; pages scored by Quest's bounds, Tang et al. 2024, Sec. 3.2).
+        tier_page_size: tier page size in tokens (Quest digests per page).
+        recall_tokens: tokens recalled per forward and layer when a tier is on.
+        recall_rescore: two-level recall: the best pages up to this many tokens are scored again
+            token by token (0: whole pages come back). At least ``tier_page_size`` when set.
+        tier_scoring: "head_mean" (pages scored by the heads' mean logit) or "per_head".
+        prefill_chunk: a forward of more than this many tokens (a long prompt) is appended,
+            attended and evicted chunk by chunk, so the attention's memory is
+            O(chunk x (capacity + chunk) x heads) instead of O(T^2 x heads). 0: one chunk.
+        observe: feed each attention to the scorer (False: sinks + window + arrival order).
+    """
+
+    budget: int = 4096
+    n_sink: int = 4
+    n_recent: int = 512
+    scorer: ScorerLike = "h2o"
+    evict_every: int = 1
+    layer_budgets: Optional[List[int]] = None
+    layout: Literal["latent", "expanded"] = "latent"
+    tier_tokens: int = 0
+    tier_page_size: int = 64
+    recall_tokens: int = 3
+    recall_rescore: int = 256
+    tier_scoring: Literal["head_mean", "per_head"] = "head_mean"
+    prefill_chunk: int = 0
+    observe: bool = True
+
+    def __post_init__(self):
+        for name in ("budget", "n_sink", "n_recent", "tier_tokens", "recall_tokens", "recall_rescore",
+                     "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"kvevict: {name} must be an int, got {type(v).__name__} ({v!r})")
+            if v < 0:
+                raise ValueError(f"kvevict: {name} must be >= 0, got {v}")
+        for name in ("evict_every", "tier_page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kvevict: {name} must be an int >= 1, got {v!r}")
+        if self.layout not in ("latent", "expanded"):
+            raise ValueError(f"kvevict: layout must be 'latent' or 'expanded', got {self.layout!r}")
+        if self.tier_scoring not in ("head_mean", "per_head"):
+            raise ValueError(f"kvevict: tier_scoring must be 'head_mean' or 'per_head', got {self.tier_scoring!r}")
+        if self.tier_tokens and self.recall_rescore and self.recall_rescore < self.tier_page_size:
+            raise ValueError(f"kvevict: recall_rescore must be 0 or >= tier_page_size = {self.tier_page_size}, "
+                             f"got {self.recall_rescore}")
+        if not isinstance(self.observe, bool):
+            raise TypeError(f"kvevict: observe must be a bool, got {type(self.observe).__name__} ({self.observe!r})")
+        if isinstance(self.scorer, _k.SnapKV):
+            raise ValueError("kvevict: a SnapKV scorer scores a prompt once; use kvevict.hf.press(model, window=..., "
+                             "kernel=...), or a decode-time scorer")
+        if self.layer_budgets is not None:
+            self.layer_budgets = [int(b) for b in self.layer_budgets]
+        if isinstance(self.scorer, str) and self.scorer.lower() == "snapkv":
+            raise ValueError("kvevict: scorer='snapkv' scores a prompt once; use kvevict.hf.press(model, ...) "
+                             "for SnapKV, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
+        make_scorer(self.scorer)  # raises on an unknown name or type
+
+    @property
+    def capacity(self) -> int:
+        """Tokens kept per row and layer (with ``budget``; ``layer_budgets`` set their own)."""
+        return self.n_sink + self.budget + self.n_recent
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """Bytes, all layers, all rows. ``cache_bytes``: the kvevict cache's device buffers now
+    (slots for capacity + evict_every per row and layer, the trash slot included).
+    ``full_cache_bytes``: what transformers' own ``DynamicCache`` would hold for the same
+    columns in this transformers version's layout (``full_layout``; pads included, as it stores
+    them). ``tier_bytes``: host memory of the tier (rows and digests)."""
+
+    cache_bytes: int
+    full_cache_bytes: int
+    full_layout: str
+    tier_bytes: int
+    columns: int
+
+    @property
+    def ratio(self) -> float:
+        """full_cache_bytes / cache_bytes."""
+        return self.full_cache_bytes / self.cache_bytes if self.cache_bytes else float("inf")
+
+
+# ---- the model's geometry ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Geometry:
+    num_layers: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_dim: int
+    qk_nope_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _check_attention(module: nn.Module, layer: int) -> None:
+    missing = [n for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj") if not hasattr(module, n)]
+    if missing or not isinstance(getattr(module, "kv_b_proj", None), nn.Linear):
+        raise ValueError(f"kvevict: layer {layer}'s {type(module).__name__} lacks DeepSeek MLA's "
+                         f"{missing or ['kv_b_proj as nn.Linear']}: not supported")
+
+
+# ---- the transformers Cache -------------------------------------------------------------------------
+class KVEvictCache(Cache):
+    """A ``transformers.Cache`` whose rows live in a kvevict cache (``MlaLatentCache`` or
+    ``MlaCache``, on the model's device and dtype, built at the first forward with that
+    forward's batch size).
+
+    Protocol, as ``generate()`` uses it:
+    - ``get_seq_length()``: columns taken in so far (pads included, as ``DynamicCache``);
+      positions continue from there, not from the tokens kept.
+    - ``get_mask_sizes()``: the columns' mask size, as ``DynamicCache`` (the installed attention
+      does not read transformers' mask: it masks by kvevict's per-row positions).
+    - ``crop(n)``: drops the newest columns (assisted and speculative decoding): each row's
+      ``truncate`` by the real tokens among them. Raises, changing nothing, when one of them
+      was already evicted (keep ``n_recent`` >= the draft length).
+    - ``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``: beams and batch
+      surgery are not supported; they raise ``NotImplementedError``.
+    - ``update()``: not used by the installed attention; raises.
+    """
+
+    def __init__(self, handle: "KVEviction"):
+        super().__init__(layers=[])
+        self._handle = handle
+        self._kv = None  # the kvevict cache
+        self._columns = 0
+        self._chunks: List[Tuple[int, Optional[List[int]]]] = []  # per forward: (T, counts or None)
+        self._real: List[int] = []  # real tokens taken in per row (pads excluded)
+        self._step: Optional[Tuple[int, Optional[List[int]]]] = None  # the forward in progress
+        self._layers_done = 0
+        self._broken: Optional[str] = None
+
+    # -- what transformers asks -------------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:  # noqa: D401 - transformers' property
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._kv is not None
+
+    @property
+    def is_sliding(self) -> List[bool]:
+        return [False] * self._handle.geometry.num_layers
+
+    @property
+    def is_linear(self) -> List[bool]:
+        return [False] * self._handle.geometry.num_layers
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._kv.batch_size if self._kv is not None else 0
+
+    @property
+    def max_cache_len(self) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return self._handle.geometry.num_layers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> Tuple[int, int]:
+        q = int(query_length.shape[0]) if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self._columns + q, 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise RuntimeError(f"kvevict: KVEvictCache.update() was called for layer {layer_idx}: this cache is driven by "
+                           "the attention install_kv_eviction() installs, and the module calling update() is not "
+                           "one of the model's installed DeepSeek attention modules")
+
+    def reset(self) -> None:
+        """Empties the cache: the next forward starts a new sequence at position 0."""
+        if self._kv is not None:
+            self._kv.reset()
+        self._columns = 0
+        self._chunks = []
+        self._real = [0] * len(self._real)
+        self._step = None
+        self._layers_done = 0
+        self._broken = None
+
+    def crop(self, n: int) -> None:
+        """Drops the newest columns: ``crop(-k)`` drops k; ``crop(m)`` with m >= 0 keeps the first m
+        (transformers < 5.15; from 5.15 ``crop(0)`` drops nothing and a positive n raises, as ``DynamicCache``)."""
+        n = int(n)
+        if n < 0:
+            drop = min(-n, self._columns)
+        elif _CROP_COUNTS:
+            if n > 0:
+                raise ValueError(f"kvevict: crop({n}): this transformers crops with a negative count of tokens to "
+                                 "drop (crop(-k)), as DynamicCache; a positive value is refused")
+            drop = 0
+        else:
+            drop = max(0, self._columns - n)
+        if drop == 0 or self._kv is None:
+            return
+        B = self._kv.batch_size
+        per_row = [0] * B
+        left = drop
+        cut = len(self._chunks)
+        partial = None
+        for i in range(len(self._chunks) - 1, -1, -1):
+            if left == 0:
+                break
+            T, counts = self._chunks[i]
+            m = min(left, T)
+            for r in range(B):
+                c = T if counts is None else counts[r]
+                per_row[r] += min(m, c)  # a row's real tokens are the chunk's last columns
+            left -= m
+            if m == T:
+                cut = i
+            else:
+                partial = (i, T - m, None if counts is None else [max(0, c - m) for c in counts])
+                cut = i
+        # Each row's truncate checks its own row and changes nothing when it raises; check every
+        # row first, so that a row that cannot roll back leaves the rows before it unchanged too.
+        for r in range(B):
+            if per_row[r] == 0 or not self._kv.active(r):
+                continue
+            for layer in range(self._handle.geometry.num_layers):
+                seen = self._kv.seen_tokens(layer, r)
+                held = set(self._kv.positions(layer)[r].tolist())
+                if self._handle.config.tier_tokens:
+                    held.update(self._kv.tier_positions(layer, r).tolist())
+                lost = [p for p in range(seen - per_row[r], seen) if p not in held]
+                if lost:
+                    raise RuntimeError(f"kvevict: crop({n}) would roll back row {r}'s positions {seen - per_row[r]}.."
+                                       f"{seen - 1}, but layer {layer} already evicted {lost[:8]}; keep n_recent >= "
+                                       "the draft length. The cache is unchanged")
+        for r in range(B):
+            if per_row[r] > 0 and self._kv.active(r):
+                self._kv.truncate(r, per_row[r])  # all layers
+        self._real = [n - k for n, k in zip(self._real, per_row)]
+        del self._chunks[cut:]
+        if partial is not None:
+            self._chunks.append((partial[1], partial[2]))
+        self._columns -= drop
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("kvevict: beam search is not supported with eviction installed "
+                                  "(each row keeps its own tokens); use num_beams=1")
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self._kv is None:
+            return  # nothing stored yet: the first forward builds the cache at the expanded batch
+        raise NotImplementedError("kvevict: expanding a non-empty KVEvictCache (num_return_sequences > 1 or beams "
+                                  "when continuing) is not supported")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("kvevict: selecting batch rows of a KVEvictCache is not supported")
+
+    def __repr__(self) -> str:
+        if self._kv is None:
+            return f"KVEvictCache(layout={self._handle.config.layout}, empty)"
+        g = self._handle.geometry
+        sizes = [self._kv.size(0, r) for r in range(self._kv.batch_size)]
+        tier = self._kv.stats().tier_tokens if self._handle.config.tier_tokens else None
+        return (f"KVEvictCache(layers={g.num_layers}, layout={self._handle.config.layout}, batch={self._kv.batch_size}, "
+                f"columns={self._columns}, capacity={self._kv.capacity(0)}, kept[layer 0]={sizes}"
+                + (f", tier={tier}" if tier is not None else "") + ")")
+
+    # -- kvevict -------------------------------------------------------------------------------
+    @property
+    def kv(self):
+        """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward."""
+        return self._kv
+
+    def _begin(self, T: int, batch: int, mask: Optional[torch.Tensor]) -> None:
+        """A forward of T columns starts (the decoder's pre-hook)."""
+        if self._step is not None:  # the previous forward raised half-way: layers disagree now
+            self._broken = (f"a forward stopped after {self._layers_done} of {self._handle.geometry.num_layers} "
+                            "attention layers")
+        if self._broken:
+            raise RuntimeError(f"kvevict: this KVEvictCache is unusable: {self._broken}; start a new one "
+                               "(generate() without past_key_values, or handle.new_cache())")
+        counts = None
+        if mask is not None:
+            if mask.dim() != 2:
+                raise ValueError(f"kvevict: attention_mask must be 2-D [batch, columns] with eviction installed, "
+                                 f"got {list(mask.shape)}")
+            if mask.size(0) != batch or mask.size(1) != self._columns + T:
+                raise ValueError(f"kvevict: attention_mask must be [batch, past + new columns] = [{batch}, "
+                                 f"{self._columns + T}], got {list(mask.shape)}")
+            chunk = mask[:, -T:].to(torch.bool)
+            real = chunk.sum(-1)
+            # left padding: a row's real tokens are the chunk's last columns
+            suffix = chunk.flip(-1).to(torch.int8).cumprod(-1).sum(-1)
+            ok, real_l = bool((suffix == real).all()), real.tolist()
+            if not ok:
+                bad = [r for r, (a, b) in enumerate(zip(suffix.tolist(), real_l)) if a != b]
+                raise ValueError(f"kvevict: attention_mask: in the new {T} columns, row {bad[0]} has a masked column "
+                                 "after a real token; kvevict appends each row's real tokens as the chunk's last "
+                                 "columns, pads only before them (left padding, tokenizer.padding_side = 'left'). "
+                                 "A pad token inside an unpadded prompt makes transformers infer such a mask: pass "
+                                 "attention_mask explicitly")
+            if self._columns:
+                past = mask[:, : self._columns].to(torch.bool).sum(-1).tolist()
+                if past != self._real:
+                    r = next(i for i, (a, b) in enumerate(zip(past, self._real)) if a != b)
+                    raise ValueError(f"kvevict: attention_mask marks {past[r]} of row {r}'s first {self._columns} "
+                                     f"columns as real, but the cache took in {self._real[r]} of them: a mask "
+                                     "cannot hide tokens already stored (e.g. pads generated after EOS, masked "
+                                     "afterwards); keep the mask of earlier columns as it was")
+            if any(c != T for c in real_l):
+                counts = [int(c) for c in real_l]
+        if self._kv is None:
+            self._kv = self._handle._make_kv(batch)
+            self._real = [0] * batch
+        elif self._kv.batch_size != batch:
+            raise ValueError(f"kvevict: this cache holds batch {self._kv.batch_size}, the forward has batch {batch}")
+        self._step = (T, counts)
+        self._layers_done = 0
+
+    def _end(self) -> None:
+        """The forward finished (the decoder's forward hook)."""
+        if self._step is None:
+            return
+        T, counts = self._step
+        if self._layers_done != self._handle.geometry.num_layers:
+            self._broken = (f"a forward ran {self._layers_done} of {self._handle.geometry.num_layers} "
+                            "attention layers through it")
+            raise RuntimeError(f"kvevict: {self._broken}")
+        self._chunks.append((T, counts))
+        self._columns += T
+        self._real = [n + (T if counts is None else c) for n, c in zip(self._real, counts or [T] * len(self._real))]
+        self._step = None
+
+
+# ---- the installed attention --------------------------------------------------------------------------
+def _absorbed_weights(module: nn.Module, g: _Geometry) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W_UK [H, nope, r] and W_UV [H, v, r]: views of kv_b_proj.weight, no copy."""
+    w = module.kv_b_proj.weight.view(g.num_heads, g.qk_nope_dim + g.v_dim, g.kv_lora_rank)
+    return w[:, : g.qk_nope_dim], w[:, g.qk_nope_dim:]
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, a] @ w [H, a, b] -> [B, H, T, b], heads as the batch of one bmm: the weight
+    views are read in place (a broadcasting matmul over B > 1 copies them per row)."""
+    B, H, T, a = x.shape
+    y = torch.bmm(x.transpose(0, 1).reshape(H, B * T, a), w)
+    return y.view(H, B, T, w.size(-1)).transpose(0, 1)
+
+
+def _project(module: nn.Module, family: str, rope_mod, hidden: torch.Tensor, position_embeddings, g: _Geometry):
+    """q_nope [B, H, T, nope], q_pe [B, H, T, rope] (RoPE applied), ckv [B, T, r] (normed),
+    kpe [B, T, rope] (RoPE applied): the module's own layers, in its own order."""
+    B, T = hidden.shape[:2]
+    if module.q_lora_rank is None:
+        q = module.q_proj(hidden)
+    else:
+        q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden)))
+    q = q.view(B, T, -1, g.qk_nope_dim + g.qk_rope_dim).transpose(1, 2)
+    q_nope, q_pe = torch.split(q, [g.qk_nope_dim, g.qk_rope_dim], dim=-1)
+    ckv, kpe = torch.split(module.kv_a_proj_with_mqa(hidden), [g.kv_lora_rank, g.qk_rope_dim], dim=-1)
+    ckv = module.kv_a_layernorm(ckv)
+    kpe = kpe.view(B, 1, T, g.qk_rope_dim)
+    if family == "v2":
+        q_pe, kpe = rope_mod.apply_rotary_emb(q_pe, kpe, position_embeddings.to(q_pe.device))
+    else:
+        cos, sin = position_embeddings
+        if getattr(module.config, "rope_interleave", False):
+            q_pe, kpe = rope_mod.apply_rotary_pos_emb_interleave(q_pe, kpe, cos, sin)
+        else:
+            q_pe, kpe = rope_mod.apply_rotary_pos_emb(q_pe, kpe, cos, sin)
+    return q_nope, q_pe, ckv, kpe.view(B, T, g.qk_rope_dim)
+
+
+def _chunk_counts(T: int, counts: Optional[List[int]], s: int, e: int) -> Optional[List[int]]:
+    """Real tokens of each row in columns [s, e) of a left-padded chunk of T columns."""
+    if counts is None:
+        return None
+    return [max(0, e - max(s, T - c)) for c in counts]
+
+
+class _LayerState(dict):
+    """What install_kv_eviction keeps on an attention module; refuses to be copied or pickled."""
+
+    def _refuse(self, *args):
+        raise TypeError("kvevict: a model with eviction installed cannot be deep-copied or pickled; "
+                        "handle.remove() first (state_dict() and save_pretrained() work while installed)")
+
+    __deepcopy__ = _refuse
+    __reduce__ = _refuse
+    __reduce_ex__ = _refuse
+
+
+def _installed_forward(module: nn.Module, *args, **kwargs):
+    """The forward install_kv_eviction puts on a DeepSeek attention module (see the module doc)."""
+    state = module.__dict__["_kvevict"]
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    handle = state["handle"]() if state["handle"] is not None else None
+    if not isinstance(cache, KVEvictCache) or handle is None or cache._handle is not handle:
+        if cache is not None and handle is not None and not state.get("warned"):
+            state["warned"] = True
+            warnings.warn(f"kvevict: layer {state['layer']} got a {type(cache).__name__}, not a KVEvictCache: this "
+                          "forward runs without eviction (generate() makes a KVEvictCache itself; for your own loop "
+                          "use handle.new_cache())", stacklevel=3)
+        return state["forward"](*args, **kwargs)
+    hidden = args[0] if args else kwargs["hidden_states"]
+    position_embeddings = kwargs.get("position_embeddings")
+    if position_embeddings is None and len(args) > 1 and state["family"] == "v3":
+        position_embeddings = args[1]
+    if cache._step is None:
+        raise RuntimeError("kvevict: the attention ran outside a forward of the installed model's decoder "
+                           "(the cache's columns are counted per decoder forward)")
+    return handle._attend(module, state, cache, hidden, position_embeddings)
+
+
+class KVEviction:
+    """The handle ``install_kv_eviction`` returns.
+
+    Attributes: ``model``; ``config`` (``EvictionConfig``); ``geometry`` (the model's MLA
+    dimensions, dtype and device); ``cache`` (the ``KVEvictCache`` of the latest sequence, or
+    None). Methods: ``remove()``, ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``,
+    ``memory()``."""
+
+    def __init__(self, model: nn.Module, attns: List[Tuple[int, nn.Module]], decoder: nn.Module,
+                 config: EvictionConfig, geometry: _Geometry, compress: Optional[Any] = None):
+        self.model = model
+        self.config = config
+        self.geometry = geometry
+        self._compress = compress  # the press: a SnapKV / H2O scorer that compresses the prompt once
+        self._attns = attns
+        self._decoder = decoder
+        self._cache: Optional[KVEvictCache] = None  # the latest sequence's (held: stats() after generate())
+        self._scorer = make_scorer(compress if compress is not None else config.scorer)
+        self._hooks = []
+        ref = weakref.ref(self)
+        for layer, m in attns:
+            fam = _family(m)
+            m.__dict__["_kvevict"] = _LayerState(handle=ref, layer=layer, family=fam[0], rope=fam[1],
+                                                 forward=m.forward)
+            m.forward = functools.partial(_installed_forward, m)
+        self._hooks.append(decoder.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self._hooks.append(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
+        self._orig_prepare = model.__dict__.get("_prepare_cache_for_generation")
+        model._prepare_cache_for_generation = self._prepare_cache_for_generation
+        model.__dict__["_kvevict_handle"] = self
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return bool(self._hooks)
+
+    def remove(self) -> None:
+        """Puts the model back as it was (its own attention forward, its own caches)."""
+        if not self.installed:
+            return
+        for _, m in self._attns:
+            st = m.__dict__.pop("_kvevict", None)
+            m.__dict__.pop("forward", None)
+            if st is not None and st["forward"] is not None and getattr(st["forward"], "__self__", None) is not m:
+                m.forward = st["forward"]  # a forward someone else had set on the instance
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._orig_prepare is None:
+            self.model.__dict__.pop("_prepare_cache_for_generation", None)
+        else:
+            self.model._prepare_cache_for_generation = self._orig_prepare
+        self.model.__dict__.pop("_kvevict_handle", None)
+        self._cache = None
+
+    def new_cache(self) -> KVEvictCache:
+        """A fresh, empty cache for this model (what ``generate()`` gets by itself); pass it as
+        ``past_key_values`` to drive your own forward loop."""
+        self._require_installed()
+        c = KVEvictCache(self)
+        self._cache = c
+        return c
+
+    @property
+    def cache(self) -> Optional[KVEvictCache]:
+        return self._cache
+
+    def reset(self) -> None:
+        """Empties the latest cache (``reset_eviction_scores``): scores, rows and positions."""
+        c = self.cache
+        if c is not None:
+            c.reset()
+
+    def _require_installed(self):
+        if not self.installed:
+            raise RuntimeError("kvevict: the eviction was removed from this model; install_kv_eviction() again")
+
+    def _require_cache(self) -> KVEvictCache:
+        c = self.cache
+        if c is None or c.kv is None:
+            raise RuntimeError("kvevict: no sequence yet: run generate() (or a forward with handle.new_cache()) first")
+        return c
+
+    # -- reading ---------------------------------------------------------------------------------
+    def positions(self, layer: int) -> torch.Tensor:
+        """[B, S] int64 on the cache's device: the positions layer `layer` keeps per row, ascending,
+        -1 past a row's length (S = the longest row). Positions count a row's real tokens from
+        its first (pads have none)."""
+        kv = self._require_cache().kv
+        n = self.geometry.num_layers
+        if not isinstance(layer, int) or not 0 <= layer < n:
+            raise IndexError(f"kvevict: layer must be in [0, {n}), got {layer!r}")
+        p = kv.positions(layer)
+        big = torch.iinfo(torch.int64).max
+        s = torch.where(p < 0, torch.full_like(p, big), p).sort(dim=-1).values
+        return torch.where(s == big, torch.full_like(s, -1), s)
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters of the latest sequence: columns (taken in, pads included), kept (per layer: the
+        longest row's cached tokens), capacity (per row and layer), and, summed over layers and rows,
+        eviction_events, tokens_evicted, tier_tokens, tier_recalled."""
+        c = self._require_cache()
+        kv, s = c.kv, c.kv.stats()
+        n = self.geometry.num_layers
+        return {"columns": c._columns, "kept": [kv.size(l) for l in range(n)],
+                "capacity": [kv.capacity(l) for l in range(n)], "eviction_events": s.eviction_events,
+                "tokens_evicted": s.tokens_evicted, "tier_tokens": s.tier_tokens, "tier_recalled": s.tier_recalled}
+
+    def memory(self) -> MemoryReport:
+        """Cache bytes now, against what transformers' ``DynamicCache`` would hold for the same columns."""
+        c = self._require_cache()
+        g = self.geometry
+        s = c.kv.stats()
+        full_layout = "latent" if _CROP_COUNTS else "expanded"
+        cfg = _k.MlaMemoryConfig(num_layers=g.num_layers, num_heads=g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim,
+                                 v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank, qk_rope_dim=g.qk_rope_dim,
+                                 bytes_per_element=torch.finfo(g.dtype).bits // 8)
+        lay = _k.Layout.kLatent if full_layout == "latent" else _k.Layout.kExpanded
+        full = _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
+        return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=full_layout,
+                            tier_bytes=s.tier_bytes, columns=c._columns)
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"KVEviction(layers={self.geometry.num_layers}, layout={cfg.layout}, budget={cfg.budget}, "
+                f"n_sink={cfg.n_sink}, n_recent={cfg.n_recent}, tier_tokens={cfg.tier_tokens}, "
+                f"installed={self.installed}, cache={self.cache!r})")
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if getattr(generation_config, "num_beams", 1) > 1:
+            raise ValueError(f"kvevict: beam search (num_beams={generation_config.num_beams}) is not supported with "
+                             "eviction installed; use num_beams=1, or handle.remove() first")
+        impl = getattr(generation_config, "cache_implementation", None)
+        if impl not in (None, "dynamic"):
+            raise ValueError(f"kvevict: cache_implementation={impl!r} is not supported with eviction installed "
+                             "(kvevict's cache is the cache); leave it unset")
+        given = {k: model_kwargs.get(k) for k in ("cache", "past_key_values")}
+        orig = self._orig_prepare or type(self.model)._prepare_cache_for_generation.__get__(self.model)
+        r = orig(generation_config, model_kwargs, *args, **kwargs)
+        for key in ("cache", "past_key_values"):
+            c = model_kwargs.get(key)
+            if given[key] is None and type(c) is DynamicCache:
+                model_kwargs[key] = self.new_cache()
+            elif isinstance(c, KVEvictCache):
+                self._cache = c
+        return r
+
+    def _pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, KVEvictCache) or cache._handle is not self:
+            return None
+        x = kwargs.get("input_ids")
+        if x is None and args:
+            x = args[0]
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None:
+            raise ValueError("kvevict: the decoder got neither input_ids nor inputs_embeds")
+        self._cache = cache
+        cache._begin(int(x.shape[1]), int(x.shape[0]), kwargs.get("attention_mask"))
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVEvictCache) and cache._handle is self:
+            cache._end()
+        return None
+
+    # -- the cache ----------------------------------------------------------------------------
+    def _make_kv(self, batch: int):
+        w = self._attns[0][1].kv_a_proj_with_mqa.weight  # the model may have moved since install
+        self.geometry = dataclasses.replace(self.geometry, dtype=w.dtype, device=w.device)
+        cfg, g = self.config, self.geometry
+        ev = _k.EvictionOptions(cfg.budget, n_sink=cfg.n_sink, n_recent=cfg.n_recent, evict_every=cfg.evict_every)
+        common = dict(batch_size=batch, dtype=g.dtype, device=g.device, layer_budgets=list(cfg.layer_budgets or []),
+                      tier_tokens=cfg.tier_tokens, tier_page_size=cfg.tier_page_size,
+                      tier_scoring=(_k.TierScoring.kHeadMean if cfg.tier_scoring == "head_mean"
+                                    else _k.TierScoring.kPerHead))
+        if cfg.layout == "latent":
+            opts = _k.MlaLatentCacheOptions(g.num_layers, g.num_heads, kv_lora_rank=g.kv_lora_rank,
+                                            qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
+            return _k.MlaLatentCache(opts, ev, self._scorer)
+        opts = _k.MlaCacheOptions(g.num_layers, g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
+                                  **common)
+        return _k.MlaCache(opts, ev, self._scorer)
+
+    def _attend(self, module: nn.Module, state: dict, cache: KVEvictCache, hidden: torch.Tensor,
+                position_embeddings) -> Tuple[torch.Tensor, None]:
+        cfg, g = self.config, self.geometry
+        layer = state["layer"]
+        kv = cache.kv
+        T, counts = cache._step
+        B = hidden.size(0)
+        q_nope, q_pe, ckv, kpe = _project(module, state["family"], state["rope"], hidden, position_embeddings, g)
+        if ckv.dtype != kv.dtype or ckv.device != kv.device:
+            raise RuntimeError(f"kvevict: layer {layer} runs in {ckv.dtype} on {ckv.device}, but this cache was made "
+                               f"for {kv.dtype} on {kv.device}: the model moved after the cache was "
+                               "made; start a new sequence (generate() without a cache, or handle.new_cache())")
+        T_in = T
+        lead = T - max(counts) if counts is not None else 0  # leading columns that are pads in every row
+        if lead:
+            T = T - lead
+            q_nope, q_pe, ckv, kpe = q_nope[:, :, lead:], q_pe[:, :, lead:], ckv[:, lead:], kpe[:, lead:]
+        scale = float(module.scaling)
+        latent = cfg.layout == "latent"
+        if latent:
+            w_uk, w_uv = _absorbed_weights(module, g)
+            q_a = _per_head(q_nope, w_uk)  # [B, H, T, r]
+            q_b = q_pe
+        else:
+            kvx = module.kv_b_proj(ckv).view(B, T, g.num_heads, g.qk_nope_dim + g.v_dim).transpose(1, 2)
+            k_nope, v = torch.split(kvx, [g.qk_nope_dim, g.v_dim], dim=-1)
+            k = torch.cat([k_nope, kpe.unsqueeze(1).expand(B, g.num_heads, T, g.qk_rope_dim)], -1)
+            q = torch.cat([q_nope, q_pe], -1)
+        compress = self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is None
+        if self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is not None:
+            raise ValueError("kvevict: the press compresses unpadded prompts: this batch has left padding "
+                             f"(real tokens per row {counts}); run the rows one by one, or install_kv_eviction() "
+                             "without the press")
+        if T == 0:  # every row is padding in this chunk
+            out = q_nope.new_zeros(B, g.num_heads, 0, g.kv_lora_rank if latent else g.v_dim)
+        elif compress:
+            out = self._compress_prompt(kv, layer, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
+        else:
+            chunk = cfg.prefill_chunk if cfg.prefill_chunk and T > cfg.prefill_chunk else T
+            outs = []
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                cc = _chunk_counts(T, counts, s, e)
+                if latent:
+                    kv.update(layer, ckv[:, s:e], kpe[:, s:e], cc)
+                    qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
+                    if cfg.tier_tokens and cfg.recall_tokens:
+                        kv.recall_absorbed(layer, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend_absorbed(qa, qb, kv, layer, scale, observe=cfg.observe))
+                else:
+                    kv.update(layer, k[:, :, s:e], v[:, :, s:e], cc)
+                    qq = q[:, :, s:e].contiguous()
+                    if cfg.tier_tokens and cfg.recall_tokens:
+                        kv.recall(layer, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend(qq, kv, layer, scale, observe=cfg.observe))
+                kv.evict(layer)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if latent:
+            out = _per_head(out, w_uv.transpose(1, 2))  # [B, H, T, v]
+        if lead:
+            out = torch.cat([out.new_zeros(B, g.num_heads, lead, out.size(-1)), out], dim=2)
+        out = out.transpose(1, 2).reshape(B, T_in, g.num_heads * g.v_dim)
+        cache._layers_done += 1
+        return module.o_proj(out), None
+
+    def _compress_prompt(self, kv, layer: int, scale: float, *t) -> torch.Tensor:
+        """Full causal attention over the prompt, then the layer compressed once from the prompt's
+        LSE (``compress_prompt``) under the press's scorer."""
+        if len(t) == 4:
+            q_a, q_b, ckv, kpe = t
+            T = ckv.size(1)
+            logits = (torch.matmul(q_a, ckv.unsqueeze(1).transpose(-2, -1)) +
+                      torch.matmul(q_b, kpe.unsqueeze(1).transpose(-2, -1))).float() * scale
+        else:
+            q, k, v = t
+            T = k.size(2)
+            logits = torch.matmul(q, k.transpose(-2, -1)).float() * scale
+        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).triu(1)
+        logits = logits.masked_fill(causal, float("-inf"))
+        lse = torch.logsumexp(logits, -1)
+        p = torch.softmax(logits, -1)
+        if len(t) == 4:
+            _k.compress_prompt_absorbed(kv, layer, q_a.contiguous(), q_b.contiguous(), ckv.contiguous(),
+                                        kpe.contiguous(), lse, scale)
+            return torch.matmul(p.to(ckv.dtype), ckv.unsqueeze(1))
+        _k.compress_prompt(kv, layer, q.contiguous(), k.contiguous(), v.contiguous(), lse, scale)
+        return torch.matmul(p.to(v.dtype), v)
+
+
+# ---- install -------------------------------------------------------------------------------------------
+def _find(model: nn.Module):
+    """(decoder module holding the layers, [(layer index, attention module)])."""
+    if model.__dict__.get("_kvevict_handle") is not None:
+        raise ValueError("kvevict: the model already has eviction installed; handle.remove() it first")
+    attns, unsupported = [], []
+    decoder = None
+    for name, m in model.named_modules():
+        if name.endswith("self_attn"):
+            if _family(m) is None:
+                unsupported.append(type(m).__name__)
+            else:
+                attns.append(m)
+        if decoder is None and isinstance(getattr(m, "layers", None), nn.ModuleList) and hasattr(m, "embed_tokens"):
+            decoder = m
+    if unsupported or not attns:
+        names = sorted(set(unsupported)) or [type(model).__name__ + " (no self_attn modules)"]
+        raise ValueError(f"kvevict: install_kv_eviction supports DeepSeek-V2/V3 attention (DeepseekV3Attention, "
+                         f"DeepseekV2Attention and their subclasses); this model has {', '.join(names)}")
+    if decoder is None:
+        raise ValueError(f"kvevict: found no decoder (a module with embed_tokens and layers) in {type(model).__name__}")
+    out = []
+    for i, m in enumerate(attns):
+        layer = getattr(m, "layer_idx", i)
+        if layer != i:
+            raise ValueError(f"kvevict: attention module {i} has layer_idx {layer}; expected the layers in order")
+        _check_attention(m, i)
+        out.append((i, m))
+    return decoder, out
+
+
+def _geometry(attns) -> _Geometry:
+    m = attns[0][1]
+    w = m.kv_a_proj_with_mqa.weight
+    return _Geometry(num_layers=len(attns), num_heads=int(m.num_heads), kv_lora_rank=int(m.kv_lora_rank),
+                     qk_rope_dim=int(m.qk_rope_head_dim), qk_nope_dim=int(m.qk_nope_head_dim),
+                     v_dim=int(m.v_head_dim), dtype=w.dtype, device=w.device)
+
+
+def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512,
+                        **options) -> KVEviction:
+    """Installs H2O-style KV-cache eviction on a transformers DeepSeek-V2/V3 model (the seed's call)
+    and returns the handle (``KVEviction``). ``model.generate(...)`` then runs through a kvevict
+    cache on the model's device and dtype that keeps, per layer and row, the first `n_sink`
+    tokens, the `budget` heavy hitters (attention accumulated across heads) and the newest
+    `n_recent` tokens.
+
+    options: the other fields of ``EvictionConfig`` (scorer, evict_every, layer_budgets, layout,
+    tier_tokens, tier_page_size, recall_tokens, recall_rescore, tier_scoring, prefill_chunk,
+    observe). Raises ValueError / TypeError naming a bad option, or an unsupported model (naming
+    its attention class); the model is unchanged then."""
+    unknown = set(options) - {f.name for f in dataclasses.fields(EvictionConfig)}
+    if unknown:
+        raise TypeError(f"kvevict: install_kv_eviction got unknown options {sorted(unknown)}; "
+                        f"known: {sorted(f.name for f in dataclasses.fields(EvictionConfig))}")
+    return _install(model, EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent, **options))
+
+
+def _install(model: nn.Module, config: EvictionConfig, compress=None) -> KVEviction:
+    decoder, attns = _find(model)
+    geometry = _geometry(attns)
+    for i, m in attns:
+        if m.kv_a_proj_with_mqa.weight.device != geometry.device or m.kv_a_proj_with_mqa.weight.dtype != geometry.dtype:
+            raise ValueError(f"kvevict: layer {i}'s attention is on {m.kv_a_proj_with_mqa.weight.device} / "
+                             f"{m.kv_a_proj_with_mqa.weight.dtype}, layer 0's on {geometry.device} / {geometry.dtype}: "
+                             "one device and dtype for the whole model")
+    ev = _k.EvictionOptions(config.budget, n_sink=config.n_sink, n_recent=config.n_recent,
+                            evict_every=config.evict_every)
+    ev.validate()
+    if config.layer_budgets is not None and len(config.layer_budgets) != geometry.num_layers:
+        raise ValueError(f"kvevict: layer_budgets must have one budget per layer ({geometry.num_layers}), "
+                         f"got {len(config.layer_budgets)}")
+    return KVEviction(model, attns, decoder, config, geometry, compress)
+
+
+def reset_eviction_scores(model: nn.Module) -> None:
+    """Empties the installed model's latest cache (scores, rows, positions): its next forward
+    starts a new sequence. ``generate()`` without ``past_key_values`` starts one anyway."""
+    h = model.__dict__.get("_kvevict_handle")
+    if h is None:
+        raise ValueError("kvevict: reset_eviction_scores: this model has no eviction installed")
+    h.reset()
+
+
+@contextlib.contextmanager
+def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *,
+          window: int = 32, kernel: int = 5, scorer: Optional[ScorerLike] = None, **options) -> Iterator[KVEviction]:
+    """Prompt compression, kvpress-style: inside the ``with``, the first forward of a sequence (the
+    prompt) attends in full and each layer is compressed once to its capacity by
+    ``kvevict.compress_prompt`` under SnapKV (Li et al. 2024, Sec. 4: the last `window` prompt
+    queries vote, heads averaged, 1-D pooling over `kernel`), or under `scorer` ("h2o": every
+    prompt query's attention, from the LSE). Decoding continues through the cache under the same scorer.
+    Unpadded prompts only (batches of equal length). A SnapKV window longer than `n_recent`
+    warns: the window's own tokens then compete with the prompt's. On exit the model is
+    restored. Yields the handle; other keyword arguments are ``EvictionConfig`` fields."""
+    if scorer is None:
+        if window > n_recent:
+            warnings.warn(f"kvevict: press: the SnapKV window ({window}) is longer than n_recent ({n_recent}): the "
+                          "window's queries vote for tokens the recent window does not protect, which loses "
+                          f"answers; use window <= n_recent", stacklevel=3)
+        compress = _k.SnapKV(window, kernel)
+    else:
+        compress = make_scorer(scorer)
+    config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent, **options)
+    handle = _install(model, config, compress)
+    try:
+        yield handle
+    finally:
+        handle.remove()
