@@ -5,7 +5,8 @@ caches (``MlaCache``, ``MlaLatentCache``), the caller-owned-storage ``EvictionPo
 attention (``attend``, ``attend_absorbed``), LSE scoring (``observe_lse``, ``LseRing``),
 prompt compression (``compress_prompt``, ``prefill_chunked``), ``Selection`` and the memory
 model. ``kvevict.models`` has the shipped quality model in PyTorch; ``kvevict.install`` and
-``kvevict.press`` put eviction on it in one call.
+``kvevict.press`` put eviction on it in one call; ``kvevict.hf`` (with transformers installed)
+puts it on transformers' DeepSeek-V2/V3 models.
 """
 
 import torch  # noqa: F401  (loads libtorch and torch's Python types before the extension)
@@ -14,4 +15,5 @@ from ._kvevict import *  # noqa: F401,F403
 from ._kvevict import __version__  # noqa: F401
 
 from . import models  # noqa: E402,F401
-from .install import EvictingAttention, Installed, install, make_scorer, press  # noqa: E402,F401
+from .config import SCORERS, EvictionConfig, MemoryReport, make_scorer  # noqa: E402,F401
+from ._install import Installed, install, press  # noqa: E402,F401

@@ -48,7 +48,7 @@ except ImportError as e:  # pragma: no cover - the [hf] extra
     raise ImportError("kvevict.hf needs transformers: pip install 'kvevict[hf]'") from e
 
 from . import _kvevict as _k
-from .install import ScorerLike, make_scorer
+from .config import EvictionConfig, MemoryReport, ScorerLike, chunk_counts, make_scorer, tier_scoring
 
 __all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "MemoryReport", "install_kv_eviction",
            "reset_eviction_scores", "press"]
@@ -79,110 +79,6 @@ def _family(module: nn.Module) -> Optional[Tuple[str, Any]]:
         if isinstance(module, cls):
             return family, sys.modules[cls.__module__]
     return None
-
-
-# ---- options ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class EvictionConfig:
-    """What ``install_kv_eviction`` builds (H2O, Zhang et al. 2023, Sec. 3: sinks, heavy hitters
-    and a recent window per layer and sequence). Capacity per row and layer =
-    ``n_sink + budget + n_recent`` tokens (``layer_budgets`` replaces ``budget`` per layer).
-
-    Attributes:
-        budget: heavy hitters kept per row and layer (tokens).
-        n_sink: the first positions, always kept (attention sinks).
-        n_recent: the newest positions, always kept (the recent window).
-        scorer: "h2o" (accumulated attention, the default), "mean", "tova", "decay", or a kvevict
-            scorer object. SnapKV scores a prompt: use ``kvevict.hf.press``.
-        evict_every: a row evicts once it holds more than capacity and has appended in this many
-            forwards since its last pass (the cache then holds up to capacity + evict_every - 1).
-        layer_budgets: one budget per layer (PyramidKV-style), or None.
-        layout: "latent" (c_kv 512 + k_pe 64 per token, absorbed attention) or "expanded" (per-head
-            keys 192 and values 128, ``kv_b_proj`` applied once per token on its way in).
-        tier_tokens: evicted tokens kept per row and layer in a host tier (0: no tier). With a
-            tier, each forward recalls up to ``recall_tokens`` of them before attending (ArkVale,
-            Chen et al. 2024; pages scored by Quest's bounds, Tang et al. 2024, Sec. 3.2).
-        tier_page_size: tier page size in tokens (Quest digests per page).
-        recall_tokens: tokens recalled per forward and layer when a tier is on.
-        recall_rescore: two-level recall: the best pages up to this many tokens are scored again
-            token by token (0: whole pages come back). At least ``tier_page_size`` when set.
-        tier_scoring: "head_mean" (pages scored by the heads' mean logit) or "per_head".
-        prefill_chunk: a forward of more than this many tokens (a long prompt) is appended,
-            attended and evicted chunk by chunk, so the attention's memory is
-            O(chunk x (capacity + chunk) x heads) instead of O(T^2 x heads). 0: one chunk.
-        observe: feed each attention to the scorer (False: sinks + window + arrival order).
-    """
-
-    budget: int = 4096
-    n_sink: int = 4
-    n_recent: int = 512
-    scorer: ScorerLike = "h2o"
-    evict_every: int = 1
-    layer_budgets: Optional[List[int]] = None
-    layout: Literal["latent", "expanded"] = "latent"
-    tier_tokens: int = 0
-    tier_page_size: int = 64
-    recall_tokens: int = 3
-    recall_rescore: int = 256
-    tier_scoring: Literal["head_mean", "per_head"] = "head_mean"
-    prefill_chunk: int = 0
-    observe: bool = True
-
-    def __post_init__(self):
-        for name in ("budget", "n_sink", "n_recent", "tier_tokens", "recall_tokens", "recall_rescore",
-                     "prefill_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"kvevict: {name} must be an int, got {type(v).__name__} ({v!r})")
-            if v < 0:
-                raise ValueError(f"kvevict: {name} must be >= 0, got {v}")
-        for name in ("evict_every", "tier_page_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"kvevict: {name} must be an int >= 1, got {v!r}")
-        if self.layout not in ("latent", "expanded"):
-            raise ValueError(f"kvevict: layout must be 'latent' or 'expanded', got {self.layout!r}")
-        if self.tier_scoring not in ("head_mean", "per_head"):
-            raise ValueError(f"kvevict: tier_scoring must be 'head_mean' or 'per_head', got {self.tier_scoring!r}")
-        if self.tier_tokens and self.recall_rescore and self.recall_rescore < self.tier_page_size:
-            raise ValueError(f"kvevict: recall_rescore must be 0 or >= tier_page_size = {self.tier_page_size}, "
-                             f"got {self.recall_rescore}")
-        if not isinstance(self.observe, bool):
-            raise TypeError(f"kvevict: observe must be a bool, got {type(self.observe).__name__} ({self.observe!r})")
-        if isinstance(self.scorer, _k.SnapKV):
-            raise ValueError("kvevict: a SnapKV scorer scores a prompt once; use kvevict.hf.press(model, window=..., "
-                             "kernel=...), or a decode-time scorer")
-        if self.layer_budgets is not None:
-            self.layer_budgets = [int(b) for b in self.layer_budgets]
-        if isinstance(self.scorer, str) and self.scorer.lower() == "snapkv":
-            raise ValueError("kvevict: scorer='snapkv' scores a prompt once; use kvevict.hf.press(model, ...) "
-                             "for SnapKV, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
-        make_scorer(self.scorer)  # raises on an unknown name or type
-
-    @property
-    def capacity(self) -> int:
-        """Tokens kept per row and layer (with ``budget``; ``layer_budgets`` set their own)."""
-        return self.n_sink + self.budget + self.n_recent
-
-
-@dataclasses.dataclass
-class MemoryReport:
-    """Bytes, all layers, all rows. ``cache_bytes``: the kvevict cache's device buffers now
-    (slots for capacity + evict_every per row and layer, the trash slot included).
-    ``full_cache_bytes``: what transformers' own ``DynamicCache`` would hold for the same
-    columns in this transformers version's layout (``full_layout``; pads included, as it stores
-    them). ``tier_bytes``: host memory of the tier (rows and digests)."""
-
-    cache_bytes: int
-    full_cache_bytes: int
-    full_layout: str
-    tier_bytes: int
-    columns: int
-
-    @property
-    def ratio(self) -> float:
-        """full_cache_bytes / cache_bytes."""
-        return self.full_cache_bytes / self.cache_bytes if self.cache_bytes else float("inf")
 
 
 # ---- the model's geometry ---------------------------------------------------------------------------
@@ -482,13 +378,6 @@ def _project(module: nn.Module, family: str, rope_mod, hidden: torch.Tensor, pos
     return q_nope, q_pe, ckv, kpe.view(B, T, g.qk_rope_dim)
 
 
-def _chunk_counts(T: int, counts: Optional[List[int]], s: int, e: int) -> Optional[List[int]]:
-    """Real tokens of each row in columns [s, e) of a left-padded chunk of T columns."""
-    if counts is None:
-        return None
-    return [max(0, e - max(s, T - c)) for c in counts]
-
-
 class _LayerState(dict):
     """What install_kv_eviction keeps on an attention module; refuses to be copied or pickled."""
 
@@ -700,8 +589,7 @@ class KVEviction:
         ev = _k.EvictionOptions(cfg.budget, n_sink=cfg.n_sink, n_recent=cfg.n_recent, evict_every=cfg.evict_every)
         common = dict(batch_size=batch, dtype=g.dtype, device=g.device, layer_budgets=list(cfg.layer_budgets or []),
                       tier_tokens=cfg.tier_tokens, tier_page_size=cfg.tier_page_size,
-                      tier_scoring=(_k.TierScoring.kHeadMean if cfg.tier_scoring == "head_mean"
-                                    else _k.TierScoring.kPerHead))
+                      tier_scoring=tier_scoring(cfg.tier_scoring))
         if cfg.layout == "latent":
             opts = _k.MlaLatentCacheOptions(g.num_layers, g.num_heads, kv_lora_rank=g.kv_lora_rank,
                                             qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
@@ -752,7 +640,7 @@ class KVEviction:
             outs = []
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
-                cc = _chunk_counts(T, counts, s, e)
+                cc = chunk_counts(T, counts, s, e)
                 if latent:
                     kv.update(layer, ckv[:, s:e], kpe[:, s:e], cc)
                     qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()

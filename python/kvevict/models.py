@@ -110,13 +110,16 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE on x [..., T, d] at positions pos [T] (int64)."""
+    """Rotate-half RoPE on x [B, T, d] or [B, H, T, d] at positions pos [T] (every row) or [B, T]
+    (per row: a ragged batch), int64 on x's device."""
     d = x.size(-1)
     half = d // 2
-    inv = torch.pow(theta, -torch.arange(0, half, dtype=torch.float32) * 2.0 / float(d))
-    ang = pos.to(torch.float32).unsqueeze(1) * inv.unsqueeze(0)  # [T, half]
+    inv = torch.pow(theta, -torch.arange(0, half, dtype=torch.float32, device=x.device) * 2.0 / float(d))
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv  # [T, half] or [B, T, half]
     cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    if pos.dim() == 2 and x.dim() == 4:  # per-row positions, broadcast over the heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)
     rot = torch.cat([-x2, x1], -1)
     return x * cos + rot * sin
@@ -199,20 +202,31 @@ class MLA(nn.Module):
         return self.out(torch.matmul(torch.softmax(logits, -1), v))
 
     def cached(self, x: torch.Tensor, pos: torch.Tensor, cache, layer: int, last: Optional[torch.Tensor],
-               observe: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+               observe: bool = True, counts: Optional[List[int]] = None, recall_tokens: int = 0,
+               recall_rescore: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] appended to `layer` of `cache` (MlaCache or MlaLatentCache) and attended
-        through it. Returns (the attention block's output [B, T, dim], the next `last`)."""
+        through it. pos: [T], or [B, T] per row. counts: a left-padded chunk, row b's tokens are
+        its last counts[b] columns (``update``'s counts; None: every column). recall_tokens > 0
+        (a cache with a tier): up to that many evicted tokens per row come back from the tier
+        before attending (``recall`` / ``recall_absorbed`` with `recall_rescore`). Returns (the
+        attention block's output [B, T, dim], the next `last`)."""
         c = self.c
         p, new_last = self.project(x, pos, last)
         if isinstance(cache, _k.MlaCache):
             k, v = self.expand(p.ckv, p.kpe)
-            cache.update(layer, k.contiguous(), v.contiguous())
-            o = _k.attend(torch.cat([p.q_nope, p.q_pe], -1).contiguous(), cache, layer, c.scale, observe=observe)
+            cache.update(layer, k.contiguous(), v.contiguous(), counts)
+            q = torch.cat([p.q_nope, p.q_pe], -1).contiguous()
+            if recall_tokens:
+                cache.recall(layer, q, c.scale, recall_tokens, recall_rescore)
+            o = _k.attend(q, cache, layer, c.scale, observe=observe)
         else:
             w_uk, w_uv = self.absorbed_weights()
-            cache.update(layer, p.ckv.contiguous(), p.kpe.contiguous())
-            q_abs = torch.matmul(p.q_nope, w_uk.unsqueeze(0))  # [B, H, T, r]
-            lat = _k.attend_absorbed(q_abs.contiguous(), p.q_pe.contiguous(), cache, layer, c.scale, observe=observe)
+            cache.update(layer, p.ckv.contiguous(), p.kpe.contiguous(), counts)
+            q_abs = torch.matmul(p.q_nope, w_uk.unsqueeze(0)).contiguous()  # [B, H, T, r]
+            q_pe = p.q_pe.contiguous()
+            if recall_tokens:
+                cache.recall_absorbed(layer, q_abs, q_pe, c.scale, recall_tokens, recall_rescore)
+            lat = _k.attend_absorbed(q_abs, q_pe, cache, layer, c.scale, observe=observe)
             o = torch.matmul(lat, w_uv.transpose(1, 2).unsqueeze(0))  # [B, H, T, v]
         return self.out(o), new_last
 
@@ -223,7 +237,7 @@ class MLA(nn.Module):
         c = self.c
         p, new_last = self.project(x, pos)
         T = x.size(1)
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if isinstance(cache, _k.MlaCache):
             k, v = self.expand(p.ckv, p.kpe)
             q = torch.cat([p.q_nope, p.q_pe], -1).contiguous()
@@ -310,8 +324,8 @@ class Model(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] int64 -> logits [B, T, vocab], full causal attention."""
         T = tokens.size(1)
-        pos = torch.arange(T, dtype=torch.long)
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        pos = torch.arange(T, dtype=torch.long, device=tokens.device)
+        mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).triu(1)
         x = self.embed(tokens)
         for b in self.blocks:
             x = b(x, pos, mask)
@@ -327,7 +341,7 @@ class Model(nn.Module):
         start, T = cache.seen_tokens(0) + state.offset, tokens.size(1)
         if len(state.last) != c.n_layers or start == 0:
             state.last = [None] * c.n_layers
-        pos = torch.arange(start, start + T, dtype=torch.long)
+        pos = torch.arange(start, start + T, dtype=torch.long, device=tokens.device)
         x = self.embed(tokens)
         for l, b in enumerate(self.blocks):
             a, state.last[l] = b.attn.cached(b.attn_norm(x), pos, cache, l, state.last[l], observe)
@@ -344,7 +358,7 @@ class Model(nn.Module):
         c = self.c
         T = tokens.size(1)
         state.last = [None] * c.n_layers
-        pos = torch.arange(T, dtype=torch.long)
+        pos = torch.arange(T, dtype=torch.long, device=tokens.device)
         x = self.embed(tokens)
         for l, b in enumerate(self.blocks):
             a, state.last[l] = b.attn.compressed(b.attn_norm(x), pos, cache, l)

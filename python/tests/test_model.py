@@ -123,7 +123,7 @@ def test_press_compresses_the_prompt_as_the_cpp(model, layout, scorer, name, par
     with kvevict.press(model, layout=layout, scorer=scorer, **ev) as kv:
         seq, logits = kv.generate(prompt, 10, return_logits=True)
         positions = [kv.cache.positions(l) for l in range(model.c.n_layers)]
-    assert not isinstance(model.blocks[0].attn, kvevict.EvictingAttention)  # restored on exit
+    assert "forward" not in model.blocks[0].attn.__dict__  # restored on exit
     ref = cpp("compressed", seq[:, :-1], prompt.size(1), layout, scorer=name, **params, **ev)
     assert max_abs(logits, ref["logits"]) < TOL
     for a, b in zip(positions, ref["positions"]):
@@ -137,9 +137,9 @@ def test_install_errors(model):
         kvevict.install(model, layout="paged")
     with pytest.raises(ValueError, match="scorer must be one of"):
         kvevict.install(model, scorer="lru")
-    with pytest.raises(ValueError, match="EvictionOptions: n_recent"):
+    with pytest.raises(ValueError, match="n_recent must be >= 0, got -1"):
         kvevict.install(model, n_recent=-1)
-    assert not isinstance(model.blocks[0].attn, kvevict.EvictingAttention)  # unchanged by the failures
+    assert "forward" not in model.blocks[0].attn.__dict__  # unchanged by the failures
     kv = kvevict.install(model, budget=8)
     try:
         with pytest.raises(ValueError, match="already has eviction installed"):
@@ -148,9 +148,9 @@ def test_install_errors(model):
             kv.generate(text_tokens("ab", batch=2), 2)
     finally:
         kv.remove()
-    with pytest.raises(RuntimeError, match="after remove"):
+    with pytest.raises(RuntimeError, match="handle was removed"):
         kv.generate(text_tokens("ab"), 2)
-    with pytest.raises(ValueError, match="no kvevict.models.MLA"):
+    with pytest.raises(ValueError, match="found no MLA attention module in Linear"):
         kvevict.install(torch.nn.Linear(2, 2))
 
 

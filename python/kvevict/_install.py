@@ -1,0 +1,393 @@
+"""Eviction on the shipped model (``kvevict.models``) in one call: ``kvevict.install`` and the
+prefill press ``kvevict.press``. For transformers' DeepSeek-V2/V3 models use ``kvevict.hf``.
+
+    model = kvevict.models.Model.load()
+    kv = kvevict.install(model, budget=64, n_sink=4, n_recent=32, scorer="h2o", layout="latent")
+    tokens = kv.generate(prompt, max_new_tokens=32)   # or kv.step(chunk) step by step
+    kv.remove()                                      # the model attends in full again
+
+    with kvevict.press(model, budget=64, n_sink=4, n_recent=32, window=16) as kv:
+        tokens = kv.generate(prompt, max_new_tokens=32)  # the prompt compressed once per layer
+
+``install`` gives each attention module of the model (every ``kvevict.models.MLA``, or a module
+with its ``project`` / ``expand`` / ``out`` / ``absorbed_weights`` methods and ``c`` config; layer l
+is the l-th in ``model.modules()`` order) an instance-level ``forward`` that appends the chunk's
+rows to one kvevict cache on the model's device and dtype (``MlaCache`` for
+``layout="expanded"``, ``MlaLatentCache`` for ``"latent"``), attends through ``kvevict.attend`` /
+``attend_absorbed`` (which feed the scorer) and evicts the layer. Parameters, buffers and
+``state_dict()`` keys are untouched; ``copy.deepcopy`` and pickling (``torch.save(model)``) raise
+a TypeError while installed.
+
+The installed model is stateful: a forward continues the cached sequence, with RoPE positions
+taken from the cache. ``Installed.step`` and ``generate`` say so explicitly; a bare
+``model(tokens)`` that continues a sequence warns once per sequence (``Installed.reset()``
+starts a new one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from . import _kvevict as _k
+from .config import (SCORERS, EvictionConfig, MemoryReport, ScorerLike, chunk_counts, left_padding_counts,
+                     make_scorer)
+from .config import tier_scoring as _tier_scoring
+from .models import MLA
+
+__all__ = ["Installed", "install", "press", "make_scorer", "SCORERS", "LAYOUTS"]
+
+LAYOUTS = ("expanded", "latent")
+_METHODS = ("project", "expand", "out", "absorbed_weights")
+
+
+class _LayerHook:
+    """What an installed attention module's ``forward`` holds: the handle and the layer. Refuses
+    to be copied or pickled (the cache is a C++ object)."""
+
+    __slots__ = ("handle", "layer")
+
+    def __init__(self, handle: "Installed", layer: int):
+        self.handle, self.layer = handle, layer
+
+    def _refuse(self, *args):
+        raise TypeError("kvevict: a model with eviction installed cannot be deep-copied or pickled "
+                        "(torch.save(model)); kv.remove() first (state_dict() works while installed)")
+
+    __deepcopy__ = _refuse
+    __reduce__ = _refuse
+    __reduce_ex__ = _refuse
+
+
+def _installed_forward(hook: _LayerHook, x: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                       mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An installed module's ``forward(x, pos, mask)``: `pos` and `mask` are ignored (positions
+    continue the cached sequence; the cache masks)."""
+    return hook.handle._attend(hook.layer, x)
+
+
+class Installed:
+    """What ``install`` returns: the cache and the per-sequence state of an installed model.
+
+    Attributes: ``model``; ``cache`` (``MlaCache`` or ``MlaLatentCache``, batch rows =
+    ``config``'s batch size, on the model's device and dtype); ``config`` (``EvictionConfig``);
+    ``compress`` (the press's scorer, or None); ``layers`` (the attention modules, layer order)."""
+
+    def __init__(self, model: nn.Module, attns: List[nn.Module], cache, config: EvictionConfig,
+                 compress: Optional[Any]):
+        self.model = model
+        self.cache = cache
+        self.config = config
+        self.compress = compress
+        self.layers = list(attns)
+        n = len(attns)
+        self._last: List[Optional[torch.Tensor]] = [None] * n
+        self._offsets = [0] * n  # RoPE position of the next token minus the cache's seen tokens (the press)
+        self._counts: Optional[List[int]] = None  # the current forward's real tokens per row (left padding)
+        self._explicit = False  # inside step() / generate(): continuing is what was asked for
+        self._warned = False
+        self._pending: Optional[torch.Tensor] = None  # generate()'s last token, not yet fed [B, 1]
+        for layer, attn in enumerate(attns):
+            attn.forward = functools.partial(_installed_forward, _LayerHook(self, layer))
+        model._kvevict_installed = self
+
+    # -- the handle --------------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return bool(self.layers)
+
+    @property
+    def layout(self) -> str:
+        return self.config.layout
+
+    def reset(self) -> None:
+        """Empties the cache for a new sequence (positions restart at 0)."""
+        self.cache.reset()
+        self._last = [None] * len(self._last)
+        self._offsets = [0] * len(self._offsets)
+        self._pending = None
+        self._warned = False
+
+    def remove(self) -> None:
+        """Takes the installed forwards off: the model attends in full again. Idempotent."""
+        for attn in self.layers:
+            attn.__dict__.pop("forward", None)
+        self.layers = []
+        if getattr(self.model, "_kvevict_installed", None) is self:
+            del self.model._kvevict_installed
+
+    def kept_positions(self, layer: int, row: int = 0) -> List[int]:
+        """The token positions `row` of `layer` holds, ascending."""
+        p = self.cache.positions(layer)[row]
+        return sorted(int(x) for x in p[p >= 0])
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters of the current sequence: seen (tokens taken in per row, row 0), kept (per
+        layer, the longest row's cached tokens), capacity (per row and layer), and, summed over
+        layers and rows, eviction_events, tokens_evicted, tier_tokens, tier_recalled."""
+        kv, n = self.cache, len(self._last)
+        s = kv.stats()
+        return {"seen": kv.seen_tokens(0, 0) + self._offsets[0], "kept": [kv.size(l) for l in range(n)],
+                "capacity": [kv.capacity(l) for l in range(n)], "eviction_events": s.eviction_events,
+                "tokens_evicted": s.tokens_evicted, "tier_tokens": s.tier_tokens, "tier_recalled": s.tier_recalled}
+
+    def memory(self) -> MemoryReport:
+        """Bytes now (the cache's buffers and the tier's host memory) against what a full cache of
+        this layout would hold for the tokens seen (all rows)."""
+        kv, c = self.cache, self.layers[0].c if self.layers else None
+        if c is None:
+            raise RuntimeError("kvevict: memory() after remove(); install() again")
+        s = kv.stats()
+        seen = max(kv.seen_tokens(0, b) for b in range(kv.batch_size)) + self._offsets[0]
+        cfg = _k.MlaMemoryConfig(num_layers=len(self._last), num_heads=c.n_heads, qk_dim=c.qk_dim, v_dim=c.v_dim,
+                                 kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
+                                 bytes_per_element=torch.finfo(kv.dtype).bits // 8)
+        lay = _k.Layout.kLatent if self.layout == "latent" else _k.Layout.kExpanded
+        full = _k.full_cache_bytes(cfg, lay, seen) * kv.batch_size
+        return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=self.layout,
+                            tier_bytes=s.tier_bytes, columns=seen)
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"Installed(layers={len(self._last)}, layout={cfg.layout}, budget={cfg.budget}, n_sink={cfg.n_sink}, "
+                f"n_recent={cfg.n_recent}, capacity={cfg.capacity}, press={self.compress is not None}, "
+                f"tier_tokens={cfg.tier_tokens}, installed={self.installed})")
+
+    def __deepcopy__(self, memo):
+        _LayerHook._refuse(None)
+
+    def __reduce_ex__(self, protocol):
+        _LayerHook._refuse(None)
+
+    # -- running -----------------------------------------------------------------------------------
+    def _require(self) -> None:
+        if not self.installed:
+            raise RuntimeError("kvevict: the handle was removed; install() again")
+
+    def _check_tokens(self, tokens: torch.Tensor, where: str) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.size(1) < 1:
+            got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"kvevict: {where}: tokens must be [B, T] int64 with T >= 1, got {got}")
+        if tokens.size(0) != self.cache.batch_size:
+            raise ValueError(f"kvevict: {where}: tokens must have B = {self.cache.batch_size} rows (the cache's "
+                             f"batch_size; install(..., batch_size=B) for another), got {tokens.size(0)}")
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Continues the cached sequence with `tokens` [B, T] int64 -> logits [B, T, vocab].
+        attention_mask [B, T] 0/1: left padding (each row's real tokens its last columns); pads are
+        never stored, scored or attended, their logits are meaningless. Raises ValueError on a bad
+        shape or mask (nothing changes then)."""
+        self._require()
+        self._check_tokens(tokens, "step")
+        counts = left_padding_counts(attention_mask, tokens.size(0), tokens.size(1), "step")
+        self._explicit, self._counts = True, counts
+        try:
+            return self.model(tokens)
+        finally:
+            self._explicit, self._counts = False, None
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, attention_mask: Optional[torch.Tensor] = None,
+                 reset: bool = True, return_logits: bool = False):
+        """Greedy decoding through the cache: the prompt [B, T] int64 (compressed under the press;
+        in chunks of ``prefill_chunk``), then one token per step.
+
+        attention_mask: [B, T] 0/1, left padding (see ``step``). reset: start a new sequence (the
+        default); False continues the cached one (the previous call's last token is fed first:
+        a conversation's next turn). Returns the tokens [B, T + max_new_tokens] (the prompt and
+        the new tokens), and with `return_logits` also the logits of every step [B, T +
+        max_new_tokens - 1, vocab] (the last token's are not computed)."""
+        self._require()
+        self._check_tokens(prompt, "generate")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"kvevict: generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        left_padding_counts(attention_mask, prompt.size(0), prompt.size(1), "generate")  # checked before any change
+        if reset:
+            self.reset()
+        feed, mask = prompt, attention_mask
+        if not reset and self._pending is not None:
+            feed = torch.cat([self._pending, prompt], 1)
+            if mask is not None:
+                mask = torch.cat([mask.new_ones(prompt.size(0), 1), mask], 1)
+        tokens, logits = [prompt], []
+        out = self.step(feed, mask)
+        if not reset and self._pending is not None:
+            out = out[:, 1:]
+        nxt = None
+        for i in range(max_new_tokens):
+            if i:
+                out = self.step(nxt)
+            logits.append(out)
+            nxt = out[:, -1].argmax(-1, keepdim=True)
+            tokens.append(nxt)
+        self._pending = nxt if nxt is not None else None
+        seq = torch.cat(tokens, 1)
+        if return_logits:
+            return seq, (torch.cat(logits, 1) if logits else torch.empty(prompt.size(0), 0, 0))
+        return seq
+
+    # -- the installed attention -------------------------------------------------------------------
+    def _attend(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        attn, kv, cfg = self.layers[layer], self.cache, self.config
+        B, T = x.size(0), x.size(1)
+        if B != kv.batch_size:
+            raise ValueError(f"kvevict: the installed cache holds B = {kv.batch_size} rows (install(..., "
+                             f"batch_size=B)), the input has {B}")
+        counts = self._counts
+        if layer == 0 and not self._explicit and kv.seen_tokens(0) > 0 and not self._warned:
+            self._warned = True
+            warnings.warn(f"kvevict: model(tokens) continues the cached sequence ({kv.seen_tokens(0)} tokens seen): "
+                          "the installed model keeps its cache between calls. Call kv.reset() before an unrelated "
+                          "sequence; kv.step(tokens) continues without this warning.", UserWarning, stacklevel=4)
+        if kv.seen_tokens(layer) == 0:
+            self._last[layer], self._offsets[layer] = None, 0
+        if self.compress is not None and kv.seen_tokens(layer) == 0 and T > 1:  # the press
+            if counts is not None:
+                raise ValueError(f"kvevict: the press compresses unpadded prompts, this one has left padding (real "
+                                 f"tokens per row {counts}): run the rows one by one, or install() without the press")
+            pos = torch.arange(T, dtype=torch.long, device=x.device)
+            out, self._last[layer] = MLA.compressed(attn, x, pos, kv, layer)
+            self._offsets[layer] = T - kv.seen_tokens(layer)
+            return out
+        real = [T] * B if counts is None else counts
+        lead = T - max(real)  # columns that are padding in every row
+        seen = [kv.seen_tokens(layer, b) + self._offsets[layer] for b in range(B)]
+        if counts is None and len(set(seen)) == 1:
+            pos = torch.arange(seen[0], seen[0] + T, dtype=torch.long, device=x.device)
+        else:
+            first = torch.tensor([s - (T - c) for s, c in zip(seen, real)], dtype=torch.long, device=x.device)
+            pos = (first.unsqueeze(1) + torch.arange(T, device=x.device)).clamp_min(0)  # pads: clamped, unused
+        if counts is not None:  # pads in, zeros: the token shift starts each row at its first real token
+            cols = torch.arange(T, device=x.device).unsqueeze(0)
+            valid = cols >= torch.tensor([T - c for c in real], device=x.device).unsqueeze(1)
+            x = x * valid.unsqueeze(-1).to(x.dtype)
+        chunk = cfg.prefill_chunk if cfg.prefill_chunk and T - lead > cfg.prefill_chunk else T - lead
+        recall = cfg.recall_tokens if cfg.tier_tokens else 0
+        outs = [x.new_zeros(B, lead, x.size(-1))] if lead else []
+        for s in range(lead, T, max(chunk, 1)):
+            e = min(T, s + chunk)
+            cc = chunk_counts(T, counts, s, e)
+            p = pos[s:e] if pos.dim() == 1 else pos[:, s:e]
+            o, self._last[layer] = MLA.cached(attn, x[:, s:e], p, kv, layer, self._last[layer], cfg.observe, cc,
+                                              recall, cfg.recall_rescore)
+            kv.evict(layer)
+            outs.append(o)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+def _attention_modules(model: nn.Module) -> List[nn.Module]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kvevict: install: model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "_kvevict_installed", None) is not None:
+        raise ValueError("kvevict: install: the model already has eviction installed; remove() it first")
+    found: List[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:  # modules() order; an attention module's own children are not searched
+        if isinstance(m, MLA) or (all(callable(getattr(m, n, None)) for n in _METHODS) and hasattr(m, "c")):
+            found.append(m)
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    if not found:
+        raise ValueError(f"kvevict: install() found no MLA attention module in {type(model).__name__} (a "
+                         "kvevict.models.MLA, or a module with its project / expand / out / absorbed_weights methods "
+                         "and c config); for transformers' DeepSeek models use kvevict.hf.install_kv_eviction")
+    return found
+
+
+def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *,
+            scorer: ScorerLike = "h2o", layout: str = "expanded", evict_every: int = 1, batch_size: int = 1,
+            layer_budgets: Optional[List[int]] = None, dtype: Optional[torch.dtype] = None, observe: bool = True,
+            tier_tokens: int = 0, tier_page_size: int = 64, recall_tokens: int = 3, recall_rescore: int = 256,
+            tier_scoring: str = "head_mean", prefill_chunk: int = 0, compress: Optional[Any] = None) -> Installed:
+    """Installs KV-cache eviction on `model` (the shipped ``kvevict.models.Model`` or a model of
+    such MLA modules) in one call and returns the ``Installed`` handle. H2O (Zhang et al. 2023,
+    Sec. 3): per row and layer the cache keeps n_sink first tokens, `budget` heavy hitters and
+    n_recent newest tokens: capacity = n_sink + budget + n_recent tokens (``layer_budgets``: one
+    budget per layer). A sequence shorter than that evicts nothing.
+
+    scorer: "h2o" (accumulated attention), "mean", "tova", "decay", or a scorer object
+    ("snapkv" is the press's: ``kvevict.press``). layout: "expanded" (``MlaCache``, per-head keys
+    and values) or "latent" (``MlaLatentCache``: ckv + kpe, absorbed attention). evict_every,
+    observe: as ``EvictionOptions`` / ``attend``. batch_size: rows of every forward. dtype: must
+    be the model's (the cache holds what the model computes), or None.
+    tier_tokens > 0: a host tier of that many evicted tokens per row and layer, and each forward
+    recalls up to `recall_tokens` of them before attending (pages of `tier_page_size` tokens
+    scored by Quest's bounds, Tang et al. 2024, Sec. 3.2; `recall_rescore`: two-level recall).
+    The tier costs host memory: ``memory().tier_bytes``. prefill_chunk > 0: a forward of more
+    tokens is appended, attended and evicted in chunks of that many (bounded prompt memory).
+
+    The cache is on the model's device, in its dtype. Raises ValueError (TypeError for a wrong
+    type) naming the argument on a bad option, a module with no MLA attention or an installed
+    model; the model is unchanged then."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kvevict: install: layout must be one of {LAYOUTS}, got {layout!r}")
+    if compress is None and (isinstance(scorer, _k.SnapKV) or (isinstance(scorer, str) and scorer.lower() == "snapkv")):
+        raise ValueError("kvevict: install: SnapKV scores a prompt once: use kvevict.press(model, ..., window=W) for "
+                         "it, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
+    config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent,
+                            scorer="h2o" if compress is not None else scorer, evict_every=evict_every,
+                            layer_budgets=layer_budgets, layout=layout, tier_tokens=tier_tokens,
+                            tier_page_size=tier_page_size, recall_tokens=recall_tokens, recall_rescore=recall_rescore,
+                            tier_scoring=tier_scoring, prefill_chunk=prefill_chunk, observe=observe)
+    if compress is not None:
+        config.scorer = scorer
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"kvevict: install: batch_size must be an int >= 1, got {batch_size!r}")
+    attns = _attention_modules(model)
+    c = attns[0].c
+    param = next(attns[0].parameters(), None)
+    if param is None:
+        param = next(model.parameters())
+    if dtype is not None and dtype != param.dtype:
+        raise ValueError(f"kvevict: install: dtype must be the model's, {param.dtype}, got {dtype}: the cache holds "
+                         f"what the model computes. Cast the model first (model.to({dtype})) and leave dtype unset")
+    s = compress if compress is not None else make_scorer(scorer)
+    eviction = _k.EvictionOptions(budget, n_sink=n_sink, n_recent=n_recent, evict_every=evict_every)
+    common = dict(batch_size=batch_size, dtype=param.dtype, device=param.device,
+                  layer_budgets=list(config.layer_budgets or []), tier_tokens=tier_tokens, tier_page_size=tier_page_size,
+                  tier_scoring=_tier_scoring(config.tier_scoring))
+    if layout == "expanded":
+        opts = _k.MlaCacheOptions(len(attns), c.n_heads, qk_dim=c.qk_dim, v_dim=c.v_dim, **common)
+        cache = _k.MlaCache(opts, eviction, s)
+    else:
+        opts = _k.MlaLatentCacheOptions(len(attns), c.n_heads, kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
+                                        qk_nope_dim=c.qk_nope, **common)
+        cache = _k.MlaLatentCache(opts, eviction, s)
+    return Installed(model, attns, cache, config, compress)
+
+
+@contextlib.contextmanager
+def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *, window: int = 32,
+          kernel: int = 5, scorer: Optional[ScorerLike] = None, **kwargs) -> Iterator[Installed]:
+    """Prefill compression, kvpress-style: inside the ``with``, the first chunk each layer sees
+    (the prompt) is attended in full and compressed once to the layer's capacity by
+    ``kvevict.compress_prompt`` under SnapKV (Li et al. 2024, Sec. 4: the last `window` prompt
+    queries vote, then max-pooling over `kernel`), or under `scorer` ("h2o": every prompt query's
+    attention, recomputed from the log-sum-exp; or a scorer object, ``kvevict.SnapKV(w, k)``
+    included). Later tokens decode through the cache and are evicted under the same scorer
+    (SnapKV at decode: each new token's attention is its vote). Unpadded prompts only. On exit
+    the model is restored. Yields the ``Installed`` handle; other keyword arguments go to
+    ``install``.
+
+    A SnapKV window longer than n_recent warns (UserWarning): the window's queries then vote for
+    tokens the recent window does not protect (measured on the shipped model's passkey at a 10%
+    budget: 8/32 answer tokens with window 64 > n_recent 37, 24/32 with window 32)."""
+    compress = _k.SnapKV(window, kernel) if scorer is None else make_scorer(scorer)
+    if isinstance(compress, _k.SnapKV) and compress.window > n_recent:
+        warnings.warn(f"kvevict: press: the SnapKV window ({compress.window}) is longer than n_recent ({n_recent}): "
+                      "the window's queries vote for tokens the recent window does not protect, which loses answers; "
+                      "use window <= n_recent", UserWarning, stacklevel=3)
+    handle = install(model, budget, n_sink, n_recent, scorer=compress, compress=compress, **kwargs)
+    try:
+        yield handle
+    finally:
+        handle.remove()
