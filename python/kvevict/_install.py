@@ -64,11 +64,27 @@ class _LayerHook:
     __reduce_ex__ = _refuse
 
 
+class _NoBackward(torch.autograd.Function):
+    """The identity, whose backward raises: the cache moves rows in place, so there is no
+    gradient through an installed attention (torch's own error would name SoftmaxBackward0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("kvevict: no backward through an installed model (the cache moves its rows in place); "
+                           "train or fine-tune with the model's own attention (kv.remove() first), and run the "
+                           "installed model under torch.no_grad()")
+
+
 def _installed_forward(hook: _LayerHook, x: torch.Tensor, pos: Optional[torch.Tensor] = None,
                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """An installed module's ``forward(x, pos, mask)``: `pos` and `mask` are ignored (positions
     continue the cached sequence; the cache masks)."""
-    return hook.handle._attend(hook.layer, x)
+    out = hook.handle._attend(hook.layer, x)
+    return _NoBackward.apply(out) if out.requires_grad else out
 
 
 class Installed:

@@ -334,3 +334,38 @@ def test_repr(model):
                             "press=False, tier_tokens=0, installed=True)")
     finally:
         kv.remove()
+
+
+def test_backward_is_refused_clearly(model):
+    """Row 25: backward through an installed model raises kvevict's message, not torch's in-place
+    error; the forward itself still works without no_grad."""
+    kv = kvevict.install(model, budget=8)
+    try:
+        out = model(torch.tensor([A]))
+        with pytest.raises(RuntimeError, match="kvevict: no backward through an installed model"):
+            out.sum().backward()
+    finally:
+        kv.remove()
+    model.zero_grad(set_to_none=True)
+
+
+def _readme_block(marker: str) -> str:
+    import os
+    text = open(os.path.join(os.path.dirname(WEIGHTS), "..", "..", "README.md")).read()
+    at = text.index(marker)
+    start = text.rindex("```python\n", 0, at) + len("```python\n")
+    return text[start:text.index("```", at)]
+
+
+@pytest.mark.parametrize("marker,expected", [
+    ("kv = kvevict.install(model, budget=16", ["'tokens_evicted': 100", "'seen': 53", "[0, 1, 2, 3, "]),
+    ("L, H, B, T = 2, 4, 1, 40", ["28 12\n28\n"]),
+], ids=["install", "cpp_api"])
+def test_readme_python_examples_run_as_printed(marker, expected):
+    """Rows 4-8: the README's Python examples run as written and print what their comments say."""
+    import contextlib
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(_readme_block(marker), "README.md", "exec"), {})
+    for e in expected:
+        assert e in out.getvalue()
