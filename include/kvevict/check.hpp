@@ -106,6 +106,23 @@ void allocating(Allocate&& allocate, Fail&& fail) {
   }
 }
 
+/// Runs the body `f` of the public call `call` (e.g. "update") and returns what it returns; a
+/// host-heap failure that escapes it (std::bad_alloc, std::length_error: a std::vector, a
+/// LibTorch TensorImpl or c10::List) becomes the documented c10::Error, "kvevict: <call>: out
+/// of host memory (<what>)". The body keeps its own all-or-nothing guarantee: this only
+/// renames the failure. c10::Error and everything else pass through unchanged.
+template <class F>
+decltype(auto) host_heap(const char* call, F&& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc& e) {
+    KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
+  } catch (const std::length_error& e) {
+    KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
+  }
+  throw;  // not reached
+}
+
 /// Checks that `t` lives on `device` (the cache's), naming both devices.
 inline void check_device(const at::Tensor& t, const char* what, const at::Device& device) {
   KVEVICT_CHECK(t.device() == device, what, " must be on the cache's device ", device, ", got ",

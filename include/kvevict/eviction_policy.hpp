@@ -186,8 +186,11 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::Error naming reset, the layer and the sizes only if the smaller state cannot be
   ///         allocated; nothing changes then.
   void reset() {
-    layers_ = fresh_layers("reset");
-    std::fill(core_.active.begin(), core_.active.end(), 1);
+    detail::host_heap("reset", [&] {
+      auto fresh = prepare_fresh("reset");  // every allocation first
+      commit_fresh(fresh);
+      std::fill(core_.active.begin(), core_.active.end(), 1);
+    });
   }
 
   /// Rolls back the `k` newest tokens of `row` in every layer (rejected speculative-decoding
@@ -592,7 +595,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   using typename Base::Grown;
   using Base::append_prepared, Base::at, Base::base_slots_unchecked, Base::begin_observation, Base::check_row,
       Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation, Base::end_observation,
-      Base::flush_layer, Base::fresh_layers, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
+      Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
       Base::resized, Base::slot_map, Base::swap_in;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };

@@ -64,8 +64,10 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \note Copies T rows per head; grows the buffers (geometrically) only when an append
   ///       exceeds the slots. Never synchronises with the host.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new) {
-    auto views = Base::append(layer, {k_new, v_new}, {});
-    return {views[0], views[1]};
+    return detail::host_heap("update", [&]() -> std::pair<at::Tensor, at::Tensor> {
+      auto views = Base::append(layer, {k_new, v_new}, {});
+      return {views[0], views[1]};
+    });
   }
 
   /// update() for a ragged chunk (continuous batching, left-padded prompts): row b appends
@@ -77,8 +79,10 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \throws c10::Error as update(), or on a bad count; the cache is unchanged then.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new,
                                            at::IntArrayRef counts) {
-    auto views = Base::append(layer, {k_new, v_new}, counts);
-    return {views[0], views[1]};
+    return detail::host_heap("update", [&]() -> std::pair<at::Tensor, at::Tensor> {
+      auto views = Base::append(layer, {k_new, v_new}, counts);
+      return {views[0], views[1]};
+    });
   }
 
   /// [B, H, S, qk_dim] keys of the live slots (a view, slot order, cache device); invalidated
@@ -158,6 +162,11 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///       recall allocates the device copy (CacheStats::tier_device_bytes). Keys views stay
   ///       valid: rows change in place.
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
+    return detail::host_heap("recall", [&] { return recall_checked(layer, query, scale, tokens, rescore); });
+  }
+
+ private:
+  int64_t recall_checked(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     Base::policy().size(layer);
     detail::check_tensor(query, "query", Base::device());
     detail::check_shape(query, "query", {Base::batch_size(), Base::num_heads(), -1, options_.qk_dim()},
@@ -168,6 +177,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
     return Base::recall_rows(layer, query.to(at::kFloat).contiguous(), scale, tokens, rescore);
   }
 
+ public:
   /// The rows of the host tier's tokens of `row` in `layer` ({keys [H, n, qk_dim], values [H, n, v_dim]}), in the order of
   /// tier_positions(), bit for bit as they were cached; CPU copies.
   /// \throws c10::IndexError for a bad layer or row; c10::Error without a tier.

@@ -59,16 +59,20 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device; the
   ///         cache is unchanged.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& ckv_new, const at::Tensor& kpe_new) {
-    auto views = Base::append(layer, {ckv_new, kpe_new}, {});
-    return {views[0], views[1]};
+    return detail::host_heap("update", [&]() -> std::pair<at::Tensor, at::Tensor> {
+      auto views = Base::append(layer, {ckv_new, kpe_new}, {});
+      return {views[0], views[1]};
+    });
   }
 
   /// update() for a ragged chunk: row b appends only its last counts[b] columns of the T
   /// (left padding); see BasicMlaCache::update(layer, k_new, v_new, counts).
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& ckv_new, const at::Tensor& kpe_new,
                                            at::IntArrayRef counts) {
-    auto views = Base::append(layer, {ckv_new, kpe_new}, counts);
-    return {views[0], views[1]};
+    return detail::host_heap("update", [&]() -> std::pair<at::Tensor, at::Tensor> {
+      auto views = Base::append(layer, {ckv_new, kpe_new}, counts);
+      return {views[0], views[1]};
+    });
   }
 
   /// [B, S, kv_lora_rank] live compressed KV (a view, slot order, cache device); invalidated
@@ -99,6 +103,13 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \throws c10::Error as BasicMlaCache::recall(); nothing changes then.
   int64_t recall_absorbed(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
                           int64_t tokens, int64_t rescore = 0) {
+    return detail::host_heap("recall_absorbed",
+                             [&] { return recall_checked(layer, q_absorbed, q_pe, scale, tokens, rescore); });
+  }
+
+ private:
+  int64_t recall_checked(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
+                         int64_t tokens, int64_t rescore) {
     Base::policy().size(layer);
     detail::check_tensor(q_absorbed, "q_absorbed", Base::device());
     detail::check_tensor(q_pe, "q_pe", Base::device());
@@ -114,6 +125,7 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
     return Base::recall_rows(layer, query, scale, tokens, rescore);
   }
 
+ public:
   /// The rows of the host tier's tokens of `row` in `layer` ({ckv [n, kv_lora_rank], kpe [n, qk_rope_dim]}), in the order of
   /// tier_positions(), bit for bit as they were cached; CPU copies.
   /// \throws c10::IndexError for a bad layer or row; c10::Error without a tier.

@@ -38,6 +38,12 @@ struct BufferSpec {
 /// of row b fill slots [0, size(layer, b)); views are [.., size(layer), ..] wide (the longest
 /// row), and slots past a row's own length hold stale rows that positions() marks -1.
 ///
+/// Failures: every public call allocates first and commits last, so that a throw leaves the
+/// cache as it was (docs/DESIGN.md, rule 9); a host-heap failure (std::bad_alloc) leaves it
+/// as a c10::Error naming the call (host_heap()). On the tensor path a commit is a few
+/// LibTorch in-place writes, which allocate small host objects themselves: a host-heap failure
+/// among them leaves the call partly applied ([alloc_failure] counts them).
+///
 /// CUDA graphs: with observation checks off, a steady-state step (one token per row, observe,
 /// evict) has static shapes and no host sync, so it can be captured and replayed once the
 /// buffers stop moving (reserve() pins them). Replays advance what lives on the device (rows,
@@ -90,9 +96,13 @@ class CacheBase {
   /// Feeds attention probabilities to the scorer: EvictionPolicy::observe() (shape
   /// [B, H, Q, S], queries right-aligned on the newest append, pads ignored).
   /// \throws c10::Error as EvictionPolicy::observe(); the cache is unchanged then.
-  void observe(int64_t layer, const at::Tensor& probs) { policy_.observe(layer, probs); }
+  void observe(int64_t layer, const at::Tensor& probs) {
+    host_heap("observe", [&] { policy_.observe(layer, probs); });
+  }
   /// Adds caller-computed scores [B, S]: EvictionPolicy::add_scores().
-  void add_scores(int64_t layer, const at::Tensor& scores) { policy_.add_scores(layer, scores); }
+  void add_scores(int64_t layer, const at::Tensor& scores) {
+    host_heap("add_scores", [&] { policy_.add_scores(layer, scores); });
+  }
   /// Applies the observations lazy_reduction holds back on `layer`: EvictionPolicy::flush() (a
   /// collective under tensor parallelism; evict() calls it when a pass is due).
   void flush(int64_t layer) { policy_.flush(layer); }
@@ -112,8 +122,9 @@ class CacheBase {
   /// slots after the pass.
   ///
   /// \return tokens evicted, summed over rows (0 if no pass ran).
-  /// \throws c10::IndexError for a bad layer. A throw (allocation failure on the tensor path)
-  ///         leaves the cache as it was, but for one thing: with lazy_reduction the pending
+  /// \throws c10::IndexError for a bad layer; c10::Error naming evict on an allocation failure
+  ///         (the device's or the host heap's). A throw leaves the cache as it was, but for
+  ///         the tensor path's commit (see the class comment) and one thing: with lazy_reduction the pending
   ///         observations were applied first (EvictionPolicy::flush(), a collective under
   ///         tensor parallelism) and stay applied, so that every process stays in step.
   /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
@@ -123,11 +134,15 @@ class CacheBase {
   ///       the previous pass's copies into the tier (it waits on their event, which a steady
   ///       decode has long passed). That host work runs at every pass, so a step with a tier
   ///       cannot be replayed as a CUDA graph.
-  int64_t evict(int64_t layer) { return run_pass(layer, false); }
+  int64_t evict(int64_t layer) {
+    return host_heap("evict", [&] { return run_pass(layer, false); });
+  }
 
   /// evict() without waiting for evict_every: a pass on `layer` now if any row is over its
   /// capacity (compress_prompt() with a host tier uses it). Same returns and guarantees.
-  int64_t evict_now(int64_t layer) { return run_pass(layer, true); }
+  int64_t evict_now(int64_t layer) {
+    return host_heap("evict_now", [&] { return run_pass(layer, true); });
+  }
 
  private:
   int64_t run_pass(int64_t layer, bool now) {
@@ -242,15 +257,19 @@ class CacheBase {
   /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
-    settle_tiers();
-    policy_.finish(row);
-    for (auto& t : tiers_) t.release(row);
+    host_heap("finish", [&] {
+      settle_tiers();
+      policy_.finish(row);
+      for (auto& t : tiers_) t.release(row);  // allocates nothing
+    });
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
-    settle_tiers();
-    policy_.reset(row);
-    for (auto& t : tiers_) t.release(row);
+    host_heap("reset", [&] {
+      settle_tiers();
+      policy_.reset(row);
+      for (auto& t : tiers_) t.release(row);  // allocates nothing
+    });
   }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
@@ -258,20 +277,26 @@ class CacheBase {
   /// \throws c10::Error naming reset, the layer and the sizes if the smaller buffers cannot be
   ///         allocated; the cache is unchanged then.
   void reset() {
-    std::vector<std::vector<at::Tensor>> fresh;
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      const int64_t base = policy_.base_slots(l);
-      fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
-    }
-    settle_tiers();
-    policy_.reset();
-    buffers_ = std::move(fresh);
-    for (auto& v : live_views_) v = LiveViews{};
-    for (auto& t : tiers_) {
-      for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
-      t.clear_recalled();
-      t.release_device();
-    }
+    host_heap("reset", [&] {
+      std::vector<std::vector<at::Tensor>> fresh;  // every allocation first
+      for (int64_t l = 0; l < num_layers(); ++l) {
+        const int64_t base = policy_.base_slots(l);
+        fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
+      }
+      auto state = policy_.prepare_fresh("reset");
+      std::vector<LiveViews> no_views(live_views_.size());
+      settle_tiers();
+      // The commit: swaps, and the tier's releases, which allocate nothing.
+      policy_.commit_fresh(state);
+      std::fill(policy_.core_.active.begin(), policy_.core_.active.end(), 1);
+      buffers_.swap(fresh);
+      live_views_.swap(no_views);
+      for (auto& t : tiers_) {
+        for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
+        t.clear_recalled();
+        t.release_device();
+      }
+    });
   }
 
   /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
@@ -279,6 +304,20 @@ class CacheBase {
   /// \throws c10::Error if a dropped token was already evicted, k is out of range or the row is
   ///         free, or on an allocation failure; the cache (every layer) is unchanged then.
   void truncate(int64_t row, int64_t k) {
+    host_heap("truncate", [&] { truncate_rows(row, k); });
+  }
+
+  /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
+  /// trash slot), and never shrinks below that afterwards: appends that fit never move the
+  /// buffers, so CUDA graphs captured after this call stay valid.
+  /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
+  ///         the sizes if they cannot be allocated. Nothing changes then.
+  void reserve(int64_t tokens) {
+    host_heap("reserve", [&] { reserve_slots(tokens); });
+  }
+
+ private:
+  void truncate_rows(int64_t row, int64_t k) {
     // Tier tokens among the k newest leave the tier: the policy plans only the cached ones.
     std::vector<int64_t> in_tier(static_cast<size_t>(num_layers()), 0);
     settle_tiers();
@@ -318,12 +357,7 @@ class CacheBase {
     }
   }
 
-  /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
-  /// trash slot), and never shrinks below that afterwards: appends that fit never move the
-  /// buffers, so CUDA graphs captured after this call stay valid.
-  /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
-  ///         the sizes if they cannot be allocated. Nothing changes then.
-  void reserve(int64_t tokens) {
+  void reserve_slots(int64_t tokens) {
     KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
                         tokens);
     std::vector<std::vector<at::Tensor>> grown(buffers_.size());  // every allocation first
@@ -461,16 +495,74 @@ class CacheBase {
       KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
                     sizes_str(), "): ", why);
     });
-    if (grow) resize(layer, new_slots, "update");
+    // The growth, made apart (buffers and state), then the views handed back: every host
+    // allocation before the commit.
+    std::vector<at::Tensor> grown_bufs;
+    typename Policy::Grown grown_state;
+    if (grow) {
+      grown_bufs = resized_buffers(layer, new_slots, "update");
+      grown_state = policy_.resized(policy_.at(layer), layer, new_slots, "update");
+    }
+    auto& target = grow ? grown_bufs : bufs;
+    int64_t width = 0;  // size(layer) after the append
+    for (int64_t b = 0; b < B; ++b) width = std::max(width, policy_.size(layer, b) + counts_[b]);
+    const bool same_views = views_match(live_views_[layer], target, width);  // the decode steady state
+    LiveViews views;
+    std::vector<at::Tensor> out;
+    allocating([&] {
+      if (!same_views) views = views_over(layer, target, width);
+      out = same_views ? live_views_[layer].views : views.views;
+    }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "update: could not allocate the views of layer ", layer, " (", sizes_str(), "): ", why);
+    });
+    // The rows go to slots past each row's length (or to new buffers): nothing a caller sees
+    // changes until the commit below.
     for (size_t i = 0; i < specs_.size(); ++i) {
       if (host) {
-        append_rows_host(bufs[i], token_dim(i), src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
+        append_rows_host(target[i], token_dim(i), src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
       } else {
-        scatter_rows(bufs[i], token_dim(i), src[i], map);
+        scatter_rows(target[i], token_dim(i), src[i], map);
       }
     }
+    // The commit: swaps and host counters (the host path allocates nothing here); the tensor
+    // path's state writes are LibTorch in-place ops (see the class comment).
+    if (grow) {
+      buffers_[layer].swap(grown_bufs);
+      policy_.swap_in(policy_.at(layer), layer, grown_state);
+    }
+    if (!same_views) live_views_[layer] = std::move(views);
     policy_.append_prepared(layer, counts_.data(), T, map);
-    return live(layer);
+    return out;
+  }
+
+  /// Views of one layer's buffers, valid while width and buffers stay.
+  struct LiveViews {
+    int64_t width = -1;
+    const c10::TensorImpl* base = nullptr;  // buffers_[layer][0] when the views were made
+    std::vector<at::Tensor> views;
+  };
+
+  /// Whether `views` are the views over slots [0, width) of `bufs`.
+  bool views_match(const LiveViews& views, const std::vector<at::Tensor>& bufs, int64_t width) const {
+    bool valid = views.width == width && views.base == bufs[0].unsafeGetTensorImpl();
+    for (size_t i = 0; valid && i < specs_.size(); ++i) {  // a caller may have resized a view in place
+      const auto& v = views.views[i];
+      valid = v.strides() == bufs[i].strides() && v.storage_offset() == bufs[i].storage_offset() &&
+              v.dim() == bufs[i].dim() && v.size(token_dim(i)) == width;
+    }
+    return valid;
+  }
+
+  /// The views over slots [0, width) of `bufs` (the buffers of `layer`, or the ones replacing
+  /// them): the cached ones while they still match, else new ones. Allocates; changes nothing.
+  LiveViews views_over(int64_t layer, const std::vector<at::Tensor>& bufs, int64_t width) const {
+    if (views_match(live_views_[layer], bufs, width)) return live_views_[layer];
+    LiveViews fresh;
+    fresh.views.reserve(specs_.size());
+    for (size_t i = 0; i < specs_.size(); ++i) fresh.views.push_back(bufs[i].narrow(token_dim(i), 0, width));
+    fresh.width = width;
+    fresh.base = bufs[0].unsafeGetTensorImpl();
+    return fresh;
   }
 
   /// Views over slots [0, size(layer)) of every buffer of `layer` (real views: they share the
@@ -481,19 +573,7 @@ class CacheBase {
   std::vector<at::Tensor> live(int64_t layer) const {
     const int64_t S = size(layer);
     auto& cached = live_views_[layer];
-    const auto& bufs = buffers_[layer];
-    bool valid = cached.width == S && cached.base == bufs[0].unsafeGetTensorImpl();
-    for (size_t i = 0; valid && i < specs_.size(); ++i) {  // a caller may have resized a view in place
-      const auto& v = cached.views[i];
-      valid = v.strides() == bufs[i].strides() && v.storage_offset() == bufs[i].storage_offset() &&
-              v.dim() == bufs[i].dim() && v.size(token_dim(i)) == S;
-    }
-    if (!valid) {
-      std::vector<at::Tensor> views;
-      views.reserve(specs_.size());
-      for (size_t i = 0; i < specs_.size(); ++i) views.push_back(bufs[i].narrow(token_dim(i), 0, S));
-      cached = {S, bufs[0].unsafeGetTensorImpl(), std::move(views)};
-    }
+    if (!views_match(cached, buffers_[layer], S)) cached = views_over(layer, buffers_[layer], S);
     return cached.views;
   }
 
@@ -638,6 +718,7 @@ class CacheBase {
       try {
         resize(layer, floor, "evict");
       } catch (const c10::Error&) {
+      } catch (const std::exception&) {  // a host-heap failure (std::bad_alloc): the same
       }
     }
   }
@@ -648,13 +729,7 @@ class CacheBase {
   int64_t tier_tokens_ = 0;
   mutable std::vector<LayerTier> tiers_;  // per layer, with a tier (settled by const reads too)
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
-  /// Per layer: the views live() handed out last, valid while width and buffers stay.
-  struct LiveViews {
-    int64_t width = -1;
-    const c10::TensorImpl* base = nullptr;  // buffers_[layer][0] when the views were made
-    std::vector<at::Tensor> views;
-  };
-  mutable std::vector<LiveViews> live_views_;
+  mutable std::vector<LiveViews> live_views_;  // per layer: the views live() handed out last
   std::vector<int64_t> hold_;                     // per layer: shrink no lower (GrowthHold); empty: none
   at::Tensor move_rows_;                          // tensor path: [B, 1] row indices of the moves (made once)
   Pass pass_;                                     // the pass being applied (scratch, reused)

@@ -75,11 +75,12 @@ class HostPath {
     return H;
   }
 
-  /// Takes `H` (from resized()) as the scratch of `layer`. Does not throw.
-  void swap_in(int64_t layer, Scratch& H) noexcept {
-    if (static_cast<size_t>(layer) >= scratch_.size()) scratch_.resize(static_cast<size_t>(layer) + 1);
-    std::swap(scratch_[layer], H);
-  }
+  /// Makes room for the scratch of `layers` layers (allocates: before any swap_in()).
+  void size_layers(int64_t layers) { scratch_.resize(static_cast<size_t>(layers)); }
+
+  /// Takes `H` (from resized()) as the scratch of `layer`, which size_layers() made room for.
+  /// Allocates nothing, does not throw.
+  void swap_in(int64_t layer, Scratch& H) noexcept { std::swap(scratch_[static_cast<size_t>(layer)], H); }
 
   /// Empties `row` of `L` (positions -1, pending sums 0).
   void clear_row(const Core& /*c*/, LayerState& L, int64_t /*layer*/, int64_t row) {

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -53,7 +54,8 @@ class PolicyState {
       core_.layer_eviction = core_.options.layer_eviction(core_.eviction);
       for (const auto& e : core_.layer_eviction) core_.selections.emplace_back(e);
       core_.active.assign(static_cast<size_t>(B), 1);
-      layers_ = fresh_layers(nullptr);
+      auto fresh = prepare_fresh(nullptr);
+      commit_fresh(fresh);
     }, [&](const std::string& why) { fail_allocation(why); });
   }
 
@@ -279,40 +281,58 @@ class PolicyState {
     return std::max(core_.layer_eviction[layer].capacity() + core_.eviction.evict_every(), reserved_) + 1;
   }
 
+  /// Empty state for every layer at base_slots() and the paths' scratch for it: what
+  /// prepare_fresh() makes and commit_fresh() takes.
+  struct Fresh {
+    std::vector<LayerState> layers;
+    HostPath host;
+    TensorPath tensor;
+  };
+
   /// Empty state for every layer at base_slots(), with its path's scratch (allocates; changes
-  /// nothing but the paths' scratch, which only a successful return makes current). `what`
-  /// names the public call in an allocation failure's message (null: not renamed).
-  std::vector<LayerState> fresh_layers(const char* what) {
+  /// nothing). `what` names the public call in an allocation failure's message (null: not
+  /// renamed).
+  Fresh prepare_fresh(const char* what) const {
     const int64_t B = rows();
-    std::vector<LayerState> fresh(static_cast<size_t>(core_.options.num_layers()));
-    std::vector<Grown> grown(fresh.size());
-    for (size_t l = 0; l < fresh.size(); ++l) {
-      auto& L = fresh[l];
-      L.len.assign(B, 0);
-      L.appends.assign(B, 0);
-      L.seen.assign(B, 0);
-      L.last_new.assign(B, 0);
+    Fresh f;
+    const auto n = static_cast<size_t>(core_.options.num_layers());
+    named_allocation(0, n > 0 && !layers_.empty() ? layers_[0].slots : 0, base_slots_unchecked(0), what, [&] {
+      f.layers.resize(n);
+      if (host_) {
+        f.host.size_layers(static_cast<int64_t>(n));
+      } else {
+        f.tensor.size_layers(static_cast<int64_t>(n));
+      }
+    });
+    for (size_t l = 0; l < n; ++l) {
+      auto& L = f.layers[l];
       const int64_t slots = base_slots_unchecked(static_cast<int64_t>(l));
       const int64_t from = l < layers_.size() ? layers_[l].slots : 0;
       named_allocation(static_cast<int64_t>(l), from, slots, what, [&] {
+        L.len.assign(B, 0);
+        L.appends.assign(B, 0);
+        L.seen.assign(B, 0);
+        L.last_new.assign(B, 0);
         allocate_layer(core_, L, slots);
         if (host_) {
-          grown[l].host = HostPath().resized(core_, static_cast<int64_t>(l), slots);
+          auto scratch = HostPath().resized(core_, static_cast<int64_t>(l), slots);
+          f.host.swap_in(static_cast<int64_t>(l), scratch);
         } else {
-          grown[l].tensor = TensorPath().resized(core_, static_cast<int64_t>(l), slots);
+          auto scratch = f.tensor.resized(core_, static_cast<int64_t>(l), slots);
+          f.tensor.swap_in(static_cast<int64_t>(l), scratch);
         }
       });
     }
-    host_path_ = HostPath();
-    tensor_path_ = TensorPath();
-    for (size_t l = 0; l < fresh.size(); ++l) {
-      if (host_) {
-        host_path_.swap_in(static_cast<int64_t>(l), grown[l].host);
-      } else {
-        tensor_path_.swap_in(static_cast<int64_t>(l), grown[l].tensor);
-      }
-    }
-    return fresh;
+    return f;
+  }
+
+  /// Makes a prepare_fresh() current: every layer empty. Allocates nothing, does not throw.
+  void commit_fresh(Fresh& f) noexcept {
+    // Moves of vectors and tensors (reference-counted handles): nothing allocates.
+    static_assert(std::is_nothrow_move_assignable<HostPath>::value, "commit_fresh() swaps without allocating");
+    layers_.swap(f.layers);
+    std::swap(host_path_, f.host);
+    std::swap(tensor_path_, f.tensor);
   }
 
   [[noreturn]] void fail_allocation(const std::string& why) const {

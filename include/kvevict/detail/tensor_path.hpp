@@ -107,10 +107,12 @@ class TensorPath {
     return D;
   }
 
-  void swap_in(int64_t layer, Scratch& D) noexcept {
-    if (static_cast<size_t>(layer) >= scratch_.size()) scratch_.resize(static_cast<size_t>(layer) + 1);
-    std::swap(scratch_[layer], D);
-  }
+  /// Makes room for the scratch of `layers` layers (allocates: before any swap_in()).
+  void size_layers(int64_t layers) { scratch_.resize(static_cast<size_t>(layers)); }
+
+  /// Takes `D` (from resized()) as the scratch of `layer`, which size_layers() made room for.
+  /// Allocates nothing, does not throw.
+  void swap_in(int64_t layer, Scratch& D) noexcept { std::swap(scratch_[static_cast<size_t>(layer)], D); }
 
   void clear_row(const Core& c, LayerState& L, int64_t layer, int64_t row) {
     L.position.select(0, row).fill_(-1);

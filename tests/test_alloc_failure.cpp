@@ -1,0 +1,394 @@
+// Host-heap allocation failures (issue 29: N2, N4, N5). This file replaces the global
+// operator new / operator new[] (and their deletes) for the whole test executable: a counter on
+// the calling thread makes the k-th allocation throw std::bad_alloc while armed (AllocFault), and
+// does nothing otherwise. LibTorch's own tensor storage comes from c10's CPU allocator
+// (posix_memalign), not from here; its TensorImpls, c10::Lists and small vectors do, as do
+// kvevict's std::vectors. CountingCpuAllocator (op_counter.hpp) injects failures of the other
+// kind.
+//
+// The contract checked: every public call of a cache that an injected host-heap failure
+// interrupts throws c10::Error (never a raw std::bad_alloc) and leaves the cache's observable
+// state (positions, scores, sizes, seen tokens, slots, stats, the live rows of every buffer,
+// active rows, the tier's tokens, ranks and rows) as it was; the same call then succeeds and
+// gives the state the uninterrupted call gives. On both paths, both layouts, with a tier.
+#include "support.hpp"
+
+#include <kvevict/kvevict.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <new>
+#include <string>
+#include <vector>
+
+using Catch::Matchers::Contains;
+
+namespace alloc_fault {
+
+// Per thread: only the thread that armed the counter fails (LibTorch's pools go on).
+thread_local int64_t t_fail_at = 0;  // 0: disarmed; else the allocation number that fails
+thread_local int64_t t_count = 0;    // allocations counted since armed
+thread_local bool t_fired = false;   // the armed allocation failed
+
+inline void* allocate(std::size_t n) {
+  if (t_fail_at > 0 && ++t_count == t_fail_at) {
+    t_fail_at = 0;  // one failure per arming
+    t_fired = true;
+    throw std::bad_alloc();
+  }
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+/// While alive, the k-th operator new on this thread throws std::bad_alloc (once).
+struct AllocFault {
+  explicit AllocFault(int64_t k) {
+    t_count = 0;
+    t_fired = false;
+    t_fail_at = k;
+  }
+  ~AllocFault() { t_fail_at = 0; }
+  AllocFault(const AllocFault&) = delete;
+  AllocFault& operator=(const AllocFault&) = delete;
+  static bool fired() { return t_fired; }
+};
+
+}  // namespace alloc_fault
+
+void* operator new(std::size_t n) { return alloc_fault::allocate(n); }
+void* operator new[](std::size_t n) { return alloc_fault::allocate(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using alloc_fault::AllocFault;
+using kvevict::EvictionOptions;
+
+/// Everything a caller can observe of a cache (with a tier), as tensors.
+template <class Cache>
+std::vector<at::Tensor> snapshot(const Cache& c) {
+  std::vector<at::Tensor> v;
+  const auto num = [](int64_t x) { return at::tensor(x); };
+  for (int64_t l = 0; l < c.num_layers(); ++l) {
+    v.push_back(c.positions(l).clone());
+    v.push_back(c.scores(l).clone());
+    v.push_back(num(c.slots(l)));
+    const auto s = c.stats(l);
+    for (const int64_t x : {s.eviction_events, s.tokens_evicted, s.bytes_allocated, s.tier_tokens, s.tier_bytes,
+                            s.tier_recalled}) {
+      v.push_back(num(x));
+    }
+    const auto o = c.ordered(l);  // the live rows by position
+    v.push_back(o.positions.clone());
+    for (int64_t b = 0; b < c.batch_size(); ++b) {
+      v.push_back(num(c.size(l, b)));
+      v.push_back(num(c.seen_tokens(l, b)));
+      v.push_back(c.tier_positions(l, b));
+      v.push_back(c.tier_scores(l, b));
+      const auto rows = c.tier_rows(l, b);
+      v.push_back(rows.first);
+      v.push_back(rows.second);
+    }
+  }
+  for (int64_t b = 0; b < c.batch_size(); ++b) v.push_back(num(static_cast<int64_t>(c.active(b))));
+  return v;
+}
+
+/// The live rows of a layer by position, both layouts.
+at::Tensor live_rows(const kvevict::MlaCache& c, int64_t l) {
+  const auto o = c.ordered(l);
+  return at::cat({o.keys.flatten(), o.values.flatten()});
+}
+at::Tensor live_rows(const kvevict::MlaLatentCache& c, int64_t l) {
+  const auto o = c.ordered(l);
+  return at::cat({o.ckv.flatten(), o.kpe.flatten()});
+}
+
+template <class Cache>
+std::vector<at::Tensor> full_snapshot(const Cache& c) {
+  auto v = snapshot(c);
+  for (int64_t l = 0; l < c.num_layers(); ++l) v.push_back(live_rows(c, l));
+  return v;
+}
+
+bool same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+constexpr int64_t kLayers = 2, kB = 2, kH = 2;
+
+/// A cache on `tensor_path`, with a tier, capacity 6 (1 sink, 3 heavy hitters, 2 recent), a
+/// pass every 2 appends: 9 slots per row (8 tokens and the trash slot).
+template <class Cache>
+Cache make_cache(bool tensor_path);
+template <>
+kvevict::MlaCache make_cache<kvevict::MlaCache>(bool tensor_path) {
+  kvevict_test::ForceTensorPath force(tensor_path);
+  return kvevict::MlaCache(kvevict::MlaCacheOptions(kLayers, kH).batch_size(kB).qk_dim(4).v_dim(3).tier_tokens(16)
+                               .tier_page_size(2),
+                           EvictionOptions(3).n_sink(1).n_recent(2).evict_every(2));
+}
+template <>
+kvevict::MlaLatentCache make_cache<kvevict::MlaLatentCache>(bool tensor_path) {
+  kvevict_test::ForceTensorPath force(tensor_path);
+  return kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(kLayers, kH).batch_size(kB).kv_lora_rank(4)
+                                     .qk_rope_dim(2).qk_nope_dim(2).tier_tokens(16).tier_page_size(2),
+                                 EvictionOptions(3).n_sink(1).n_recent(2).evict_every(2));
+}
+
+/// New rows of T tokens for either layout.
+std::pair<at::Tensor, at::Tensor> new_rows(const kvevict::MlaCache&, int64_t T) {
+  return {at::randn({kB, kH, T, 4}), at::randn({kB, kH, T, 3})};
+}
+std::pair<at::Tensor, at::Tensor> new_rows(const kvevict::MlaLatentCache&, int64_t T) {
+  return {at::randn({kB, T, 4}), at::randn({kB, T, 2})};
+}
+
+/// Every layer: 12 tokens, scores, a pass (the tier fills), one more token: 7 tokens per row.
+template <class Cache>
+void warm(Cache& c) {
+  for (int64_t l = 0; l < c.num_layers(); ++l) {
+    auto r = new_rows(c, 12);
+    c.update(l, r.first, r.second);
+    c.add_scores(l, at::rand({kB, 12}));
+    c.evict_now(l);
+    r = new_rows(c, 1);
+    c.update(l, r.first, r.second);
+  }
+}
+
+/// recall() / recall_absorbed() with fresh queries, as a call.
+std::function<void()> recall_call(kvevict::MlaCache& c, int64_t rescore) {
+  const auto q = at::randn({kB, kH, 1, 4});
+  return [&c, q, rescore] { c.recall(0, q, 0.5, 2, rescore); };
+}
+std::function<void()> recall_call(kvevict::MlaLatentCache& c, int64_t rescore) {
+  const auto qa = at::randn({kB, kH, 1, 4}), qp = at::randn({kB, kH, 1, 2});
+  return [&c, qa, qp, rescore] { c.recall_absorbed(0, qa, qp, 0.5, 2, rescore); };
+}
+
+/// compress_prompt() / compress_prompt_absorbed() of an 10-token prompt into layer 1, as a call.
+std::function<void()> compress_call(kvevict::MlaCache& c) {
+  const int64_t T = 10;
+  const auto q = at::randn({kB, kH, T, 4}), k = at::randn({kB, kH, T, 4}), v = at::randn({kB, kH, T, 3});
+  const auto lse = at::logsumexp(at::matmul(q, k.transpose(-2, -1)).mul(0.5).masked_fill(
+                                     at::ones({T, T}, at::kBool).triu(1), -INFINITY), -1);
+  return [&c, q, k, v, lse] { kvevict::compress_prompt(c, 1, q, k, v, lse, 0.5); };
+}
+std::function<void()> compress_call(kvevict::MlaLatentCache& c) {
+  const int64_t T = 10;
+  const auto qa = at::randn({kB, kH, T, 4}), qp = at::randn({kB, kH, T, 2});
+  const auto ckv = at::randn({kB, T, 4}), kpe = at::randn({kB, T, 2});
+  const auto logits = at::matmul(qa, ckv.unsqueeze(1).transpose(-2, -1)).add(at::matmul(qp, kpe.unsqueeze(1).transpose(-2, -1)));
+  const auto lse = at::logsumexp(logits.mul(0.5).masked_fill(at::ones({T, T}, at::kBool).triu(1), -INFINITY), -1);
+  return [&c, qa, qp, ckv, kpe, lse] { kvevict::compress_prompt_absorbed(c, 1, qa, qp, ckv, kpe, lse, 0.5); };
+}
+
+/// One scenario: brings a fresh cache to its state before the call (seeded: every run the same)
+/// and returns the call.
+template <class Cache>
+struct Scenario {
+  std::string name;
+  std::function<std::function<void()>(Cache&)> setup;
+  /// Tensor path: the call commits with a sequence of LibTorch in-place writes, which allocate
+  /// small host objects; a failure among them is the documented exception to all or nothing.
+  bool tensor_commit = true;
+};
+
+template <class Cache>
+std::vector<Scenario<Cache>> scenarios() {
+  using S = Scenario<Cache>;
+  return {
+      S{"update, one token", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          const auto r = new_rows(c, 1);
+          return [&c, r] { c.update(0, r.first, r.second); };
+        }},
+      S{"update that grows the buffers", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          const auto r = new_rows(c, 5);
+          return [&c, r] { c.update(0, r.first, r.second); };
+        }},
+      S{"evict (a pass that shrinks the buffers)", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          const auto r = new_rows(c, 5);
+          c.update(0, r.first, r.second);
+          c.add_scores(0, at::rand({kB, c.size(0)}));
+          return [&c] { c.evict(0); };
+        }},
+      S{"evict_now", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          c.add_scores(0, at::rand({kB, c.size(0)}));
+          return [&c] { c.evict_now(0); };
+        }},
+      S{"truncate", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          for (int64_t l = 0; l < c.num_layers(); ++l) {
+            const auto r = new_rows(c, 2);
+            c.update(l, r.first, r.second);
+          }
+          return [&c] { c.truncate(0, 3); };
+        }},
+      S{"finish", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          return [&c] { c.finish(1); };
+        }},
+      S{"reset(row)", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          return [&c] { c.reset(0); };
+        }},
+      S{"reset() after a grown layer", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          const auto r = new_rows(c, 5);
+          c.update(1, r.first, r.second);
+          return [&c] { c.reset(); };
+        }},
+      S{"reserve", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          return [&c] { c.reserve(12); };
+        }},
+      S{"recall, whole pages", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          return recall_call(c, 0);
+        }},
+      S{"recall, two-level", [](Cache& c) -> std::function<void()> {
+          warm(c);
+          return recall_call(c, 4);
+        }},
+  };
+}
+
+/// compress_prompt() with a tier (prefill.hpp): its own checks and scoring allocate before the
+/// cache's calls, and its append, add_scores and evict_now commit one by one.
+template <class Cache>
+std::vector<Scenario<Cache>> compress_scenarios() {
+  return {Scenario<Cache>{"compress_prompt with a tier", [](Cache& c) -> std::function<void()> {
+            auto r = new_rows(c, 3);
+            c.update(0, r.first, r.second);
+            return compress_call(c);
+          }}};
+}
+
+/// For k = 1, 2, ... until the call succeeds: the k-th host allocation of the call fails; the
+/// call must throw c10::Error and leave the cache as it was, and then succeed, giving what the
+/// uninterrupted call gives. Returns the allocations the call makes (k where it first succeeded).
+template <class Cache>
+int64_t check_scenario(const Scenario<Cache>& s, bool tensor_path, int64_t& partial) {
+  constexpr int64_t kMaxAllocations = 4000;  // a bound on the loop, far above what any call makes
+  const auto prepare = [&](Cache& c) {
+    at::manual_seed(29);
+    return s.setup(c);
+  };
+  auto ref = make_cache<Cache>(tensor_path);
+  auto ref_call = prepare(ref);
+  const auto before = full_snapshot(ref);
+  ref_call();
+  const auto after = full_snapshot(ref);
+  for (int64_t k = 1; k <= kMaxAllocations; ++k) {
+    auto c = make_cache<Cache>(tensor_path);
+    auto call = prepare(c);
+    bool error = false, bad_alloc = false, fired = false;
+    std::string what;
+    {
+      AllocFault fault(k);
+      try {
+        call();
+      } catch (const c10::Error& e) {
+        error = true;
+        what = e.what_without_backtrace();
+      } catch (const std::bad_alloc&) {
+        bad_alloc = true;
+      }
+      fired = AllocFault::fired();
+    }
+    if (!fired) {
+      INFO(s.name << ": succeeded at allocation " << k);
+      CHECK_FALSE(error);
+      CHECK(same(full_snapshot(c), after));
+      return k;
+    }
+    INFO(s.name << ": allocation " << k << " failed (" << what << ")");
+    CHECK_FALSE(bad_alloc);  // N5: a c10::Error, never a raw std::bad_alloc
+    if (!error && !bad_alloc) {
+      // The failure was absorbed (a shrink that keeps the larger buffers): the call did its work.
+      CHECK(kvevict_test::to_vec<int64_t>(c.positions(0)) == kvevict_test::to_vec<int64_t>(ref.positions(0)));
+      continue;
+    }
+    // On the host path every message is kvevict's, naming the call; on the tensor path LibTorch's
+    // own c10::Error may come first (its indexing reports a failed allocation as a shape mismatch).
+    if (!tensor_path) CHECK_THAT(what, Contains("kvevict: "));
+    const bool unchanged = same(full_snapshot(c), before);
+    if (!unchanged && tensor_path && s.tensor_commit) {
+      // The documented exception (docs/DESIGN.md, rule 9): a failure among the tensor path's
+      // in-place writes of a commit. Counted, not retried (the cache is not what it was).
+      ++partial;
+      continue;
+    }
+    CHECK(unchanged);  // N4: all or nothing
+    if (!unchanged) return -k;
+    call();  // the same call again succeeds and gives what it gives uninterrupted
+    CHECK(same(full_snapshot(c), after));
+  }
+  FAIL(s.name << ": no success within " << kMaxAllocations << " allocations");
+  return -1;
+}
+
+template <class Cache>
+void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
+  for (const auto& s : all) {
+    CAPTURE(s.name);
+    int64_t partial = 0;
+    const int64_t n = check_scenario(s, tensor_path, partial);
+    INFO(s.name << ": " << n - 1 << " allocation points, " << partial << " of them in the tensor path's commit");
+    CHECK(n >= 1);
+    // Most failure points leave the cache unchanged; the exception is the writes at the end.
+    CHECK(partial * 2 <= n);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the injected allocation failure fires at the k-th operator new of its thread only",
+          "[alloc_failure][cpu]") {
+  {
+    AllocFault fault(2);
+    auto* a = new int(1);
+    CHECK_THROWS_AS(new int(2), std::bad_alloc);
+    CHECK(AllocFault::fired());
+    auto* c = new int(3);  // one failure per arming
+    delete a;
+    delete c;
+  }
+  AllocFault none(0);
+  std::vector<int> v(100);
+  CHECK_FALSE(AllocFault::fired());
+}
+
+TEST_CASE("a host-heap failure at any allocation of a cache call throws c10::Error and changes nothing",
+          "[alloc_failure][tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  SECTION("expanded") { check_all(tensor_path, scenarios<kvevict::MlaCache>()); }
+  SECTION("latent") { check_all(tensor_path, scenarios<kvevict::MlaLatentCache>()); }
+}
+
+// Hidden until compress_prompt() translates its own host-heap failures and undoes its steps
+// (issue 29, left to prefill.hpp's owner): run with "[alloc_failure_compress]".
+TEST_CASE("a host-heap failure at any allocation of compress_prompt with a tier throws c10::Error and changes nothing",
+          "[.][alloc_failure_compress][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  SECTION("expanded") { check_all(tensor_path, compress_scenarios<kvevict::MlaCache>()); }
+  SECTION("latent") { check_all(tensor_path, compress_scenarios<kvevict::MlaLatentCache>()); }
+}
