@@ -4,7 +4,7 @@ Kept by hand; python/tests/test_stubs.py fails when a name, a parameter or a key
 marker here differs from the binding's own signatures.
 """
 
-from typing import ClassVar, List, Optional, Tuple, Union, overload
+from typing import ClassVar, List, Literal, Optional, Tuple, Union, overload
 
 import torch
 
@@ -75,8 +75,10 @@ class MlaLatentCacheOptions:
 
 
 class TierScoring:
-    kPerHead: ClassVar[TierScoring]
-    kHeadMean: ClassVar[TierScoring]
+    PER_HEAD: ClassVar[TierScoring]
+    HEAD_MEAN: ClassVar[TierScoring]
+    kPerHead: ClassVar[TierScoring]  # alias of PER_HEAD (the C++ name)
+    kHeadMean: ClassVar[TierScoring]  # alias of HEAD_MEAN
     def __init__(self, value: int) -> None: ...
     @property
     def name(self) -> str: ...
@@ -84,8 +86,10 @@ class TierScoring:
     def value(self) -> int: ...
 
 class LseBase:
-    kE: ClassVar[LseBase]
-    k2: ClassVar[LseBase]
+    E: ClassVar[LseBase]
+    TWO: ClassVar[LseBase]
+    kE: ClassVar[LseBase]  # alias of E (the C++ name)
+    k2: ClassVar[LseBase]  # alias of TWO
     def __init__(self, value: int) -> None: ...
     @property
     def name(self) -> str: ...
@@ -125,8 +129,10 @@ class DecayedAttention:
 
 class SnapKV:
     class Pooling:
-        kAvg: ClassVar[SnapKV.Pooling]
-        kMax: ClassVar[SnapKV.Pooling]
+        AVG: ClassVar[SnapKV.Pooling]
+        MAX: ClassVar[SnapKV.Pooling]
+        kAvg: ClassVar[SnapKV.Pooling]  # alias of AVG (the C++ name)
+        kMax: ClassVar[SnapKV.Pooling]  # alias of MAX
         def __init__(self, value: int) -> None: ...
         @property
         def name(self) -> str: ...
@@ -173,8 +179,10 @@ class Selection:
 
 
 class Layout:
-    kExpanded: ClassVar[Layout]
-    kLatent: ClassVar[Layout]
+    EXPANDED: ClassVar[Layout]
+    LATENT: ClassVar[Layout]
+    kExpanded: ClassVar[Layout]  # alias of EXPANDED (the C++ name)
+    kLatent: ClassVar[Layout]  # alias of LATENT
     def __init__(self, value: int) -> None: ...
     @property
     def name(self) -> str: ...
@@ -204,10 +212,13 @@ def capped_cache_bytes(config: MlaMemoryConfig, layout: Layout, seq_len: int, ca
 def tier_bytes(config: MlaMemoryConfig, layout: Layout, seq_len: int, capacity: int, tier_tokens: int,
                state_width: int = 1, page_size: int = 16) -> int: ...
 Scorer = Union[CumulativeAttention, MeanObservedAttention, LatestAttention, DecayedAttention, SnapKV]
+# A scorer argument also takes a name of kvevict.SCORERS: 'h2o', 'cumulative', 'mean', 'tova',
+# 'latest', 'decay', 'snapkv' (case-insensitive, default parameters).
+ScorerLike = Union[Scorer, str]
 
 
 class EvictionPolicy:
-    def __init__(self, options: EvictionPolicyOptions, eviction: EvictionOptions = ..., scorer: Scorer = ...) -> None: ...
+    def __init__(self, options: EvictionPolicyOptions, eviction: EvictionOptions = ..., scorer: ScorerLike = ...) -> None: ...
     num_layers: int
     batch_size: int
     num_heads: int
@@ -258,7 +269,7 @@ class OrderedLatentLayer:
 
 
 class MlaCache:
-    def __init__(self, options: MlaCacheOptions, eviction: EvictionOptions = ..., scorer: Scorer = ...) -> None: ...
+    def __init__(self, options: MlaCacheOptions, eviction: EvictionOptions = ..., scorer: ScorerLike = ...) -> None: ...
     options: MlaCacheOptions
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, counts: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
     def keys(self, layer: int) -> torch.Tensor: ...
@@ -305,7 +316,7 @@ class MlaCache:
 
 
 class MlaLatentCache:
-    def __init__(self, options: MlaLatentCacheOptions, eviction: EvictionOptions = ..., scorer: Scorer = ...) -> None: ...
+    def __init__(self, options: MlaLatentCacheOptions, eviction: EvictionOptions = ..., scorer: ScorerLike = ...) -> None: ...
     options: MlaLatentCacheOptions
     def update(self, layer: int, ckv_new: torch.Tensor, kpe_new: torch.Tensor, counts: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
     def ckv(self, layer: int) -> torch.Tensor: ...
@@ -351,9 +362,15 @@ class MlaLatentCache:
     def reserve(self, tokens: int) -> None: ...
 
 
-def attend(q: torch.Tensor, cache: MlaCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+@overload
+def attend(q: torch.Tensor, cache: MlaCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def attend(q: torch.Tensor, cache: MlaCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: Literal[True]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
-def attend_absorbed(q_absorbed: torch.Tensor, q_pe: torch.Tensor, cache: MlaLatentCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]: ...
+@overload
+def attend_absorbed(q_absorbed: torch.Tensor, q_pe: torch.Tensor, cache: MlaLatentCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: Literal[False] = False) -> torch.Tensor: ...
+@overload
+def attend_absorbed(q_absorbed: torch.Tensor, q_pe: torch.Tensor, cache: MlaLatentCache, layer: int, scale: Optional[float] = None, *, observe: bool = True, return_probs: Literal[True]) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 def observe_lse(q: torch.Tensor, cache: MlaCache, layer: int, lse: torch.Tensor, scale: Optional[float] = None, opts: LseOptions = ...) -> None: ...
 
@@ -376,9 +393,9 @@ class LseRing:
     def evict(self, layer: int) -> int: ...
 
 
-def prompt_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, scorer: Scorer = ..., opts: LseOptions = ...) -> torch.Tensor: ...
+def prompt_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, scorer: ScorerLike = ..., opts: LseOptions = ...) -> torch.Tensor: ...
 
-def prompt_scores_absorbed(q_absorbed: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, lse: torch.Tensor, scale: float, scorer: Scorer = ..., opts: LseOptions = ...) -> torch.Tensor: ...
+def prompt_scores_absorbed(q_absorbed: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, lse: torch.Tensor, scale: float, scorer: ScorerLike = ..., opts: LseOptions = ...) -> torch.Tensor: ...
 
 def compress_prompt(cache: MlaCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, scale: Optional[float] = None, opts: LseOptions = ...) -> torch.Tensor: ...
 

@@ -19,16 +19,45 @@
 #include <pybind11/stl.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <iomanip>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
 
 namespace py = pybind11;
 namespace kv = kvevict;
+
+/// The scorer argument: one of the scorer classes, which picks the C++ instantiation.
+using ScorerVariant =
+    std::variant<kv::CumulativeAttention, kv::MeanObservedAttention, kv::LatestAttention, kv::DecayedAttention, kv::SnapKV>;
+
+/// A device argument as Python passes it: a torch.device or a str ("cpu", "cuda:0"), resolved by
+/// device_of() (which names the argument's owner when the str is not a device).
+struct DeviceArg {
+  std::optional<at::Device> device;  // a torch.device
+  std::string name;                  // else the str
+};
+
+/// The scorer names kvevict.SCORERS (python/kvevict/config.py) gives the installers, with the
+/// same default parameters: a raw cache takes them too (test_python_face.py checks both tables).
+inline const std::vector<std::pair<const char*, int>>& scorer_names() {
+  static const std::vector<std::pair<const char*, int>> names = {
+      {"h2o", 0}, {"cumulative", 0}, {"mean", 1}, {"tova", 2}, {"latest", 2}, {"decay", 3}, {"snapkv", 4}};
+  return names;
+}
 
 // ---- torch.dtype <-> at::ScalarType (torch >= 2.4 has its own, in torch/csrc/utils/pybind.h) -----
 #if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 4)
@@ -48,11 +77,80 @@ struct type_caster<at::ScalarType> {
 }  // namespace pybind11::detail
 #endif
 
+namespace pybind11::detail {
+/// torch.device | str: anything else does not load (kvevict's TypeError then names it).
+template <>
+struct type_caster<DeviceArg> {
+  PYBIND11_TYPE_CASTER(DeviceArg, const_name("torch.device | str"));
+  bool load(handle src, bool) {
+    if (PyUnicode_Check(src.ptr())) {
+      value = DeviceArg{std::nullopt, src.cast<std::string>()};
+      return true;
+    }
+    make_caster<at::Device> device;
+    if (!device.load(src, false)) return false;
+    value = DeviceArg{cast_op<at::Device>(device), {}};
+    return true;
+  }
+  static handle cast(const DeviceArg& src, return_value_policy policy, handle parent) {
+    if (src.device) return make_caster<at::Device>::cast(*src.device, policy, parent);
+    return str(src.name).release();
+  }
+};
+
+/// A scorer object, or one of the installers' names ("h2o", "tova", ...; case-insensitive, default
+/// parameters). An unknown name is a ValueError listing the names.
+template <>
+struct type_caster<ScorerVariant> {
+  PYBIND11_TYPE_CASTER(ScorerVariant, make_caster<kv::CumulativeAttention>::name + const_name(" | ") +
+                                          make_caster<kv::MeanObservedAttention>::name + const_name(" | ") +
+                                          make_caster<kv::LatestAttention>::name + const_name(" | ") +
+                                          make_caster<kv::DecayedAttention>::name + const_name(" | ") +
+                                          make_caster<kv::SnapKV>::name + const_name(" | str"));
+  bool load(handle src, bool) {
+    if (PyUnicode_Check(src.ptr())) {
+      std::string name = src.cast<std::string>();
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+      for (const auto& [n, i] : scorer_names()) {
+        if (name != n) continue;
+        switch (i) {
+          case 0: value = kv::CumulativeAttention(); break;
+          case 1: value = kv::MeanObservedAttention(); break;
+          case 2: value = kv::LatestAttention(); break;
+          case 3: value = kv::DecayedAttention(); break;
+          default: value = kv::SnapKV(); break;
+        }
+        return true;
+      }
+      std::string known;
+      for (const auto& [n, i] : scorer_names()) known += std::string(known.empty() ? "'" : ", '") + n + "'";
+      throw value_error("kvevict: scorer must be a scorer object or one of the names " + known + ", got '" +
+                        src.cast<std::string>() + "'");
+    }
+    return try_load<kv::CumulativeAttention>(src) || try_load<kv::MeanObservedAttention>(src) ||
+           try_load<kv::LatestAttention>(src) || try_load<kv::DecayedAttention>(src) || try_load<kv::SnapKV>(src);
+  }
+  static handle cast(const ScorerVariant& src, return_value_policy, handle parent) {
+    return std::visit(
+        [&](const auto& s) { return make_caster<std::decay_t<decltype(s)>>::cast(s, return_value_policy::copy, parent); },
+        src);
+  }
+
+ private:
+  template <class S>
+  bool try_load(handle src) {
+    make_caster<S> c;
+    if (!isinstance<S>(src) || !c.load(src, false)) return false;
+    value = cast_op<S&>(c);
+    return true;
+  }
+};
+}  // namespace pybind11::detail
+
 namespace {
 
 // ---- scorers and the instantiations they select ----------------------------------------------------
-using Scorer =
-    std::variant<kv::CumulativeAttention, kv::MeanObservedAttention, kv::LatestAttention, kv::DecayedAttention, kv::SnapKV>;
+using Scorer = ScorerVariant;
 
 template <template <class> class Of>
 using PerScorer = std::variant<Of<kv::CumulativeAttention>, Of<kv::MeanObservedAttention>, Of<kv::LatestAttention>,
@@ -103,15 +201,85 @@ Scorer scorer_of(const P& p) {
   return Scorer(p.scorer());
 }
 
-/// A device option from a str ("cpu", "cuda:0") or a torch.device.
-at::Device to_device(const py::handle& h) {
-  if (py::isinstance<py::str>(h)) return at::Device(h.cast<std::string>());  // c10::Error for a bad name
+/// The device a device argument of `where` names. Raises ValueError naming `where` and what it
+/// takes when a str is not a device torch knows (torch's own message lists every backend).
+at::Device device_of(const DeviceArg& d, const char* where) {
+  if (d.device) return *d.device;
   try {
-    return h.cast<at::Device>();
-  } catch (const py::cast_error&) {
-    throw py::type_error("kvevict: device must be a str or a torch.device, got " +
-                         std::string(py::str(py::type::handle_of(h).attr("__name__"))));
+    return at::Device(d.name);
+  } catch (const c10::Error&) {
+    throw py::value_error(std::string("kvevict: ") + where + ": device must be a torch.device or a device name such "
+                          "as 'cpu', 'cuda' or 'cuda:0', got '" + d.name + "'");
   }
+}
+
+/// The Python name of a cache options struct (for error messages).
+template <class O>
+const char* options_name() {
+  if constexpr (std::is_same_v<O, kv::MlaCacheOptions>) {
+    return "MlaCacheOptions";
+  } else {
+    return "MlaLatentCacheOptions";
+  }
+}
+
+// ---- repr() ---------------------------------------------------------------------------------------
+/// The shortest decimal that reads back as the same float (0.9f -> "0.9").
+std::string short_float(float v) {
+  for (int digits = 1; digits < 10; ++digits) {
+    std::ostringstream s;
+    s << std::setprecision(digits) << v;
+    if (std::strtof(s.str().c_str(), nullptr) == v) return s.str();
+  }
+  return std::to_string(v);
+}
+std::string repr_of(const py::handle& h) { return py::repr(h).cast<std::string>(); }
+std::string dtype_repr(at::ScalarType t) { return repr_of(py::cast(t)); }  // torch.float32
+std::string ints_repr(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << "]";
+  return s.str();
+}
+
+/// What the options of a policy or cache set beyond their shape, only where not the default.
+template <class O>
+std::string options_tail(const O& o) {
+  std::ostringstream s;
+  if (o.check_observations()) s << ", check_observations=" << (*o.check_observations() ? "True" : "False");
+  if (!o.layer_budgets().empty()) s << ", layer_budgets=" << ints_repr(o.layer_budgets());
+  if (o.total_heads() != 0) s << ", total_heads=" << o.total_heads();
+  if (o.lazy_reduction()) s << ", lazy_reduction=True";
+  return s.str();
+}
+template <class O>
+std::string cache_options_repr(const O& o, const std::string& dims) {
+  std::ostringstream s;
+  s << options_name<O>() << "(num_layers=" << o.num_layers() << ", num_heads=" << o.num_heads() << dims
+    << ", batch_size=" << o.batch_size() << ", dtype=" << dtype_repr(o.dtype()) << ", device='" << o.device().str()
+    << "'" << options_tail(o) << ", tier_tokens=" << o.tier_tokens();
+  if (o.tier_tokens() > 0) {
+    s << ", tier_page_size=" << o.tier_page_size() << ", tier_scoring=TierScoring."
+      << (o.tier_scoring() == kv::TierScoring::kHeadMean ? "HEAD_MEAN" : "PER_HEAD");
+  }
+  s << ")";
+  return s.str();
+}
+
+/// A cache: its shape, capacity per layer (one number when every layer has the same), dtype,
+/// device, scorer and tier.
+template <class C>
+std::string cache_repr(const char* type, const C& c, const std::string& dims) {
+  std::vector<int64_t> caps;
+  for (int64_t l = 0; l < c.num_layers(); ++l) caps.push_back(c.capacity(l));
+  const bool same = std::all_of(caps.begin(), caps.end(), [&](int64_t x) { return x == caps.front(); });
+  std::ostringstream s;
+  s << type << "(layers=" << c.num_layers() << ", batch=" << c.batch_size() << ", heads=" << c.num_heads() << dims
+    << ", capacity=" << (same && !caps.empty() ? std::to_string(caps.front()) : ints_repr(caps))
+    << ", dtype=" << dtype_repr(c.dtype()) << ", device=" << c.device().str()
+    << ", scorer=" << repr_of(py::cast(Scorer(c.policy().scorer()))) << ", tier_tokens=" << c.tier_tokens() << ")";
+  return s.str();
 }
 
 /// The eviction state of a policy, or of a cache (read-only: a cache changes it itself, moving
@@ -376,6 +544,18 @@ void def_policy(py::module_& m) {
           py::arg("row"), py::arg("k"),
           "Rolls back the k newest tokens of `row` in every layer. Returns one SlotMoves per layer, to apply to "
           "that layer's buffers (apply_moves). Raises and changes nothing if a dropped token was evicted.");
+  c.def("__repr__", [](Policy& s) {
+    return with(s, [](auto& x) {
+      std::vector<int64_t> caps;
+      for (int64_t l = 0; l < x.num_layers(); ++l) caps.push_back(x.capacity(l));
+      const bool same = std::all_of(caps.begin(), caps.end(), [&](int64_t v) { return v == caps.front(); });
+      std::ostringstream o;
+      o << "EvictionPolicy(layers=" << x.num_layers() << ", batch=" << x.batch_size() << ", heads=" << x.num_heads()
+        << ", capacity=" << (same && !caps.empty() ? std::to_string(caps.front()) : ints_repr(caps))
+        << ", device=" << x.device().str() << ", scorer=" << repr_of(py::cast(Scorer(x.scorer()))) << ")";
+      return o.str();
+    });
+  });
   def_state_common(c);
 }
 
@@ -386,7 +566,9 @@ void def_cache_options_common(py::class_<O>& c) {
       .def_property("num_heads", [](const O& o) { return o.num_heads(); }, [](O& o, int64_t v) { o.num_heads(v); })
       .def_property("batch_size", [](const O& o) { return o.batch_size(); }, [](O& o, int64_t v) { o.batch_size(v); })
       .def_property("dtype", [](const O& o) { return o.dtype(); }, [](O& o, at::ScalarType v) { o.dtype(v); })
-      .def_property("device", [](const O& o) { return o.device(); }, [](O& o, py::object v) { o.device(to_device(v)); })
+      .def_property("device", [](const O& o) { return o.device(); },
+                    [](O& o, const DeviceArg& v) { o.device(device_of(v, options_name<O>())); },
+                    "Device of the cache's buffers and state: a torch.device or a name ('cpu', 'cuda:1').")
       .def_property("check_observations", [](const O& o) { return o.check_observations(); },
                     [](O& o, c10::optional<bool> v) { o.check_observations(v); })
       .def_property("layer_budgets", [](const O& o) { return o.layer_budgets(); },
@@ -403,12 +585,16 @@ void def_cache_options_common(py::class_<O>& c) {
 }
 
 void def_options(py::module_& m) {
+  // Enums: Python names first (what .name and repr() show), then the C++ names as aliases.
   py::enum_<kv::TierScoring>(m, "TierScoring",
-                             "How recall() scores the host tier's pages: kPerHead (a softmax per head and query) or "
-                             "kHeadMean (one softmax per query of the heads' mean logit's bound: heads times cheaper "
-                             "in the latent layout).")
-      .value("kPerHead", kv::TierScoring::kPerHead)
-      .value("kHeadMean", kv::TierScoring::kHeadMean);
+                             "How recall() scores the host tier's pages: PER_HEAD (a softmax per head and query) or "
+                             "HEAD_MEAN (one softmax per query of the heads' mean logit's bound: heads times cheaper "
+                             "in the latent layout). kPerHead and kHeadMean are the C++ names, kept as aliases.")
+      .value("PER_HEAD", kv::TierScoring::kPerHead, "A softmax over the pages per head and query (the default).")
+      .value("HEAD_MEAN", kv::TierScoring::kHeadMean,
+             "One softmax per query over the pages, of the heads' mean bound: heads times cheaper (latent layout).")
+      .value("kPerHead", kv::TierScoring::kPerHead, "Alias of PER_HEAD (the C++ name).")
+      .value("kHeadMean", kv::TierScoring::kHeadMean, "Alias of HEAD_MEAN (the C++ name).");
 
   py::class_<kv::EvictionOptions>(
       m, "EvictionOptions",
@@ -431,7 +617,7 @@ void def_options(py::module_& m) {
       .def("capacity", &kv::EvictionOptions::capacity, "n_sink + budget + n_recent.")
       .def("validate", &kv::EvictionOptions::validate,
            "Raises ValueError naming the value: a count < 0 or > 2^40, evict_every < 1, capacity < 1.")
-      .def_property_readonly_static("MAX_TOKENS", [](py::object) { return kv::EvictionOptions::kMaxTokens; })
+      .def_property_readonly_static("MAX_TOKENS", [](const py::type&) { return kv::EvictionOptions::kMaxTokens; })
       .def("__repr__", [](const kv::EvictionOptions& o) {
         std::ostringstream s;
         s << "EvictionOptions(budget=" << o.budget() << ", n_sink=" << o.n_sink() << ", n_recent=" << o.n_recent()
@@ -442,11 +628,11 @@ void def_options(py::module_& m) {
   py::class_<kv::EvictionPolicyOptions> po(m, "EvictionPolicyOptions",
                                            "The shape of an EvictionPolicy's state: layers, heads, rows, device, "
                                            "checks, per-layer budgets.");
-  po.def(py::init([](int64_t layers, int64_t heads, int64_t batch, py::object device, c10::optional<bool> check,
+  po.def(py::init([](int64_t layers, int64_t heads, int64_t batch, const DeviceArg& device, c10::optional<bool> check,
                      std::vector<int64_t> budgets, int64_t total_heads, bool lazy) {
            return kv::EvictionPolicyOptions(layers, heads)
                .batch_size(batch)
-               .device(to_device(device))
+               .device(device_of(device, "EvictionPolicyOptions"))
                .check_observations(check)
                .layer_budgets(std::move(budgets))
                .total_heads(total_heads)
@@ -463,7 +649,8 @@ void def_options(py::module_& m) {
       .def_property("batch_size", [](const kv::EvictionPolicyOptions& o) { return o.batch_size(); },
                     [](kv::EvictionPolicyOptions& o, int64_t v) { o.batch_size(v); })
       .def_property("device", [](const kv::EvictionPolicyOptions& o) { return o.device(); },
-                    [](kv::EvictionPolicyOptions& o, py::object v) { o.device(to_device(v)); })
+                    [](kv::EvictionPolicyOptions& o, const DeviceArg& v) { o.device(device_of(v, "EvictionPolicyOptions")); },
+                    "Device of the state: a torch.device or a name ('cpu', 'cuda:1').")
       .def_property("check_observations", [](const kv::EvictionPolicyOptions& o) { return o.check_observations(); },
                     [](kv::EvictionPolicyOptions& o, c10::optional<bool> v) { o.check_observations(v); })
       .def_property("layer_budgets", [](const kv::EvictionPolicyOptions& o) { return o.layer_budgets(); },
@@ -472,18 +659,24 @@ void def_options(py::module_& m) {
                     [](kv::EvictionPolicyOptions& o, int64_t v) { o.total_heads(v); })
       .def_property("lazy_reduction", [](const kv::EvictionPolicyOptions& o) { return o.lazy_reduction(); },
                     [](kv::EvictionPolicyOptions& o, bool v) { o.lazy_reduction(v); })
-      .def("validate", [](const kv::EvictionPolicyOptions& o) { o.validate(); }, "Raises ValueError naming a bad value.");
+      .def("validate", [](const kv::EvictionPolicyOptions& o) { o.validate(); }, "Raises ValueError naming a bad value.")
+      .def("__repr__", [](const kv::EvictionPolicyOptions& o) {
+        std::ostringstream s;
+        s << "EvictionPolicyOptions(num_layers=" << o.num_layers() << ", num_heads=" << o.num_heads()
+          << ", batch_size=" << o.batch_size() << ", device='" << o.device().str() << "'" << options_tail(o) << ")";
+        return s.str();
+      });
 
   py::class_<kv::MlaCacheOptions> eo(m, "MlaCacheOptions",
                                      "Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys "
                                      "[B, H, S, qk_dim] and values [B, H, S, v_dim] (DeepSeek-V3: 192 = 128 no-RoPE + "
                                      "64 RoPE, and 128).");
   eo.def(py::init([](int64_t layers, int64_t heads, int64_t qk_dim, int64_t v_dim, int64_t batch, at::ScalarType dtype,
-                     py::object device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
+                     const DeviceArg& device, c10::optional<bool> check, std::vector<int64_t> budgets, int64_t total_heads,
                      bool lazy, int64_t tier_tokens, int64_t tier_page_size, kv::TierScoring tier_scoring) {
            kv::MlaCacheOptions o(layers, heads);
            o.qk_dim(qk_dim).v_dim(v_dim);
-           o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
+           o.batch_size(batch).dtype(dtype).device(device_of(device, options_name<decltype(o)>())).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
            o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
            return o;
@@ -496,7 +689,10 @@ void def_options(py::module_& m) {
       .def_property("qk_dim", [](const kv::MlaCacheOptions& o) { return o.qk_dim(); },
                     [](kv::MlaCacheOptions& o, int64_t v) { o.qk_dim(v); })
       .def_property("v_dim", [](const kv::MlaCacheOptions& o) { return o.v_dim(); },
-                    [](kv::MlaCacheOptions& o, int64_t v) { o.v_dim(v); });
+                    [](kv::MlaCacheOptions& o, int64_t v) { o.v_dim(v); })
+      .def("__repr__", [](const kv::MlaCacheOptions& o) {
+        return cache_options_repr(o, ", qk_dim=" + std::to_string(o.qk_dim()) + ", v_dim=" + std::to_string(o.v_dim()));
+      });
   def_cache_options_common(eo);
 
   py::class_<kv::MlaLatentCacheOptions> lo(m, "MlaLatentCacheOptions",
@@ -504,12 +700,12 @@ void def_options(py::module_& m) {
                                            "layer ckv [B, S, kv_lora_rank] and kpe [B, S, qk_rope_dim], shared by all "
                                            "heads (DeepSeek-V3: 512 and 64).");
   lo.def(py::init([](int64_t layers, int64_t heads, int64_t rank, int64_t rope, int64_t nope, int64_t batch,
-                     at::ScalarType dtype, py::object device, c10::optional<bool> check, std::vector<int64_t> budgets,
+                     at::ScalarType dtype, const DeviceArg& device, c10::optional<bool> check, std::vector<int64_t> budgets,
                      int64_t total_heads, bool lazy, int64_t tier_tokens, int64_t tier_page_size,
                      kv::TierScoring tier_scoring) {
            kv::MlaLatentCacheOptions o(layers, heads);
            o.kv_lora_rank(rank).qk_rope_dim(rope).qk_nope_dim(nope);
-           o.batch_size(batch).dtype(dtype).device(to_device(device)).check_observations(check);
+           o.batch_size(batch).dtype(dtype).device(device_of(device, options_name<decltype(o)>())).check_observations(check);
            o.layer_budgets(std::move(budgets)).total_heads(total_heads).lazy_reduction(lazy);
            o.tier_tokens(tier_tokens).tier_page_size(tier_page_size).tier_scoring(tier_scoring);
            return o;
@@ -525,13 +721,20 @@ void def_options(py::module_& m) {
       .def_property("qk_rope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_rope_dim(); },
                     [](kv::MlaLatentCacheOptions& o, int64_t v) { o.qk_rope_dim(v); })
       .def_property("qk_nope_dim", [](const kv::MlaLatentCacheOptions& o) { return o.qk_nope_dim(); },
-                    [](kv::MlaLatentCacheOptions& o, int64_t v) { o.qk_nope_dim(v); });
+                    [](kv::MlaLatentCacheOptions& o, int64_t v) { o.qk_nope_dim(v); })
+      .def("__repr__", [](const kv::MlaLatentCacheOptions& o) {
+        return cache_options_repr(o, ", kv_lora_rank=" + std::to_string(o.kv_lora_rank()) + ", qk_rope_dim=" +
+                                         std::to_string(o.qk_rope_dim()) + ", qk_nope_dim=" + std::to_string(o.qk_nope_dim()));
+      });
   def_cache_options_common(lo);
 
-  py::enum_<kv::LseBase>(m, "LseBase", "The logarithm base of a kernel's LSE: kE (FlashMLA, FlashAttention) or k2 "
-                                       "(FlashInfer's default).")
-      .value("kE", kv::LseBase::kE)
-      .value("k2", kv::LseBase::k2);
+  py::enum_<kv::LseBase>(m, "LseBase", "The logarithm base of a kernel's LSE: E (natural log: FlashMLA, "
+                                       "FlashAttention) or TWO (log2: FlashInfer's default). kE and k2 are the C++ "
+                                       "names, kept as aliases.")
+      .value("E", kv::LseBase::kE, "Natural log (FlashMLA, FlashAttention; the default).")
+      .value("TWO", kv::LseBase::k2, "Base 2 (FlashInfer's default).")
+      .value("kE", kv::LseBase::kE, "Alias of E (the C++ name).")
+      .value("k2", kv::LseBase::k2, "Alias of TWO (the C++ name).");
 
   py::class_<kv::LseOptions>(m, "LseOptions",
                              "How observe_lse() and friends chunk their work and read the LSE. head_chunk 0 (the "
@@ -550,7 +753,13 @@ void def_options(py::module_& m) {
                     [](kv::LseOptions& o, int64_t v) { o.chunk_bytes(v); })
       .def_property("base", [](const kv::LseOptions& o) { return o.base(); },
                     [](kv::LseOptions& o, kv::LseBase v) { o.base(v); })
-      .def("validate", &kv::LseOptions::validate, "Raises ValueError naming a chunk below its minimum.");
+      .def("validate", &kv::LseOptions::validate, "Raises ValueError naming a chunk below its minimum.")
+      .def("__repr__", [](const kv::LseOptions& o) {
+        std::ostringstream s;
+        s << "LseOptions(query_chunk=" << o.query_chunk() << ", head_chunk=" << o.head_chunk()
+          << ", chunk_bytes=" << o.chunk_bytes() << ", base=LseBase." << (o.base() == kv::LseBase::k2 ? "TWO" : "E") << ")";
+        return s.str();
+      });
 }
 
 void def_scorers(py::module_& m) {
@@ -558,41 +767,49 @@ void def_scorers(py::module_& m) {
                                       "H2O's accumulated attention (Zhang et al. 2023, Sec. 3.2; the default): "
                                       "score += mean over heads of the observed attention.")
       .def(py::init<>())
-      .def_property_readonly_static("name", [](py::object) { return kv::CumulativeAttention::kName; })
+      .def_property_readonly_static("name", [](const py::type&) { return kv::CumulativeAttention::kName; })
       .def("__repr__", [](const kv::CumulativeAttention&) { return "CumulativeAttention()"; });
   py::class_<kv::MeanObservedAttention>(m, "MeanObservedAttention",
                                         "The cumulative sum divided by how many observed queries could see the token.")
       .def(py::init<>())
-      .def_property_readonly_static("name", [](py::object) { return kv::MeanObservedAttention::kName; })
+      .def_property_readonly_static("name", [](const py::type&) { return kv::MeanObservedAttention::kName; })
       .def("__repr__", [](const kv::MeanObservedAttention&) { return "MeanObservedAttention()"; });
   py::class_<kv::LatestAttention>(m, "LatestAttention",
                                   "TOVA (Oren et al. 2024, Sec. 4): the last query's attention replaces the score.")
       .def(py::init<>())
-      .def_property_readonly_static("name", [](py::object) { return kv::LatestAttention::kName; })
+      .def_property_readonly_static("name", [](const py::type&) { return kv::LatestAttention::kName; })
       .def("__repr__", [](const kv::LatestAttention&) { return "LatestAttention()"; });
   py::class_<kv::DecayedAttention>(m, "DecayedAttention",
                                    "score = gamma * score + contribution: stale heavy hitters fade.")
-      .def(py::init<float>(), py::arg("gamma") = 0.9f, "Raises ValueError if gamma is outside [0, 1].")
+      .def(py::init([](double gamma) { return kv::DecayedAttention(static_cast<float>(gamma)); }), py::arg("gamma") = 0.9,
+           "Raises ValueError if gamma is outside [0, 1].")
       .def_property_readonly("gamma", &kv::DecayedAttention::gamma)
-      .def_property_readonly_static("name", [](py::object) { return kv::DecayedAttention::kName; })
-      .def("__repr__", [](const kv::DecayedAttention& s) { return "DecayedAttention(gamma=" + std::to_string(s.gamma()) + ")"; });
+      .def_property_readonly_static("name", [](const py::type&) { return kv::DecayedAttention::kName; })
+      .def("__repr__", [](const kv::DecayedAttention& s) { return "DecayedAttention(gamma=" + short_float(s.gamma()) + ")"; });
   py::class_<kv::SnapKV> snap(m, "SnapKV",
                               "SnapKV's observation window (Li et al. 2024, Sec. 4): the last `window` prompt "
                               "queries vote, heads averaged, then 1-D pooling over `kernel` tokens. For prompt "
                               "compression (compress_prompt); set n_recent >= window.");
-  py::enum_<kv::SnapKV::Pooling>(snap, "Pooling").value("kAvg", kv::SnapKV::Pooling::kAvg).value("kMax", kv::SnapKV::Pooling::kMax);
+  py::enum_<kv::SnapKV::Pooling>(snap, "Pooling",
+                                 "SnapKV's 1-D pooling of the votes over `kernel` tokens: AVG (zero padding counted) or "
+                                 "MAX. kAvg and kMax are the C++ names, kept as aliases.")
+      .value("AVG", kv::SnapKV::Pooling::kAvg, "Mean over the kernel, zero padding counted (the default).")
+      .value("MAX", kv::SnapKV::Pooling::kMax, "Max over the kernel.")
+      .value("kAvg", kv::SnapKV::Pooling::kAvg, "Alias of AVG (the C++ name).")
+      .value("kMax", kv::SnapKV::Pooling::kMax, "Alias of MAX (the C++ name).");
   snap.def(py::init<int64_t, int64_t, kv::SnapKV::Pooling>(), py::arg("window") = 64, py::arg("kernel") = 5,
            py::arg("pooling") = kv::SnapKV::Pooling::kAvg,
            "Raises ValueError if window < 1 or kernel is even or < 1.")
       .def_property_readonly("window", &kv::SnapKV::window)
       .def_property_readonly("kernel", &kv::SnapKV::kernel)
       .def_property_readonly("pooling", &kv::SnapKV::pooling)
-      .def_property_readonly_static("name", [](py::object) { return kv::SnapKV::kName; })
+      .def_property_readonly_static("name", [](const py::type&) { return kv::SnapKV::kName; })
       .def("pool", &kv::SnapKV::pool, py::arg("ranks"),
            "Pools [B, T] fp32 ranks (position order) along the token axis: mean (zero padding counted) or max over "
            "t - kernel/2 .. t + kernel/2.")
       .def("__repr__", [](const kv::SnapKV& s) {
-        return "SnapKV(window=" + std::to_string(s.window()) + ", kernel=" + std::to_string(s.kernel()) + ")";
+        return "SnapKV(window=" + std::to_string(s.window()) + ", kernel=" + std::to_string(s.kernel()) +
+               (s.pooling() == kv::SnapKV::Pooling::kMax ? ", pooling=SnapKV.Pooling.MAX" : "") + ")";
       });
 }
 
@@ -655,8 +872,15 @@ void def_caches(py::module_& m) {
           "pages, take the slots of the lowest-ranked heavy hitters. rescore > tokens (at least tier_page_size): "
           "two-level, the best pages up to `rescore` tokens are scored again token by token with their exact keys "
           "and the best `tokens` of them come back. Call after update() and before attend(). "
-          "Returns the tokens recalled. Raises RuntimeError / ValueError without a tier or on bad input; nothing "
-          "changes then.");
+          "Returns the tokens recalled. Raises IndexError for a bad layer; RuntimeError without a tier, with an open "
+          "observation or on a bad query shape, dtype or device (as every shape error); ValueError for a bad scale, "
+          "tokens or rescore or a non-finite query; nothing changes then.");
+  e.def("__repr__", [](Expanded& s) {
+    return with(s, [](auto& x) {
+      const auto& o = x.options();
+      return cache_repr("MlaCache", x, ", qk_dim=" + std::to_string(o.qk_dim()) + ", v_dim=" + std::to_string(o.v_dim()));
+    });
+  });
   def_cache_common(e);
 
   py::class_<Latent> l(m, "MlaLatentCache",
@@ -700,14 +924,24 @@ void def_caches(py::module_& m) {
           py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("scale"), py::arg("tokens"),
           py::arg("rescore") = 0,
           "MlaCache.recall() for the latent layout, with the absorbed queries attend_absorbed() takes: q_absorbed "
-          "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled.");
+          "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled. Raises as "
+          "MlaCache.recall().");
+  l.def("__repr__", [](Latent& s) {
+    return with(s, [](auto& x) {
+      const auto& o = x.options();
+      return cache_repr("MlaLatentCache", x, ", kv_lora_rank=" + std::to_string(o.kv_lora_rank()) +
+                                                 ", qk_rope_dim=" + std::to_string(o.qk_rope_dim()));
+    });
+  });
   def_cache_common(l);
 }
 
 // ---- attention, LSE scoring, prefill ----------------------------------------------------------------------
-py::object out_and_probs(const at::Tensor& out, const at::Tensor& probs, bool return_probs) {
-  if (return_probs) return py::make_tuple(out, probs);
-  return py::cast(out);
+/// attend()'s result: out, or (out, probs) with return_probs (torch.Tensor | tuple[...] in help()).
+using OutAndProbs = std::variant<at::Tensor, std::tuple<at::Tensor, at::Tensor>>;
+OutAndProbs out_and_probs(const at::Tensor& out, const at::Tensor& probs, bool return_probs) {
+  if (return_probs) return std::make_tuple(out, probs);
+  return out;
 }
 
 void def_attention(py::module_& m) {
@@ -891,11 +1125,11 @@ void def_attention(py::module_& m) {
   m.def(
       "prefill_chunked",
       [](Expanded& c, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t chunk,
-         c10::optional<double> scale, bool return_output) -> py::object {
+         c10::optional<double> scale, bool return_output) -> c10::optional<at::Tensor> {
         at::Tensor out;
         with(c, [&](auto& x) { kv::prefill_chunked(x, layer, q, k, v, chunk, scale, return_output ? &out : nullptr); });
-        if (return_output) return py::cast(out);
-        return py::none();
+        if (return_output) return out;
+        return c10::nullopt;
       },
       py::arg("cache"), py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("chunk"),
       py::arg("scale") = py::none(), py::kw_only(), py::arg("return_output") = false,
@@ -906,13 +1140,13 @@ void def_attention(py::module_& m) {
   m.def(
       "prefill_chunked_absorbed",
       [](Latent& c, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& ckv,
-         const at::Tensor& kpe, int64_t chunk, c10::optional<double> scale, bool return_output) -> py::object {
+         const at::Tensor& kpe, int64_t chunk, c10::optional<double> scale, bool return_output) -> c10::optional<at::Tensor> {
         at::Tensor out;
         with(c, [&](auto& x) {
           kv::prefill_chunked_absorbed(x, layer, q_absorbed, q_pe, ckv, kpe, chunk, scale, return_output ? &out : nullptr);
         });
-        if (return_output) return py::cast(out);
-        return py::none();
+        if (return_output) return out;
+        return c10::nullopt;
       },
       py::arg("cache"), py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("ckv"), py::arg("kpe"),
       py::arg("chunk"), py::arg("scale") = py::none(), py::kw_only(), py::arg("return_output") = false,
@@ -928,7 +1162,18 @@ void def_tools(py::module_& m) {
       .def_readonly("tier_tokens", &kv::CacheStats::tier_tokens)
       .def_readonly("tier_bytes", &kv::CacheStats::tier_bytes)
       .def_readonly("tier_device_bytes", &kv::CacheStats::tier_device_bytes)
-      .def_readonly("tier_recalled", &kv::CacheStats::tier_recalled);
+      .def_readonly("tier_recalled", &kv::CacheStats::tier_recalled)
+      .def("__repr__", [](const kv::CacheStats& c) {
+        std::ostringstream s;
+        s << "CacheStats(eviction_events=" << c.eviction_events << ", tokens_evicted=" << c.tokens_evicted
+          << ", bytes_allocated=" << c.bytes_allocated;
+        if (c.tier_tokens || c.tier_bytes || c.tier_device_bytes || c.tier_recalled) {
+          s << ", tier_tokens=" << c.tier_tokens << ", tier_bytes=" << c.tier_bytes
+            << ", tier_device_bytes=" << c.tier_device_bytes << ", tier_recalled=" << c.tier_recalled;
+        }
+        s << ")";
+        return s.str();
+      });
 
   py::class_<kv::SlotMoves>(m, "SlotMoves",
                             "The row moves of one pass on one layer: slot dst[b, j] receives slot src[b, j] (all reads "
@@ -942,7 +1187,13 @@ void def_tools(py::module_& m) {
       .def_readonly("slot_bound", &kv::SlotMoves::slot_bound, "every slot named is below this (0: unknown)")
       .def("size", &kv::SlotMoves::size, "Columns per row (n); 0 when nothing moves.")
       .def("empty", &kv::SlotMoves::empty, "True when nothing moves.")
-      .def("__len__", &kv::SlotMoves::size);
+      .def("__len__", &kv::SlotMoves::size)
+      .def("__repr__", [](const kv::SlotMoves& mv) {
+        std::ostringstream s;
+        s << "SlotMoves(rows=" << (mv.src.defined() && mv.src.dim() > 0 ? mv.src.size(0) : 0) << ", moves_per_row="
+          << mv.size() << ", slot_bound=" << mv.slot_bound << ")";
+        return s.str();
+      });
 
   m.def("apply_moves", &kv::apply_moves, py::arg("moves"), py::arg("buffer"), py::arg("token_dim"),
         "Applies `moves` to one caller-owned buffer [B, ..., slots, ...] in place (bit-exact row copies; memcpy on "
@@ -967,11 +1218,22 @@ void def_tools(py::module_& m) {
            "capacity)] int64 positions to keep, ascending per row.")
       .def("evict_slots", &kv::Selection::evict_slots, py::arg("scores"), py::arg("positions"),
            "One pass with tensor ops: scores [B, S], positions [B, S] int64 (slot order, distinct) -> [B, S - "
-           "capacity] int64 slots to evict, ascending per row.");
+           "capacity] int64 slots to evict, ascending per row.")
+      .def("__repr__", [](const kv::Selection& sel) {
+        const auto& o = sel.options();
+        std::ostringstream s;
+        s << "Selection(budget=" << o.budget() << ", n_sink=" << o.n_sink() << ", n_recent=" << o.n_recent() << ")";
+        return s.str();
+      });
 
-  py::enum_<kv::Layout>(m, "Layout", "The two ways an MLA cache can be stored.")
-      .value("kExpanded", kv::Layout::kExpanded)
-      .value("kLatent", kv::Layout::kLatent);
+  py::enum_<kv::Layout>(m, "Layout",
+                        "The two ways an MLA cache can be stored, for the memory model: EXPANDED (MlaCache: keys and "
+                        "values per head) or LATENT (MlaLatentCache: ckv and kpe shared by the heads). kExpanded and "
+                        "kLatent are the C++ names, kept as aliases.")
+      .value("EXPANDED", kv::Layout::kExpanded, "Keys [H, qk_dim] and values [H, v_dim] per token (MlaCache).")
+      .value("LATENT", kv::Layout::kLatent, "ckv [kv_lora_rank] and kpe [qk_rope_dim] per token (MlaLatentCache).")
+      .value("kExpanded", kv::Layout::kExpanded, "Alias of EXPANDED (the C++ name).")
+      .value("kLatent", kv::Layout::kLatent, "Alias of LATENT (the C++ name).");
   py::class_<kv::MlaMemoryConfig>(m, "MlaMemoryConfig",
                                   "The dimensions that size an MLA cache; defaults: DeepSeek-V3 at 2 bytes per element.")
       .def(py::init([](int64_t layers, int64_t heads, int64_t qk, int64_t v, int64_t rank, int64_t rope, int64_t bytes) {
@@ -994,7 +1256,14 @@ void def_tools(py::module_& m) {
       .def_readwrite("v_dim", &kv::MlaMemoryConfig::v_dim)
       .def_readwrite("kv_lora_rank", &kv::MlaMemoryConfig::kv_lora_rank)
       .def_readwrite("qk_rope_dim", &kv::MlaMemoryConfig::qk_rope_dim)
-      .def_readwrite("bytes_per_element", &kv::MlaMemoryConfig::bytes_per_element);
+      .def_readwrite("bytes_per_element", &kv::MlaMemoryConfig::bytes_per_element)
+      .def("__repr__", [](const kv::MlaMemoryConfig& c) {
+        std::ostringstream s;
+        s << "MlaMemoryConfig(num_layers=" << c.num_layers << ", num_heads=" << c.num_heads << ", qk_dim=" << c.qk_dim
+          << ", v_dim=" << c.v_dim << ", kv_lora_rank=" << c.kv_lora_rank << ", qk_rope_dim=" << c.qk_rope_dim
+          << ", bytes_per_element=" << c.bytes_per_element << ")";
+        return s.str();
+      });
   m.def("bytes_per_token_per_layer", &kv::bytes_per_token_per_layer, py::arg("config"), py::arg("layout"),
         "Bytes one token takes in one layer (K/V data only). Raises ValueError on a dimension < 1 or an overflow.");
   m.def("bytes_per_token", &kv::bytes_per_token, py::arg("config"), py::arg("layout"),
@@ -1011,6 +1280,160 @@ void def_tools(py::module_& m) {
         "Raises ValueError on a bad argument or an overflow.");
 }
 
+// ---- Python-side wording of errors --------------------------------------------------------------------
+/// kvevict's messages name C++ builder calls where a Python user writes a keyword
+/// (check_observations(false) is check_observations=False from Python).
+std::string pythonic(std::string msg) {
+  static const std::pair<const char*, const char*> words[] = {
+      {"build with check_observations(false)", "build the options with check_observations=False"},
+      {"check_observations(false)", "check_observations=False"},
+      {"lazy_reduction(false)", "lazy_reduction=False"},
+      {"LseRing::", "LseRing."},
+      {"LseOptions::base", "LseOptions.base"},
+  };
+  for (const auto& [cpp, python] : words) {
+    for (size_t at = msg.find(cpp); at != std::string::npos; at = msg.find(cpp, at + std::strlen(python))) {
+      msg.replace(at, std::strlen(cpp), python);
+    }
+  }
+  return msg;
+}
+
+// pybind11 answers a call whose arguments no overload converts with "f(): incompatible function
+// arguments", every overload and the repr() of every argument (a tensor's values: kilobytes).
+// Every function this module binds (functions, methods, constructors, property setters) has its
+// dispatcher wrapped, which costs nothing on a call that converts: on that TypeError,
+// kvevict._errors.explain() (Python) writes kvevict's message instead, naming the function, the
+// argument, the type it takes and the type it got. Anything else passes through unchanged.
+namespace type_errors {
+struct Site {
+  std::string where;  // "attend", "MlaCache.update", "MlaCacheOptions" (a constructor), "MlaCacheOptions.dtype"
+  std::string kind;   // "function", "method", "init", "getter" or "setter"
+  std::string doc;    // the pybind11 docstring: its signature lines
+};
+std::unordered_map<PyObject*, Site>& sites() {
+  static auto* s = new std::unordered_map<PyObject*, Site>();  // never destroyed: outlives the interpreter
+  return *s;
+}
+PyCFunction dispatcher = nullptr;  // pybind11's, shared by every bound function
+
+/// With pybind11's TypeError set: replaces it with kvevict's message if it is the
+/// "incompatible arguments" one of a known site and kvevict._errors can word it.
+void reword(PyObject* self, const std::function<py::tuple()>& args, const std::function<py::dict()>& kwargs) {
+  auto site = sites().find(self);
+  if (site == sites().end() || !PyErr_ExceptionMatches(PyExc_TypeError)) return;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  std::string text;
+  try {
+    const std::string original = py::str(value ? value : Py_None).cast<std::string>();
+    if (original.find("(): incompatible ") != std::string::npos) {
+      py::object worded = py::module_::import("kvevict._errors")
+                              .attr("explain")(site->second.where, site->second.kind, site->second.doc, args(), kwargs());
+      if (!worded.is_none()) text = worded.cast<std::string>();
+    }
+  } catch (...) {
+    text.clear();  // no kvevict._errors (or it failed): pybind11's own message
+  }
+  if (text.empty()) {
+    PyErr_Restore(type, value, tb);
+    return;
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  PyErr_SetString(PyExc_TypeError, text.c_str());
+}
+
+// pybind11 >= 3: METH_FASTCALL | METH_KEYWORDS.
+PyObject* fastcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  using F = PyObject* (*)(PyObject*, PyObject* const*, size_t, PyObject*);
+  PyObject* result = reinterpret_cast<F>(reinterpret_cast<void (*)()>(dispatcher))(self, args, nargsf, kwnames);
+  if (result == nullptr) {
+    const Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    reword(
+        self,
+        [&] {
+          py::tuple t(n);
+          for (Py_ssize_t i = 0; i < n; ++i) t[i] = py::reinterpret_borrow<py::object>(args[i]);
+          return t;
+        },
+        [&] {
+          py::dict d;
+          for (Py_ssize_t i = 0; kwnames && i < PyTuple_GET_SIZE(kwnames); ++i) {
+            d[PyTuple_GET_ITEM(kwnames, i)] = py::reinterpret_borrow<py::object>(args[n + i]);
+          }
+          return d;
+        });
+  }
+  return result;
+}
+
+// pybind11 2.x: METH_VARARGS | METH_KEYWORDS.
+PyObject* varargs(PyObject* self, PyObject* args, PyObject* kwargs) {
+  using F = PyObject* (*)(PyObject*, PyObject*, PyObject*);
+  PyObject* result = reinterpret_cast<F>(reinterpret_cast<void (*)()>(dispatcher))(self, args, kwargs);
+  if (result == nullptr) {
+    reword(
+        self, [&] { return py::reinterpret_borrow<py::tuple>(args); },
+        [&] { return kwargs ? py::reinterpret_borrow<py::dict>(kwargs) : py::dict(); });
+  }
+  return result;
+}
+
+void hook(py::handle f, const std::string& where, const char* kind) {
+  PyObject* fn = f.ptr();
+  if (fn == nullptr || fn == Py_None) return;
+  if (PyInstanceMethod_Check(fn)) fn = PyInstanceMethod_GET_FUNCTION(fn);
+  if (!PyCFunction_Check(fn)) return;
+  PyMethodDef* def = reinterpret_cast<PyCFunctionObject*>(fn)->m_ml;
+  if (def->ml_meth != dispatcher) return;  // not pybind11's (or hooked already)
+  const int flags = def->ml_flags & (METH_VARARGS | METH_FASTCALL | METH_KEYWORDS);
+  if (flags == (METH_FASTCALL | METH_KEYWORDS)) {
+    def->ml_meth = reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fastcall));
+  } else if (flags == (METH_VARARGS | METH_KEYWORDS)) {
+    def->ml_meth = reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(varargs));
+  } else {
+    return;
+  }
+  const py::object doc = py::reinterpret_borrow<py::object>(fn).attr("__doc__");
+  sites()[PyCFunction_GET_SELF(fn)] = Site{where, kind, doc.is_none() ? std::string() : doc.cast<std::string>()};
+}
+
+void hook_class(py::handle cls, const std::string& name) {
+  for (auto item : py::dict(cls.attr("__dict__"))) {  // a copy of the class's mappingproxy
+    const std::string key = item.first.cast<std::string>();
+    py::handle v = item.second;
+    if (PyType_Check(v.ptr())) {
+      if (py::hasattr(v, "__module__") && py::str(v.attr("__module__")).cast<std::string>() == "kvevict._kvevict") {
+        hook_class(v, name + "." + key);
+      }
+    } else if (py::isinstance(v, py::module_::import("builtins").attr("property"))) {
+      hook(v.attr("fget"), name + "." + key, "getter");
+      hook(v.attr("fset"), name + "." + key, "setter");
+    } else if (key == "__init__") {
+      hook(v, name, "init");
+    } else {
+      hook(v, name + "." + key, "method");
+    }
+  }
+}
+
+void hook_module(py::module_& m) {
+  const py::cpp_function probe([] {});
+  dispatcher = reinterpret_cast<PyCFunctionObject*>(probe.ptr())->m_ml->ml_meth;
+  for (auto item : py::reinterpret_borrow<py::dict>(m.attr("__dict__"))) {
+    const std::string key = item.first.cast<std::string>();
+    py::handle v = item.second;
+    if (PyType_Check(v.ptr())) {
+      hook_class(v, key);
+    } else {
+      hook(v, key, "function");
+    }
+  }
+}
+}  // namespace type_errors
+
 }  // namespace
 
 PYBIND11_MODULE(_kvevict, m) {
@@ -1022,15 +1445,15 @@ PYBIND11_MODULE(_kvevict, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const c10::IndexError& e) {
-      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_IndexError, pythonic(e.what_without_backtrace()).c_str());
     } catch (const c10::ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_ValueError, pythonic(e.what_without_backtrace()).c_str());
     } catch (const c10::TypeError& e) {
-      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_TypeError, pythonic(e.what_without_backtrace()).c_str());
     } catch (const c10::NotImplementedError& e) {
-      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_NotImplementedError, pythonic(e.what_without_backtrace()).c_str());
     } catch (const c10::Error& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+      PyErr_SetString(PyExc_RuntimeError, pythonic(e.what_without_backtrace()).c_str());
     }
   });
   def_options(m);
@@ -1039,4 +1462,5 @@ PYBIND11_MODULE(_kvevict, m) {
   def_policy(m);
   def_caches(m);
   def_attention(m);
+  type_errors::hook_module(m);
 }
