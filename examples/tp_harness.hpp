@@ -272,7 +272,63 @@ struct RunResult {
   uint64_t latent_rows = 0;                // digest of the final latent rows (ckv, kpe)
   int64_t tokens_evicted = 0;              // expanded cache, all layers
   int64_t recalled = 0;                    // tokens recalled, both caches, all layers
+  /// With a tier: digests of both caches' final tiers, every layer and row: {expanded
+  /// positions, expanded ranks, latent positions, latent ranks, latent rows} (the expanded
+  /// tier's rows are per head); else empty. The ranks are the same bits on every rank; against
+  /// one process with all heads they agree to fp32 rounding (see tier_rank_sums), since the
+  /// latent attention folds the heads into the rows of one product, whose rounding can depend
+  /// on how many heads a process holds.
+  std::vector<uint64_t> tier;
+  std::vector<double> tier_rank_sums;  // {expanded, latent}: the tiers' ranks summed in fp64
+  /// Per head this run held (heads [head_begin, head_begin + outputs.size())) and step: a
+  /// checksum of its attention outputs over layers, rows and both layouts (attend,
+  /// attend_absorbed), sum(out x w) for fixed weights w, then sum(|out|), in fp64. A head's
+  /// outputs equal across head splits up to fp32 rounding (the products batch the heads).
+  int64_t head_begin = 0;
+  std::vector<std::vector<double>> outputs;
 };
+
+/// Digests of the host tiers of every layer and row, appended to `out`: positions, ranks, and
+/// with `rows` the tier's rows (the latent layout's, the same on every rank); the ranks' fp64
+/// sum appended to `rank_sums`.
+template <class Cache>
+void tier_digests(const Cache& cache, bool rows, std::vector<uint64_t>& out, std::vector<double>& rank_sums) {
+  uint64_t pos = 1469598103934665603ull, rank = pos, data = pos;
+  double rank_sum = 0;
+  auto add = [](const at::Tensor& t, uint64_t& h) {
+    const auto c = t.to(at::kCPU).contiguous();
+    h = fnv(c.data_ptr(), static_cast<size_t>(c.nbytes()), h);
+  };
+  for (int64_t l = 0; l < cache.num_layers(); ++l) {
+    for (int64_t b = 0; b < cache.batch_size(); ++b) {
+      add(cache.tier_positions(l, b), pos);
+      add(cache.tier_scores(l, b), rank);
+      rank_sum += cache.tier_scores(l, b).to(at::kDouble).sum().template item<double>();
+      if (rows) {
+        const auto r = cache.tier_rows(l, b);
+        add(r.first, data);
+        add(r.second, data);
+      }
+    }
+  }
+  out.push_back(pos);
+  out.push_back(rank);
+  if (rows) out.push_back(data);
+  rank_sums.push_back(rank_sum);
+}
+
+/// Adds each head's checksums of `out` [B, H, T, D] to the last entries of sums[h]:
+/// sum(out x w), w = cos(index within the head), and sum(|out|), in fp64.
+inline void checksum_heads(const at::Tensor& out, std::vector<std::vector<double>>& sums) {
+  const auto c = out.to(at::kCPU).to(at::kDouble).transpose(0, 1).contiguous().view({out.size(1), -1});  // [H, n]
+  const auto w = at::arange(c.size(1), c.options()).cos();
+  const auto dot = c.mul(w).sum(1), abs = c.abs().sum(1);
+  for (int64_t h = 0; h < c.size(0); ++h) {
+    auto& v = sums[static_cast<size_t>(h)];
+    v[v.size() - 2] += dot[h].item<double>();
+    v[v.size() - 1] += abs[h].item<double>();
+  }
+}
 
 /// Runs `o` on this rank's heads (`tp`), or on all heads in one process when `tp` is null.
 /// `out` holds what was done so far if it throws; `step_start` is set at the start of each step.
@@ -299,6 +355,8 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
   };
   auto expanded = build(eopts, static_cast<kvevict::MlaCache*>(nullptr));
   auto latent = build(lopts, static_cast<kvevict::MlaLatentCache*>(nullptr));
+  out.head_begin = heads.begin;
+  out.outputs.assign(static_cast<size_t>(heads.size()), {});
   for (int64_t t = 0; t < o.steps; ++t) {
     if (step_start) *step_start = std::chrono::steady_clock::now();
     if (t == o.kill_at) std::raise(SIGKILL);
@@ -306,6 +364,7 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
       std::this_thread::sleep_for(o.hang_for);
       std::_Exit(kHungExit);
     }
+    for (auto& v : out.outputs) v.insert(v.end(), {0.0, 0.0});
     for (int64_t l = 0; l < d.layers; ++l) {
       const auto s = model.project(l, model.hidden(l, t, o.seed), t);
       const bool recall = o.recall_every > 0 && t % o.recall_every == 0;
@@ -314,17 +373,21 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
       const double scale = 1.0 / std::sqrt(static_cast<double>(d.qk()));
       expanded.update(l, s.k, s.v);
       if (recall) out.recalled += expanded.recall(l, s.q, scale, tokens, rescore);
-      kvevict::attend(s.q, expanded, l);
+      checksum_heads(kvevict::attend(s.q, expanded, l), out.outputs);
       out.tokens_evicted += expanded.evict(l);
       latent.update(l, s.ckv, s.kpe);
       if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, tokens, rescore);
-      kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l);
+      checksum_heads(kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l), out.outputs);
       latent.evict(l);
     }
     out.expanded.push_back(positions_digest(expanded));
     out.latent.push_back(positions_digest(latent));
   }
   out.latent_rows = latent_digest(latent);
+  if (o.recall_every > 0) {
+    tier_digests(expanded, false, out.tier, out.tier_rank_sums);
+    tier_digests(latent, true, out.tier, out.tier_rank_sums);
+  }
 }
 
 }  // namespace tp_harness

@@ -4,6 +4,9 @@
 #include "support.hpp"
 
 #include <kvevict/eviction_policy.hpp>
+#include <kvevict/mla_cache.hpp>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <catch2/catch.hpp>
 
@@ -154,4 +157,62 @@ TEST_CASE("lazy_reduction needs a linear scorer", "[policy][cpu][errors]") {
                     Catch::Contains("lazy_reduction needs a linear scorer") && Catch::Contains("got LatestAttention"));
   CHECK_THROWS_WITH(EvictionPolicy<kvevict::DecayedAttention>(opts), Catch::Contains("got DecayedAttention"));
   CHECK_NOTHROW(EvictionPolicy<kvevict::CumulativeAttention>(opts));
+}
+
+TEST_CASE("lazy_reduction with a host tier and recall keeps, recalls and tiers what eager does (both paths, both "
+          "recall kinds)",
+          "[tier][recall][lazy]") {
+  // Recall picks its victims by rank: with observations pending (recall every 3 steps, passes
+  // every 4) it must apply them first (recall flushes), or its victims, the tier and every
+  // later pass would differ from the eager cache's, which observes the same exact (dyadic)
+  // probabilities one by one.
+  kvevict_test::on_both_paths([] {
+    const auto eviction = EvictionOptions(6).n_sink(1).n_recent(2).evict_every(4);
+    const auto opts = kvevict::MlaCacheOptions(2, 2).batch_size(2).qk_dim(6).v_dim(4).tier_tokens(40).tier_page_size(2);
+    kvevict::MlaCache eager(opts, eviction), lazy(kvevict::MlaCacheOptions(opts).lazy_reduction(true), eviction);
+    REQUIRE(lazy.policy().options().lazy_reduction());
+    std::mt19937 rng(11);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    int64_t recalled = 0, recalled_pending = 0;
+    for (int step = 0; step < 90; ++step) {
+      for (int64_t l = 0; l < 2; ++l) {
+        const auto k = at::randn({2, 2, 1, 6}, gen), v = at::randn({2, 2, 1, 4}, gen), q = at::randn({2, 2, 1, 6}, gen);
+        eager.update(l, k, v);
+        lazy.update(l, k, v);
+        if (step % 3 == 2) {
+          const bool two_level = step % 6 == 5;
+          const bool pending = lazy.policy().pending(l);
+          const int64_t e = eager.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0);
+          const int64_t z = lazy.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0);
+          CHECK_FALSE(lazy.policy().pending(l));  // recall applied them
+          REQUIRE(e == z);
+          recalled += z;
+          if (pending) recalled_pending += z;
+        }
+        const auto probs = dyadic_probs(eager.policy(), l, 1, rng);
+        eager.observe(l, probs);
+        lazy.observe(l, probs);
+        eager.evict(l);
+        lazy.evict(l);
+        INFO("step " << step << ", layer " << l);
+        REQUIRE(at::equal(eager.positions(l), lazy.positions(l)));
+        for (int64_t b = 0; b < 2; ++b) {
+          REQUIRE(at::equal(eager.tier_positions(l, b), lazy.tier_positions(l, b)));
+          REQUIRE(at::equal(eager.tier_scores(l, b), lazy.tier_scores(l, b)));
+        }
+      }
+    }
+    CHECK(recalled_pending > 0);  // recalls that had observations to apply first, and brought tokens back
+    CHECK(recalled > recalled_pending / 2);
+    for (int64_t l = 0; l < 2; ++l) {
+      lazy.flush(l);
+      CHECK(at::equal(eager.scores(l), lazy.scores(l)));
+      CHECK(at::equal(eager.keys(l), lazy.keys(l)));
+      for (int64_t b = 0; b < 2; ++b) {
+        CHECK(at::equal(eager.tier_rows(l, b).first, lazy.tier_rows(l, b).first));
+        CHECK(at::equal(eager.tier_rows(l, b).second, lazy.tier_rows(l, b).second));
+      }
+    }
+    CHECK(eager.stats().tier_recalled == lazy.stats().tier_recalled);
+  });
 }

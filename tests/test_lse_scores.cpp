@@ -363,8 +363,26 @@ TEST_CASE("compress_prompt keeps the oracle's tokens and their K/V rows bit-exac
     const auto idx = at::tensor(want, at::kLong);
     CHECK(at::equal(cache.keys(0)[b], k[b].index_select(1, idx)));
     CHECK(at::equal(cache.values(0)[b], v[b].index_select(1, idx)));
+    // The kept tokens keep their prompt positions (slot order = position order here); the row
+    // has seen the whole prompt, and the dropped tokens count as evicted.
+    CHECK(kvevict_test::to_vec<int64_t>(cache.positions(0)[b]) == want);
+    CHECK(cache.seen_tokens(0, b) == T);
+    CHECK(cache.policy().appended(0, b) == T);
   }
+  CHECK(cache.stats().tokens_evicted == kB * (T - 38));
+  CHECK(cache.stats().eviction_events == 1);
   CHECK_THROWS_WITH(kvevict::compress_prompt(cache, 0, q, k, v, orc.lse), Contains("empty layer"));
+  // Decoding goes on at position T; the recent window is the prompt's last tokens, then the new.
+  cache.update(0, at::randn({kB, kH, 1, kQk}), at::randn({kB, kH, 1, kV}));
+  CHECK(kvevict_test::to_vec<int64_t>(cache.positions(0)[0]).back() == T);
+  CHECK(kvevict_test::to_vec<int64_t>(cache.policy().query_positions(0, 1)[0]) == std::vector<int64_t>{T});
+  cache.add_scores(0, at::zeros({kB, 39}));
+  CHECK(cache.evict(0) == kB);
+  for (int64_t b = 0; b < kB; ++b) {
+    const auto kept = kvevict_test::kept_positions(cache, 0, b);
+    CHECK(std::vector<int64_t>(kept.end() - 6, kept.end()) == std::vector<int64_t>{T - 5, T - 4, T - 3, T - 2, T - 1, T});
+  }
+  CHECK(cache.stats().tokens_evicted == kB * (T - 38) + kB);
 }
 
 TEST_CASE("chunked prefill holds at most capacity + chunk tokens and matches attend over the same chunks",
@@ -423,6 +441,103 @@ TEST_CASE("LseRing scores buffered decode queries in one product, as per-step ob
     // The buffered column could no longer be scored: the ring dropped it and starts over.
     CHECK(ring.buffered(0) == 0);
     CHECK_NOTHROW(ring.flush(0));
+  });
+}
+
+TEST_CASE("LseRing with a host tier and recall, flushed before the update of a recall step: as per-step "
+          "observe_lse with the same recalls (both paths, both recall kinds)",
+          "[lse][tier][recall][cpu]") {
+  kvevict_test::on_both_paths([] {
+    at::manual_seed(41);
+    const auto o = kvevict::MlaCacheOptions(1, kH).batch_size(kB).qk_dim(kQk).v_dim(kV).tier_tokens(64).tier_page_size(2);
+    const auto e = EvictionOptions(12).n_sink(2).n_recent(4).evict_every(4);
+    kvevict::MlaCache step(o, e), ring_cache(o, e);
+    kvevict::LseRing<kvevict::MlaCache> ring(ring_cache);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(kQk));
+    int64_t recalled = 0, recalled_buffered = 0;
+    for (int64_t t = 0; t < 80; ++t) {
+      const auto k = at::randn({kB, kH, 1, kQk}), v = at::randn({kB, kH, 1, kV}), q = at::randn({kB, kH, 1, kQk});
+      const bool recall = t % 5 == 4;  // not in step with the passes (every 4): columns are buffered
+      if (recall) {
+        recalled_buffered += ring.buffered(0) > 0 ? 1 : 0;
+        ring.flush(0);  // before the update
+      }
+      step.update(0, k, v);
+      ring_cache.update(0, k, v);
+      if (recall) {
+        const bool two_level = t % 10 == 9;
+        const int64_t a = step.recall(0, q, scale, two_level ? 2 : 4, two_level ? 8 : 0);
+        const int64_t b = ring_cache.recall(0, q, scale, two_level ? 2 : 4, two_level ? 8 : 0);
+        REQUIRE(a == b);
+        recalled += a;
+      }
+      const auto logits = at::matmul(q.to(at::kDouble).mul(scale), step.keys(0).to(at::kDouble).transpose(-2, -1));
+      const auto orc = oracle(logits, step.positions(0), seen_rows(step), {1, 1});
+      kvevict::observe_lse(q, step, 0, orc.lse);
+      ring.push(0, q, orc.lse);
+      step.evict(0);
+      ring.evict(0);
+      INFO("step " << t);
+      check_same_positions(step, ring_cache);
+      for (int64_t r = 0; r < kB; ++r) CHECK(at::equal(step.tier_positions(0, r), ring_cache.tier_positions(0, r)));
+    }
+    CHECK(recalled > 0);
+    CHECK(recalled_buffered > 0);  // flushes that had columns to score
+    ring.flush(0);
+    check_close(ring_cache.scores(0), step.scores(0), 50 / 4294967296.0);
+  });
+}
+
+TEST_CASE("LseRing refuses buffered queries across a recall that brought tokens back, and drops them",
+          "[lse][tier][recall][errors][cpu]") {
+  // Checks off: the pushes' LSE (10) is not the logits' logsumexp; the ring's checks do not use it.
+  const auto o = kvevict::MlaCacheOptions(1, kH)
+                     .batch_size(kB)
+                     .qk_dim(kQk)
+                     .v_dim(kV)
+                     .check_observations(false)
+                     .tier_tokens(64)
+                     .tier_page_size(2);
+  kvevict_test::on_both_paths([&] {
+    at::manual_seed(43);
+    kvevict::MlaCache cache(o, EvictionOptions(8).n_sink(2).n_recent(2).evict_every(8));
+    kvevict::LseRing<kvevict::MlaCache> ring(cache);
+    const auto step = [&] { cache.update(0, at::randn({kB, kH, 1, kQk}), at::randn({kB, kH, 1, kV})); };
+    const auto push = [&] { ring.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0)); };
+    const auto recall = [&] { return cache.recall(0, at::randn({kB, kH, 1, kQk}), 0.25, 2); };
+    for (int i = 0; i < 40; ++i) step(), push(), ring.evict(0);  // the tier fills
+    REQUIRE(cache.stats().tier_tokens > 0);
+    ring.flush(0);
+    // update, recall, push with two columns buffered from before the recall: the push refuses.
+    step(), push();
+    step(), push();
+    step();
+    REQUIRE(recall() > 0);
+    const auto msg = kvevict_test::message_of(push);
+    CHECK_THAT(msg, Contains("LseRing::push: layer 0 recalled ") &&
+                        Contains(" tokens from its host tier (tier_tokens) while 2 query columns were buffered") &&
+                        Contains("flush() the ring before the update of a step that recalls"));
+    CHECK(ring.buffered(0) == 0);  // dropped, and the ring starts over
+    // A recall after the last push: the scoring (flush, a full ring, a due pass) refuses.
+    step(), push();
+    REQUIRE(recall() > 0);
+    CHECK_THROWS_WITH(ring.flush(0), Contains("LseRing::flush: layer 0 recalled ") &&
+                                         Contains("while 1 query columns were buffered"));
+    CHECK(ring.buffered(0) == 0);
+    // Used as documented: flush, update, recall, push goes through, and so does its scoring.
+    ring.flush(0);
+    step();
+    REQUIRE(recall() > 0);
+    push();
+    step(), push();
+    CHECK(ring.buffered(0) == 2);
+    CHECK_NOTHROW(ring.flush(0));
+    // Without a tier nothing changes: no recall, no count.
+    kvevict::MlaCache plain(kvevict::MlaCacheOptions(o).tier_tokens(0), EvictionOptions(8).n_sink(2).n_recent(2));
+    kvevict::LseRing<kvevict::MlaCache> r2(plain);
+    plain.update(0, at::randn({kB, kH, 1, kQk}), at::randn({kB, kH, 1, kV}));
+    r2.push(0, at::randn({kB, kH, 1, kQk}), at::zeros({kB, kH, 1}).add(10.0));
+    CHECK_NOTHROW(r2.flush(0));
   });
 }
 

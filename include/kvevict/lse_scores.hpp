@@ -262,6 +262,14 @@ void observe_lse_absorbed(const at::Tensor& q_absorbed, const at::Tensor& q_pe, 
 /// add_sequence without a flush. flush() forgets the record, so rows may change after it. A
 /// flush cannot see a truncate of k tokens followed by an unpushed update of k tokens.
 ///
+/// With a host tier (tier_tokens): a recall exchanges cached rows, and the buffered columns'
+/// LSEs were computed over the rows it replaced, so they can no longer be scored. At a step
+/// that recalls, flush() the ring before the layer's update (update, recall, attend, push as
+/// usual after it); a flush after the update but before the push throws (the row check above).
+/// The ring counts the layer's recalled tokens (CacheStats::tier_recalled) and throws, naming
+/// the layer, at the next push or scoring after a recall that brought tokens back while columns
+/// were buffered; those columns are dropped.
+///
 /// Memory: per layer [B, H, evict_every, width] queries in the cache dtype (both query tensors
 /// in the latent layout) and [B, H, evict_every] fp32 LSEs; allocated on a layer's first push.
 ///
@@ -321,6 +329,7 @@ class LseRing {
     std::vector<at::Tensor> q;  // [B, H, cap, width] each
     at::Tensor lse;             // [B, H, cap] fp32
     int64_t n = 0;
+    int64_t recalled = 0;  // the layer's tier_recalled when the first buffered column came
     // Per row: the layer's seen tokens at the last push (-1: inactive); kept through the ring's
     // own scoring (full ring, due pass), cleared by flush(): the user may change rows then.
     std::vector<int64_t> seen;
@@ -340,8 +349,10 @@ class LseRing {
     std::vector<at::Tensor> q;
     for (const auto& t : R.q) q.push_back(t.narrow(2, 0, R.n));
     const auto lse = R.lse.narrow(2, 0, R.n);
+    const int64_t lost = R.n;
     R.n = 0;  // scored or not, these columns are gone: a throw must not replay them
     check_rows_unchanged(layer, R, false, what);
+    check_no_recall(layer, R, lost, what);
     observe(layer, q, lse);
   }
 
@@ -375,6 +386,23 @@ class LseRing {
     }
   }
 
+  /// Tokens recalled into `layer` so far (0 without a host tier).
+  int64_t tier_recalled(int64_t layer) const {
+    return cache_->tier_tokens() > 0 ? cache_->stats(layer).tier_recalled : 0;
+  }
+
+  /// Buffered columns were attended over the rows cached when they were pushed: a recall since
+  /// the first of them (`lost` columns) replaced some, so they cannot be scored.
+  void check_no_recall(int64_t layer, const Ring& R, int64_t lost, const char* what) const {
+    if (cache_->tier_tokens() == 0) return;
+    const int64_t recalled = tier_recalled(layer) - R.recalled;
+    KVEVICT_CHECK(recalled == 0, "LseRing::", what, ": layer ", layer, " recalled ", recalled,
+                  " tokens from its host tier (tier_tokens) while ", lost,
+                  " query columns were buffered; their LSEs were computed over the rows the recall replaced, so "
+                  "they can no longer be scored and were dropped; flush() the ring before the update of a step "
+                  "that recalls");
+  }
+
   void observe(int64_t layer, const std::vector<at::Tensor>& q, const at::Tensor& lse) {
     if constexpr (std::is_same_v<Cache, BasicMlaCache<typename Cache::policy_type>>) {
       observe_lse(q[0], *cache_, layer, lse, scale_, opts_);
@@ -397,6 +425,12 @@ class LseRing {
     }
     detail::check_lse(lse, cache_->batch_size(), cache_->num_heads(), T, cache_->device());
     check_rows_unchanged(layer, R, true, "push");
+    if (R.n > 0 && cache_->tier_tokens() > 0 && tier_recalled(layer) != R.recalled) {
+      const int64_t lost = R.n;  // a recall since the first buffered column: drop them, start over
+      R.n = 0;
+      R.seen.clear();
+      check_no_recall(layer, R, lost, "push");
+    }
     bool dense = true, same = true;
     int64_t count = -1;  // what every active row appended, if they agree
     for (int64_t b = 0; b < cache_->batch_size(); ++b) {
@@ -437,6 +471,7 @@ class LseRing {
                   T, "]");
     for (size_t i = 0; i < q.size(); ++i) R.q[i].narrow(2, R.n, T).copy_(q[i]);
     R.lse.narrow(2, R.n, T).copy_(lse);
+    if (R.n == 0) R.recalled = tier_recalled(layer);
     R.n += T;
     record_rows(layer, R);
     if (R.n >= ring_size()) score(layer, "push");

@@ -17,6 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -125,6 +126,15 @@ int worker_main(const Args& a) {
       out << '\n';
     }
     out << result.latent_rows << '\n' << result.tokens_evicted << '\n' << result.recalled << '\n';
+    out << result.tier.size();
+    for (const auto d : result.tier) out << ' ' << d;
+    out.precision(17);
+    for (const auto x : result.tier_rank_sums) out << ' ' << x;
+    out << '\n' << result.head_begin << ' ' << result.outputs.size() << ' ' << (a.steps * 2) << '\n';
+    for (const auto& v : result.outputs) {
+      for (const auto x : v) out << x << ' ';
+      out << '\n';
+    }
     out.flush();
     ::_exit(0);  // skip the group's teardown: the peers may be gone already
   } catch (const c10::Error& e) {
@@ -142,6 +152,10 @@ struct RankOutput {
   std::vector<uint64_t> expanded, latent;
   uint64_t latent_rows = 0;
   int64_t tokens_evicted = 0, recalled = 0;
+  std::vector<uint64_t> tier;
+  std::vector<double> tier_rank_sums;
+  int64_t head_begin = -1;
+  std::vector<std::vector<double>> outputs;
   int64_t error_ms = -1, error_step = -1;
   std::string error;
 };
@@ -162,6 +176,16 @@ RankOutput read_rank(const std::string& dir, int rank) {
       while (ls >> d) v->push_back(d);
     }
     in >> r.latent_rows >> r.tokens_evicted >> r.recalled;
+    size_t n = 0, m = 0;
+    in >> n;
+    r.tier.resize(n);
+    for (auto& d : r.tier) in >> d;
+    r.tier_rank_sums.resize(n == 0 ? 0 : 2);
+    for (auto& x : r.tier_rank_sums) in >> x;
+    in >> r.head_begin >> n >> m;
+    r.outputs.assign(n, std::vector<double>(m));
+    for (auto& v : r.outputs)
+      for (auto& x : v) in >> x;
   } else if (head == "error") {
     in >> r.error_ms >> r.error_step;
     std::getline(in, r.error);
@@ -215,6 +239,26 @@ int64_t first_difference(const std::vector<uint64_t>& a, const std::vector<uint6
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
+/// The first step at which one of `rank`'s heads' output checksums differs from the single
+/// process's beyond fp32 rounding (|d sum(out x w)| > 1e-5 sum(|out|) + 1e-6), or -1.
+int64_t first_output_difference(const RankOutput& rank, const tp_harness::RunResult& ref) {
+  int64_t first = -1;
+  for (size_t h = 0; h < rank.outputs.size(); ++h) {
+    const auto& got = rank.outputs[h];
+    const auto& want = ref.outputs.at(static_cast<size_t>(rank.head_begin) + h);
+    if (got.size() != want.size()) return 0;
+    for (size_t i = 0; i + 1 < got.size(); i += 2) {
+      const bool close = std::fabs(got[i] - want[i]) <= 1e-5 * want[i + 1] + 1e-6 && std::fabs(got[i + 1] - want[i + 1]) <= 1e-5 * want[i + 1] + 1e-6;
+      if (!close) {
+        const auto step = static_cast<int64_t>(i / 2);
+        if (first < 0 || step < first) first = step;
+        break;
+      }
+    }
+  }
+  return first;
+}
+
 void check_agreement(int world, bool lazy, const RecallRun& recall = {}) {
   const auto& ref = reference(lazy, recall);
   REQUIRE(ref.tokens_evicted > 0);  // the run evicts: capacity 60, 1,000 tokens
@@ -234,6 +278,25 @@ void check_agreement(int world, bool lazy, const RecallRun& recall = {}) {
     CHECK(l.ranks[r].latent_rows == ref.latent_rows);
     CHECK(l.ranks[r].tokens_evicted == ref.tokens_evicted);
     CHECK(l.ranks[r].recalled == ref.recalled);
+    // The tiers: {expanded positions, ranks, latent positions, ranks, rows} bit for bit across
+    // ranks; against the single process, all but the ranks bit for bit, the ranks to fp32
+    // rounding (RunResult::tier).
+    CHECK(l.ranks[r].tier == l.ranks[0].tier);
+    REQUIRE(l.ranks[r].tier.size() == ref.tier.size());
+    if (!ref.tier.empty()) {
+      CHECK(l.ranks[r].tier[0] == ref.tier[0]);
+      CHECK(l.ranks[r].tier[2] == ref.tier[2]);
+      CHECK(l.ranks[r].tier[4] == ref.tier[4]);
+      for (size_t i = 0; i < 2; ++i) {
+        CHECK(l.ranks[r].tier_rank_sums[i] == Approx(ref.tier_rank_sums[i]).epsilon(1e-6));
+      }
+    }
+    // Each head's attention outputs at every step: rank r's heads are the single process's
+    // heads [begin, end), to fp32 rounding.
+    const auto heads = kvevict::split_heads(static_cast<int64_t>(ref.outputs.size()), world, r);
+    REQUIRE(l.ranks[r].head_begin == heads.begin);
+    REQUIRE(static_cast<int64_t>(l.ranks[r].outputs.size()) == heads.size());
+    CHECK(first_output_difference(l.ranks[r], ref) == -1);
   }
 }
 
@@ -306,6 +369,16 @@ TEST_CASE("2 ranks holding 2 heads and 1 (3 in all), pages scored by the heads' 
   check_agreement(2, false, {true, true, tensor_path, 3});
 }
 
+TEST_CASE("2 ranks, lazy_reduction, a host tier, recall every 3 steps (whole pages and two-level), on both paths: "
+          "every rank keeps, tiers, recalls and outputs what one lazy process with all heads does",
+          "[tensor_parallel][agree][tier]") {
+  // Passes every 4 steps, recalls every 3: most recalls find observations pending, which they
+  // apply (one collective) before picking victims.
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  check_agreement(2, true, {true, false, tensor_path});
+}
+
 TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail)", "[tensor_parallel][agree]") {
   const auto& ref = reference(false);
   const auto l = launch(2, "noreduce", false);
@@ -314,6 +387,9 @@ TEST_CASE("Without the reduction, ranks keep different tokens (the test can fail
   CHECK(first_difference(l.ranks[0].expanded, ref.expanded) >= 0);
   CHECK(first_difference(l.ranks[0].expanded, l.ranks[1].expanded) >= 0);
   CHECK(l.ranks[0].latent_rows != l.ranks[1].latent_rows);  // the latent replicas diverge
+  // So do the outputs of rank 0's heads, which check_agreement compares to fp32 rounding.
+  REQUIRE(l.ranks[0].outputs.size() == 4);
+  CHECK(first_output_difference(l.ranks[0], ref) >= 0);
 }
 
 TEST_CASE("A killed rank gives the others a clear error within the timeout", "[tensor_parallel][failure]") {
