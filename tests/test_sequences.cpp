@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -320,5 +321,118 @@ TEST_CASE("truncate is all or nothing: an allocation failure at any point change
       completed = !failed;
     }
     CHECK(completed);
+  });
+}
+
+TEST_CASE("an update when every row is free is refused, naming the row; the cache is unchanged", "[sequences][cpu]") {
+  // finish(row) then update: the tokens would go nowhere (a free row in a batch with active rows
+  // appends nothing, by design; with no active row the whole update would be dropped).
+  on_both_paths([] {
+    MlaCache one(options(1), EvictionOptions(2).n_sink(1).n_recent(1));
+    one.update(0, at::randn({1, 2, 3, kQk}), at::randn({1, 2, 3, kV}));
+    one.finish(0);
+    const int64_t slots = one.slots(0);
+    CHECK_THROWS_WITH(one.update(0, at::randn({1, 2, 2, kQk}), at::randn({1, 2, 2, kV})),
+                      Contains("update: no row holds a sequence (row 0 is free: finish()ed)") &&
+                          Contains("the 2 new tokens would be dropped") && Contains("add_sequence() first") &&
+                          Contains("the cache is unchanged"));
+    CHECK(one.size(0) == 0);
+    CHECK(one.seen_tokens(0) == 0);
+    CHECK(one.slots(0) == slots);
+    CHECK(one.stats().tokens_evicted == 0);
+    CHECK(one.add_sequence() == 0);
+    one.update(0, key_rows(1, 2, 2, 1, 0, kQk), at::zeros({1, 2, 2, kV}));
+    CHECK(kept_positions(one, 0, 0) == std::vector<int64_t>{0, 1});
+
+    kvevict::MlaLatentCache latent(kvevict::MlaLatentCacheOptions(1, 2).batch_size(3).kv_lora_rank(4).qk_rope_dim(2),
+                                   EvictionOptions(2).n_sink(1).n_recent(1));
+    for (int64_t r = 0; r < 3; ++r) latent.finish(r);
+    CHECK_THROWS_WITH(latent.update(0, at::randn({3, 1, 4}), at::randn({3, 1, 2})),
+                      Contains("no row holds a sequence (all 3 rows are free: finish()ed)"));
+    CHECK(latent.seen_tokens(0) == 0);
+    // Counts given explicitly: all zero is an idle step, accepted as before.
+    latent.update(0, at::randn({3, 1, 4}), at::randn({3, 1, 2}), {0, 0, 0});
+    CHECK(latent.size(0) == 0);
+    CHECK(latent.add_sequence() == 0);
+    latent.update(0, at::randn({3, 1, 4}), at::randn({3, 1, 2}));  // row 0 only
+    CHECK(latent.size(0, 0) == 1);
+    CHECK(latent.size(0, 1) == 0);
+  });
+}
+
+namespace {
+
+/// A prompt of T tokens for an expanded cache of B rows, H heads, with its causal LSE.
+struct Prompt {
+  at::Tensor q, k, v, lse;
+};
+Prompt expanded_prompt(int64_t B, int64_t H, int64_t T) {
+  const auto q = at::randn({B, H, T, kQk}), k = at::randn({B, H, T, kQk}), v = at::randn({B, H, T, kV});
+  const auto logits = at::matmul(q, k.transpose(-2, -1)).div(std::sqrt(static_cast<double>(kQk)));
+  return {q, k, v, at::logsumexp(logits.masked_fill(at::ones({T, T}, at::kBool).triu(1), -INFINITY), -1)};
+}
+
+}  // namespace
+
+TEST_CASE("compress_prompt into a cache whose every row is free is refused up front; the cache is unchanged",
+          "[sequences][lse][cpu]") {
+  on_both_paths([] {
+    at::manual_seed(5);
+    const auto p = expanded_prompt(1, 2, 12);
+    for (const int64_t tier : {0, 50}) {
+      INFO("tier_tokens " << tier);
+      MlaCache cache(options(1).tier_tokens(tier), EvictionOptions(2).n_sink(1).n_recent(2));
+      cache.update(0, p.k, p.v);
+      cache.finish(0);
+      const int64_t slots = cache.slots(0);
+      CHECK_THROWS_WITH(kvevict::compress_prompt(cache, 0, p.q, p.k, p.v, p.lse),
+                        Contains("compress_prompt: no row of cache holds a sequence (row 0 is free: finish()ed)") &&
+                            Contains("add_sequence() first") && Contains("the cache is unchanged"));
+      CHECK(cache.size(0) == 0);
+      CHECK(cache.seen_tokens(0) == 0);
+      CHECK(cache.slots(0) == slots);
+      CHECK(cache.stats().tokens_evicted == 0);
+      CHECK(cache.stats().eviction_events == 0);
+      // After add_sequence() the same call works.
+      REQUIRE(cache.add_sequence() == 0);
+      CHECK(kvevict::compress_prompt(cache, 0, p.q, p.k, p.v, p.lse).size(1) == 5);
+      CHECK(cache.seen_tokens(0) == 12);
+    }
+    kvevict::MlaLatentCache latent(kvevict::MlaLatentCacheOptions(1, 2).batch_size(2).kv_lora_rank(4).qk_rope_dim(2),
+                                   EvictionOptions(2).n_sink(1).n_recent(2));
+    latent.finish(0);
+    latent.finish(1);
+    const auto ckv = at::randn({2, 6, 4}), kpe = at::randn({2, 6, 2});
+    CHECK_THROWS_WITH(kvevict::compress_prompt_absorbed(latent, 0, at::randn({2, 2, 6, 4}), at::randn({2, 2, 6, 2}), ckv,
+                                                         kpe, at::zeros({2, 2, 6})),
+                      Contains("compress_prompt_absorbed: no row of cache holds a sequence (all 2 rows are free"));
+    CHECK(latent.seen_tokens(0) == 0);
+  });
+}
+
+TEST_CASE("compress_prompt with a free row: the active rows as alone, the free row stays empty",
+          "[sequences][lse][cpu]") {
+  on_both_paths([] {
+    at::manual_seed(6);
+    const int64_t T = 20;
+    const auto p = expanded_prompt(2, 2, T);
+    const auto e = EvictionOptions(3).n_sink(1).n_recent(2);  // capacity 6
+    for (const int64_t tier : {0, 50}) {
+      INFO("tier_tokens " << tier);
+      MlaCache batch(options(2).tier_tokens(tier), e), alone(options(1).tier_tokens(tier), e);
+      batch.finish(1);
+      const auto keep = kvevict::compress_prompt(batch, 0, p.q, p.k, p.v, p.lse);
+      const auto row0 = [](const at::Tensor& t) { return t.narrow(0, 0, 1).contiguous(); };
+      const auto keep_alone = kvevict::compress_prompt(alone, 0, row0(p.q), row0(p.k), row0(p.v), row0(p.lse));
+      CHECK(at::equal(keep[0], keep_alone[0]));
+      CHECK(kept_positions(batch, 0, 0) == kept_positions(alone, 0, 0));
+      CHECK(kept_positions(batch, 0, 0) == to_vec<int64_t>(keep[0]));
+      CHECK(batch.seen_tokens(0, 0) == T);
+      CHECK(batch.size(0, 1) == 0);
+      CHECK(batch.seen_tokens(0, 1) == 0);
+      CHECK(batch.stats().tokens_evicted == T - 6);  // row 0's dropped prompt tokens only
+      CHECK(batch.stats().tokens_evicted == alone.stats().tokens_evicted);
+      CHECK_FALSE(batch.active(1));
+    }
   });
 }

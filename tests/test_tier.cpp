@@ -840,6 +840,34 @@ TEST_CASE("an allocation failure at any point of a recall changes nothing, on bo
   CHECK(completed);
 }
 
+namespace {
+
+/// compress_prompt without a tier leaves a layer as with one, but for the tier: the kept tokens
+/// at their prompt positions (in position order), seen tokens T, the dropped ones counted as
+/// evicted in one event, the same latest append, query positions and ranks.
+template <class Cache>
+void same_press(const Cache& plain, const Cache& tiered) {
+  CHECK(plain.stats(0).tokens_evicted == tiered.stats(0).tokens_evicted);
+  CHECK(plain.stats(0).eviction_events == 1);
+  CHECK(tiered.stats(0).eviction_events == 1);
+  CHECK(at::equal(plain.policy().query_positions(0, 3), tiered.policy().query_positions(0, 3)));
+  for (int64_t b = 0; b < plain.batch_size(); ++b) {
+    CAPTURE(b);
+    CHECK(plain.seen_tokens(0, b) == tiered.seen_tokens(0, b));
+    CHECK(plain.policy().appended(0, b) == tiered.policy().appended(0, b));
+    const int64_t n = plain.size(0, b);
+    REQUIRE(tiered.size(0, b) == n);
+    const auto pos = plain.positions(0)[b].narrow(0, 0, n);
+    CHECK(kvevict_test::to_vec<int64_t>(pos) == sorted_positions(tiered.positions(0)[b], n));
+    CHECK(kvevict_test::to_vec<int64_t>(pos) == sorted_positions(pos, n));  // position order
+    // Each kept token's rank, by position.
+    const auto order = std::get<1>(at::sort(tiered.positions(0)[b].narrow(0, 0, n)));
+    CHECK(at::equal(plain.scores(0)[b].narrow(0, 0, n), tiered.scores(0)[b].narrow(0, 0, n).index_select(0, order)));
+  }
+}
+
+}  // namespace
+
 TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt positions, and sends the rest to the tier",
           "[tier][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
@@ -858,6 +886,7 @@ TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt po
     const auto keep = kvevict::compress_prompt(plain, 0, q, k, v, lse);
     CHECK(at::equal(kvevict::compress_prompt(tiered, 0, q, k, v, lse), keep));
     CHECK(tiered.seen_tokens(0) == T);
+    same_press(plain, tiered);
     for (int64_t b = 0; b < B; ++b) {
       CAPTURE(b);
       const auto kept = kvevict_test::to_vec<int64_t>(keep[b]);
@@ -888,6 +917,7 @@ TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt po
     kvevict::MlaLatentCache plain(opts, e), tiered(kvevict::MlaLatentCacheOptions(opts).tier_tokens(100), e);
     const auto keep = kvevict::compress_prompt_absorbed(plain, 0, qa, qp, ckv, kpe, lse, scale);
     CHECK(at::equal(kvevict::compress_prompt_absorbed(tiered, 0, qa, qp, ckv, kpe, lse, scale), keep));
+    same_press(plain, tiered);
     for (int64_t b = 0; b < B; ++b) {
       const auto kept = kvevict_test::to_vec<int64_t>(keep[b]);
       CHECK(sorted_positions(tiered.positions(0)[b], tiered.size(0, b)) == kept);
@@ -897,6 +927,68 @@ TEST_CASE("compress_prompt with a tier keeps the same tokens, at their prompt po
       CHECK(at::equal(tiered.tier_rows(0, b).second, kpe[b].index_select(0, tp)));
     }
   }
+}
+
+TEST_CASE("compress_prompt is all or nothing: an allocation failure at any step leaves the cache as it was",
+          "[tier][errors][cpu]") {
+  // Every allocation of the call is failed in turn, with and without a tier, on both paths:
+  // those before the append (the scores), in it, and after it (the ranks, the tier's pass,
+  // placing the kept tokens at their prompt positions), where the layer is emptied again.
+  kvevict_test::on_both_paths([] {
+    at::manual_seed(19);
+    const int64_t B = 2, H = 2, T = 24, D = 6, V = 3;
+    const auto q = at::randn({B, H, T, D}), k = at::randn({B, H, T, D}), v = at::randn({B, H, T, V});
+    const auto causal = at::ones({T, T}, at::kBool).triu(1);
+    const auto lse = at::logsumexp(at::matmul(q, k.transpose(-2, -1)).div(std::sqrt(double(D))).masked_fill(causal, -INFINITY), -1);
+    const auto e = EvictionOptions(4).n_sink(1).n_recent(3);  // capacity 8
+    for (const int64_t tier : {int64_t{0}, int64_t{100}}) {
+      CAPTURE(tier);
+      const auto opts = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(D).v_dim(V).tier_tokens(tier);
+      kvevict::MlaCache reference(opts, e);
+      const auto want = kvevict::compress_prompt(reference, 0, q, k, v, lse);
+      bool completed = false;
+      int64_t refused = 0;
+      for (int64_t fail_at = 1; fail_at < 20000 && !completed; ++fail_at) {
+        CAPTURE(fail_at);
+        kvevict::MlaCache cache(opts, e);
+        const int64_t slots = cache.slots(0);
+        const auto bytes = cache.stats().bytes_allocated;
+        bool threw = false, failed = false;
+        {
+          kvevict_test::CountingCpuAllocator failing;
+          failing.fail_at(fail_at);
+          try {
+            kvevict::compress_prompt(cache, 0, q, k, v, lse);
+          } catch (const c10::Error&) {
+            threw = true;
+          }
+          failed = failing.failed();
+        }
+        if (!threw) {
+          completed = !failed;  // else the failure was a shrink after the pass, which is allowed to fail
+          continue;
+        }
+        ++refused;
+        REQUIRE(cache.size(0) == 0);
+        CHECK(cache.seen_tokens(0) == 0);
+        CHECK(cache.slots(0) == slots);
+        CHECK(cache.positions(0).numel() == 0);
+        const auto s = cache.stats();
+        CHECK(s.tokens_evicted == 0);
+        CHECK(s.eviction_events == 0);
+        CHECK(s.bytes_allocated == bytes);
+        CHECK(s.tier_tokens == 0);
+        // The cache is usable: the same call now gives the reference's layer.
+        REQUIRE(at::equal(kvevict::compress_prompt(cache, 0, q, k, v, lse), want));
+        CHECK(at::equal(cache.positions(0), reference.positions(0)));
+        CHECK(at::equal(cache.keys(0), reference.keys(0)));
+        CHECK(cache.seen_tokens(0) == T);
+        CHECK(cache.stats().tokens_evicted == B * (T - 8));
+      }
+      CHECK(completed);
+      CHECK(refused > 10);
+    }
+  });
 }
 
 TEST_CASE("a request with a tier and recall in a shared batch equals its solo run, bit for bit", "[tier][recall][cpu]") {

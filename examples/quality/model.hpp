@@ -59,8 +59,8 @@ struct Recall {
 
 // Per-sequence decode state outside the KV cache: each layer's last attention input
 // [B, 1, dim] (for the smeared keys of the next token), and the RoPE position of the next token
-// minus the cache's seen tokens (0, except after a compressed prompt: compress_prompt numbers
-// the kept tokens 0 .. n-1). One per cache; empty at position 0.
+// minus the cache's seen tokens (0: a compressed prompt counts whole in seen_tokens, its kept
+// tokens at their prompt positions). One per cache; empty at position 0.
 struct DecodeState {
   std::vector<torch::Tensor> last;
   int64_t offset = 0;

@@ -59,8 +59,9 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \return {keys [B, H, S, qk_dim], values [B, H, S, v_dim]}: views over slots [0, S),
   ///         S = live tokens after the append; slot order (see positions()). Invalidated by
   ///         the next update() or evict() of the layer.
-  /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device; the
-  ///         cache is unchanged.
+  /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device, or if
+  ///         every row is free (finish(): add_sequence() first; a free row among active ones
+  ///         appends nothing); the cache is unchanged.
   /// \note Copies T rows per head; grows the buffers (geometrically) only when an append
   ///       exceeds the slots. Never synchronises with the host.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new, const at::Tensor& v_new) {

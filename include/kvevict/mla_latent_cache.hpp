@@ -56,8 +56,8 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \param kpe_new  [B, T, qk_rope_dim] RoPE key (RoPE applied), same B and T.
   /// \return {ckv [B, S, kv_lora_rank], kpe [B, S, qk_rope_dim]}: views over slots [0, S),
   ///         slot order (see positions()); invalidated by the next update() or evict().
-  /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device; the
-  ///         cache is unchanged.
+  /// \throws c10::Error (IndexError/TypeError) on a bad layer, shape, dtype or device, or if
+  ///         every row is free (finish(): add_sequence() first); the cache is unchanged.
   std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& ckv_new, const at::Tensor& kpe_new) {
     return detail::host_heap("update", [&]() -> std::pair<at::Tensor, at::Tensor> {
       auto views = Base::append(layer, {ckv_new, kpe_new}, {});

@@ -127,6 +127,50 @@ class GrowthHold {
   int64_t layer_;
 };
 
+/// A prompt compression needs a row that holds a sequence: with every row free (finish()) the
+/// prompt would go nowhere. `what` names the function.
+template <class Cache>
+void check_prompt_rows(const Cache& cache, const char* what) {
+  bool any = false;
+  for (int64_t b = 0; b < cache.batch_size(); ++b) any = any || cache.active(b);
+  KVEVICT_CHECK(any, what, ": no row of cache holds a sequence (",
+                cache.batch_size() == 1 ? "row 0 is" : c10::str("all ", cache.batch_size(), " rows are"),
+                " free: finish()ed), so the prompt has nowhere to go; call cache.add_sequence() first (or "
+                "reset()); the cache is unchanged");
+}
+
+/// compress_prompt()'s steps on the cache (a friend of CacheBase), all or nothing: `a`, `b` the
+/// prompt's two buffers (k, v or ckv, kpe) with tokens along `dim`, `scores` [B, T] its ranks,
+/// `keep` [B, n] the kept positions. Without a tier the n kept rows are appended, ranked, and
+/// given their prompt positions (place_prompt()); with one all T rows are appended, ranked, and
+/// one pass sends the others to the tier. A throw after the append empties the layer again
+/// (it was empty before).
+template <class Cache>
+struct PromptPress {
+  static void run(Cache& cache, int64_t layer, const at::Tensor& a, const at::Tensor& b, int64_t dim,
+                  const at::Tensor& scores, const at::Tensor& keep) {
+    at::NoGradGuard no_grad;
+    const bool tier = cache.tier_tokens() > 0;
+    if (tier) {
+      cache.update(layer, a, b);  // a throw changes nothing
+    } else {
+      cache.update(layer, gather_tokens(a, keep, dim), gather_tokens(b, keep, dim));
+    }
+    try {
+      if (tier) {
+        cache.add_scores(layer, scores);
+        cache.evict_now(layer);
+      } else {
+        cache.add_scores(layer, scores.gather(1, keep));
+        cache.place_prompt(layer, keep, scores.size(1));
+      }
+    } catch (...) {
+      cache.clear_layer(layer);
+      throw;
+    }
+  }
+};
+
 }  // namespace detail
 
 /// Scores every token of a prompt by the attention the whole prompt gives it (every query,
@@ -207,29 +251,33 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 
 /// One-shot prompt compression into an empty layer: prompt_scores() under the cache's scorer,
 /// Selection::keep_indices() with the layer's options (its capacity), then the kept keys and
-/// values are appended to the layer in position order and start with their prompt rank (one
-/// add_scores() observation: CumulativeAttention keeps the accumulated prompt attention).
-/// The cache numbers the kept tokens 0 .. n-1 (their order is kept; positions() are cache
-/// positions, not prompt positions, which only RoPE needs and the keys already carry).
-/// With a host tier (cache options' tier_tokens > 0) the tokens not kept go to the tier: every
-/// prompt token is appended at its prompt position with its rank, and one pass (evict_now())
-/// keeps the same tokens as above and sends the rest to the tier; positions() are then prompt
-/// positions and seen_tokens(layer) is T. The layer holds all T rows until that pass (as the
-/// caller's k and v do); an allocation failure in the pass leaves the prompt appended.
+/// values are appended to the layer and start with their prompt rank (one add_scores()
+/// observation: CumulativeAttention keeps the accumulated prompt attention). The layer then is
+/// what appending all T tokens and one eviction pass would leave: positions() are the kept
+/// tokens' prompt positions, seen_tokens(layer) is T (the next token's position, as RoPE
+/// counts), and stats() counts each row's T - n dropped tokens in tokens_evicted (one eviction
+/// event). Without a host tier only the n kept rows are copied into the cache. With one (cache
+/// options' tier_tokens > 0) the dropped tokens go to the tier: every prompt token is appended
+/// with its rank and one pass (evict_now()) keeps the same tokens and sends the rest to the
+/// tier; the layer holds all T rows until that pass (as the caller's k and v do). A row that is
+/// free (finish()) stays empty. All or nothing: a throw at any step, an allocation failure in
+/// the pass included, leaves the cache unchanged (the layer is emptied again and its buffers
+/// go back to their usual size).
 ///
 /// \param q, k  [B, H, T, qk_dim], v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param lse   [B, H, T] LSE of the prefill kernel (see prompt_scores()).
 /// \param scale default 1/sqrt(qk_dim), as attend().
 /// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)).
-/// \throws c10::Error if the layer already holds tokens, k does not match the cache, the prompt
-///         holds 0 tokens, v does not match k, the scores are not finite, or as prompt_scores() /
-///         update(); the cache is unchanged then.
+/// \throws c10::Error if the layer already holds tokens, every row of the cache is free, k does
+///         not match the cache, the prompt holds 0 tokens, v does not match k, the scores are
+///         not finite, or as prompt_scores() / update() / evict(); the cache is unchanged then.
 template <class Policy>
 at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
                            const LseOptions& opts = LseOptions()) {
   KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt: layer ", layer, " already holds ",
                 cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
+  detail::check_prompt_rows(cache, "compress_prompt");
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
   detail::check_shape(k, "k", {cache.batch_size(), cache.num_heads(), -1, cache.options().qk_dim()},
                       {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] with the cache's B, H, qk_dim");
@@ -239,21 +287,14 @@ at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at
   const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
   detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
-  at::NoGradGuard no_grad;
-  if (cache.tier_tokens() > 0) {
-    cache.update(layer, k, v);
-    cache.add_scores(layer, scores);
-    cache.evict_now(layer);
-    return keep;
-  }
-  cache.update(layer, detail::gather_tokens(k, keep, 2), detail::gather_tokens(v, keep, 2));
-  cache.add_scores(layer, scores.gather(1, keep));
+  detail::PromptPress<BasicMlaCache<Policy>>::run(cache, layer, k, v, 2, scores, keep);
   return keep;
 }
 
 /// compress_prompt() for the latent layout: ckv [B, T, kv_lora_rank] and kpe [B, T,
 /// qk_rope_dim] are the prompt's rows, q_absorbed / q_pe its absorbed queries.
-/// \return [B, n] int64 prompt positions kept. \throws as compress_prompt().
+/// \return [B, n] int64 prompt positions kept. Positions, seen tokens, stats and the tier as
+///         compress_prompt(). \throws as compress_prompt(); all or nothing.
 template <class Policy>
 at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t layer, const at::Tensor& q_absorbed,
                                     const at::Tensor& q_pe, const at::Tensor& ckv, const at::Tensor& kpe,
@@ -261,6 +302,7 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
                                     const LseOptions& opts = LseOptions()) {
   KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt_absorbed: layer ", layer, " already holds ",
                 cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
+  detail::check_prompt_rows(cache, "compress_prompt_absorbed");
   const auto& o = cache.options();
   detail::check_shape(ckv, "ckv", {cache.batch_size(), -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"},
                       "[B, T, kv_lora_rank] with the cache's B, kv_lora_rank");
@@ -269,15 +311,7 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
   const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
   detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
   const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
-  at::NoGradGuard no_grad;
-  if (cache.tier_tokens() > 0) {  // see compress_prompt()
-    cache.update(layer, ckv, kpe);
-    cache.add_scores(layer, scores);
-    cache.evict_now(layer);
-    return keep;
-  }
-  cache.update(layer, detail::gather_tokens(ckv, keep, 1), detail::gather_tokens(kpe, keep, 1));
-  cache.add_scores(layer, scores.gather(1, keep));
+  detail::PromptPress<BasicMlaLatentCache<Policy>>::run(cache, layer, ckv, kpe, 1, scores, keep);
   return keep;
 }
 

@@ -103,7 +103,6 @@ class Installed:
         self.layers = list(attns)
         n = len(attns)
         self._last: List[Optional[torch.Tensor]] = [None] * n
-        self._offsets = [0] * n  # RoPE position of the next token minus the cache's seen tokens (the press)
         self._counts: Optional[List[int]] = None  # the current forward's real tokens per row (left padding)
         self._explicit = False  # inside step() / generate(): continuing is what was asked for
         self._warned = False
@@ -125,7 +124,6 @@ class Installed:
         """Empties the cache for a new sequence (positions restart at 0)."""
         self.cache.reset()
         self._last = [None] * len(self._last)
-        self._offsets = [0] * len(self._offsets)
         self._pending = None
         self._warned = False
 
@@ -148,7 +146,7 @@ class Installed:
         layers and rows, eviction_events, tokens_evicted, tier_tokens, tier_recalled."""
         kv, n = self.cache, len(self._last)
         s = kv.stats()
-        return {"seen": kv.seen_tokens(0, 0) + self._offsets[0], "kept": [kv.size(l) for l in range(n)],
+        return {"seen": kv.seen_tokens(0, 0), "kept": [kv.size(l) for l in range(n)],
                 "capacity": [kv.capacity(l) for l in range(n)], "eviction_events": s.eviction_events,
                 "tokens_evicted": s.tokens_evicted, "tier_tokens": s.tier_tokens, "tier_recalled": s.tier_recalled}
 
@@ -159,7 +157,7 @@ class Installed:
         if c is None:
             raise RuntimeError("kvevict: memory() after remove(); install() again")
         s = kv.stats()
-        seen = max(kv.seen_tokens(0, b) for b in range(kv.batch_size)) + self._offsets[0]
+        seen = max(kv.seen_tokens(0, b) for b in range(kv.batch_size))
         cfg = _k.MlaMemoryConfig(num_layers=len(self._last), num_heads=c.n_heads, qk_dim=c.qk_dim, v_dim=c.v_dim,
                                  kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
                                  bytes_per_element=torch.finfo(kv.dtype).bits // 8)
@@ -262,18 +260,19 @@ class Installed:
                           "the installed model keeps its cache between calls. Call kv.reset() before an unrelated "
                           "sequence; kv.step(tokens) continues without this warning.", UserWarning, stacklevel=4)
         if kv.seen_tokens(layer) == 0:
-            self._last[layer], self._offsets[layer] = None, 0
+            self._last[layer] = None
         if self.compress is not None and kv.seen_tokens(layer) == 0 and T > 1:  # the press
             if counts is not None:
                 raise ValueError(f"kvevict: the press compresses unpadded prompts, this one has left padding (real "
                                  f"tokens per row {counts}): run the rows one by one, or install() without the press")
             pos = torch.arange(T, dtype=torch.long, device=x.device)
+            # compress_prompt leaves seen_tokens(layer) at T, its kept tokens at their prompt
+            # positions: the next token's RoPE position is seen_tokens, as without the press.
             out, self._last[layer] = MLA.compressed(attn, x, pos, kv, layer)
-            self._offsets[layer] = T - kv.seen_tokens(layer)
             return out
         real = [T] * B if counts is None else counts
         lead = T - max(real)  # columns that are padding in every row
-        seen = [kv.seen_tokens(layer, b) + self._offsets[layer] for b in range(B)]
+        seen = [kv.seen_tokens(layer, b) for b in range(B)]
         if counts is None and len(set(seen)) == 1:
             pos = torch.arange(seen[0], seen[0] + T, dtype=torch.long, device=x.device)
         else:

@@ -92,8 +92,8 @@ class Config:
 class DecodeState:
     """Per-sequence state outside the KV cache: each layer's last attention input [B, 1, dim]
     (for the next token's shifted kv latent) and the RoPE position of the next token minus the
-    cache's seen tokens (0, except after a compressed prompt, whose kept tokens the cache
-    numbers 0..n-1)."""
+    cache's seen tokens (0: a compressed prompt counts whole in ``seen_tokens``, its kept tokens
+    at their prompt positions)."""
 
     last: List[Optional[torch.Tensor]] = field(default_factory=list)
     offset: int = 0

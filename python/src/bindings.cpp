@@ -850,8 +850,8 @@ void def_caches(py::module_& m) {
           "chunk, row b appends its last counts[b] columns (left padding; free rows 0). Returns (keys, values): "
           "views [B, H, S, .] over slots [0, S) of the cache's own buffers (no copy), invalidated by the next "
           "update() or evict(). Copies T rows per head; grows the buffers only when an append exceeds the slots. "
-          "Raises IndexError / TypeError / RuntimeError on a bad layer, shape, dtype or device; the cache is "
-          "unchanged then.")
+          "Raises IndexError / TypeError / RuntimeError on a bad layer, shape, dtype or device, and RuntimeError "
+          "when every row is free (finish()ed: add_sequence() first); the cache is unchanged then.")
       .def(
           "keys", [](Expanded& s, int64_t layer) { return with(s, [&](auto& x) { return x.keys(layer); }); },
           py::arg("layer"), "[B, H, S, qk_dim] live keys: a view of the buffer, slot order.")
@@ -1108,9 +1108,12 @@ void def_attention(py::module_& m) {
       py::arg("cache"), py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lse"),
       py::arg("scale") = py::none(), py::arg("opts") = kv::LseOptions(),
       "One-shot prompt compression into an empty layer: prompt_scores() under the cache's scorer, then "
-      "Selection.keep_indices() with the layer's capacity; the kept keys and values are appended in position "
-      "order (renumbered 0..n-1) with their prompt rank. Returns [B, n] int64 prompt positions kept. Raises if the "
-      "layer holds tokens, on bad shapes or non-finite scores; the cache is unchanged then.");
+      "Selection.keep_indices() with the layer's capacity; the kept keys and values are appended with their prompt "
+      "rank. The layer is then what appending the whole prompt and one eviction pass would leave: positions() are "
+      "the kept tokens' prompt positions, seen_tokens(layer) is T, stats().tokens_evicted counts the T - n dropped "
+      "tokens of each row. Returns [B, n] int64 prompt positions kept. Raises if the layer holds tokens, every row "
+      "is free (finish()ed: add_sequence() first), on bad shapes or non-finite scores; the cache is unchanged then "
+      "(all or nothing).");
   m.def(
       "compress_prompt_absorbed",
       [](Latent& c, int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, const at::Tensor& ckv,

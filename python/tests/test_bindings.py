@@ -196,6 +196,9 @@ def test_compress_prompt_matches_cpp(layout, scorer_name, params, scorer):
     assert torch.equal(keep, ref["keep"])
     assert torch.equal(cache.positions(0), ref["positions"])
     assert torch.equal(cache.scores(0), ref["scores"])
+    # the kept tokens at their prompt positions, the whole prompt seen, the dropped ones evicted
+    assert torch.equal(cache.positions(0), keep)
+    assert cache.seen_tokens(0) == T and cache.stats().tokens_evicted == B * (T - 12)
     # the same scores through prompt_scores and Selection.keep_indices
     if layout == "expanded":
         scores = kvevict.prompt_scores(q, k, lse, scale, scorer())
@@ -387,6 +390,43 @@ def test_lifecycle_and_rollback():
     assert cache.slots(0) == 65  # room for 64 tokens and the trash slot
     cache.reset()
     assert cache.size(0) == 0 and cache.stats().tokens_evicted == 0
+
+
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+def test_update_and_compress_prompt_when_every_row_is_free_raise(layout):
+    # PYTHON-USER row 31: finish(0), then update() without add_sequence() dropped the tokens silently
+    ev = kvevict.EvictionOptions(2, n_sink=1, n_recent=2)
+    g = torch.Generator().manual_seed(8)
+    T, H = 10, 2
+    if layout == "expanded":
+        cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, H, qk_dim=4, v_dim=3), ev)
+        q, k, v = (torch.randn(1, H, T, d, generator=g) for d in (4, 4, 3))
+        lse = torch.logsumexp((q @ k.transpose(-2, -1)).mul(0.5).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1),
+                                                                               -math.inf), -1)
+        update = lambda: cache.update(0, k, v)  # noqa: E731
+        press = lambda: kvevict.compress_prompt(cache, 0, q, k, v, lse, 0.5)  # noqa: E731
+    else:
+        cache = kvevict.MlaLatentCache(kvevict.MlaLatentCacheOptions(1, H, kv_lora_rank=4, qk_rope_dim=2), ev)
+        qa, qp = torch.randn(1, H, T, 4, generator=g), torch.randn(1, H, T, 2, generator=g)
+        ckv, kpe = torch.randn(1, T, 4, generator=g), torch.randn(1, T, 2, generator=g)
+        logits = qa @ ckv.unsqueeze(1).transpose(-2, -1) + qp @ kpe.unsqueeze(1).transpose(-2, -1)
+        lse = torch.logsumexp(logits.mul(0.5).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1)
+        update = lambda: cache.update(0, ckv, kpe)  # noqa: E731
+        press = lambda: kvevict.compress_prompt_absorbed(cache, 0, qa, qp, ckv, kpe, lse, 0.5)  # noqa: E731
+    update()
+    cache.finish(0)
+    slots = cache.slots(0)
+    with pytest.raises(RuntimeError, match=r"update: no row holds a sequence \(row 0 is free: finish\(\)ed\).*"
+                                           r"add_sequence\(\) first"):
+        update()
+    with pytest.raises(RuntimeError, match=r"no row of cache holds a sequence \(row 0 is free.*add_sequence\(\) first"):
+        press()
+    assert cache.size(0) == 0 and cache.seen_tokens(0) == 0 and cache.slots(0) == slots
+    assert cache.stats().tokens_evicted == 0
+    assert cache.add_sequence() == 0
+    keep = press()  # now it works: the kept tokens at their prompt positions
+    assert keep.shape == (1, 5) and kept(cache, 0, 0) == keep[0].tolist()
+    assert cache.seen_tokens(0) == T and cache.stats().tokens_evicted == T - 5
 
 
 def test_memory_model_hand_worked():

@@ -132,6 +132,26 @@ def test_press_compresses_the_prompt_as_the_cpp(model, layout, scorer, name, par
         assert max_abs(logits[:, :prompt.size(1)], model(prompt)) < TOL_SHAPES
 
 
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+def test_press_reports_the_prompt_tokens_it_drops(model, layout):
+    """PYTHON-USER row 15: after the press, stats() counts the dropped prompt tokens in
+    tokens_evicted, and kept_positions are prompt positions (whether a token survived shows)."""
+    prompt = text_tokens(PROMPT)
+    T = prompt.size(1)
+    ev = dict(budget=6, n_sink=2, n_recent=8)  # capacity 16
+    with kvevict.press(model, layout=layout, scorer=kvevict.SnapKV(8, 3), **ev) as kv:
+        kv.generate(prompt, 1)  # the prompt's forward only
+        s = kv.stats()
+        assert s["tokens_evicted"] == 4 * (T - 16) and s["eviction_events"] == 4
+        assert s["kept"] == [16] * 4 and s["seen"] == T
+        for layer in range(4):
+            kept = kv.kept_positions(layer)
+            assert len(kept) == 16 and kept[:2] == [0, 1] and kept[-8:] == list(range(T - 8, T))
+            assert kv.cache.seen_tokens(layer) == T
+        kv.generate(prompt, 3)  # decoding continues at position T
+        assert kv.kept_positions(0)[-1] == T + 1
+
+
 def test_install_errors(model):
     with pytest.raises(ValueError, match="layout must be one of"):
         kvevict.install(model, layout="paged")

@@ -460,7 +460,16 @@ class CacheBase {
     const int64_t B = batch_size();
     if (counts.empty()) {
       counts_.resize(B);
-      for (int64_t b = 0; b < B; ++b) counts_[b] = policy_.active(b) ? T : 0;
+      bool any = false;
+      for (int64_t b = 0; b < B; ++b) {
+        counts_[b] = policy_.active(b) ? T : 0;
+        any = any || counts_[b] > 0;
+      }
+      // Every row free: the tokens would go nowhere. (A free row in a batch with active rows
+      // appends nothing, by design: continuous batching.)
+      KVEVICT_CHECK(any, "update: no row holds a sequence (", B == 1 ? "row 0 is" : c10::str("all ", B, " rows are"),
+                    " free: finish()ed), so the ", T, " new tokens would be dropped; call add_sequence() first (it "
+                    "starts a new sequence in a free row) or reset(); the cache is unchanged");
     } else {
       KVEVICT_CHECK_VALUE(static_cast<int64_t>(counts.size()) == B, "counts must have B = ", B, " entries, got ",
                           counts.size());
@@ -707,6 +716,20 @@ class CacheBase {
 
   template <class>
   friend class GrowthHold;  // prefill.hpp
+  template <class>
+  friend struct PromptPress;  // prefill.hpp: compress_prompt()
+
+  /// compress_prompt() without a tier, after appending the kept tokens to the empty `layer`:
+  /// EvictionPolicy's place_prompt() (prompt positions `keep` [B, n], seen tokens T, the T - n
+  /// dropped tokens counted as evicted).
+  void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) { policy_.place_prompt(layer, keep, T); }
+
+  /// compress_prompt()'s undo when a step after its append throws: empties `layer` (empty before
+  /// that append) and gives back the slots the append grew.
+  void clear_layer(int64_t layer) {
+    policy_.clear_layer(layer);
+    shrink_if_fits(layer);
+  }
 
   /// Gives back the slots grown by long appends once every row of `layer` fits in
   /// base_slots(layer): shrinks to max(base_slots, the layer's hold) slots. Never throws: keeping

@@ -223,6 +223,49 @@ class PolicyState {
     return tensor_path_.slot_map(core_, L, layer, counts, T, trash);
   }
 
+  /// compress_prompt() without a host tier, after the n kept tokens of a prompt of T tokens were
+  /// appended to the empty `layer` (positions 0 .. n-1 in every active row): gives them their
+  /// prompt positions `keep` [B, n] int64 (ascending, the policy's device), and leaves each
+  /// active row as the tier's evict_now() pass over all T tokens would: seen tokens T, latest
+  /// append T tokens, the T - n dropped tokens counted as evicted (one eviction event if any).
+  /// Free rows stay empty. The device writes come first (copies into the state and the tensor
+  /// path's counters, nothing allocated on the host path); a throw there leaves the host
+  /// counters as they were (the caller then empties the layer: clear_layer()).
+  void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) {
+    auto& L = at(layer);
+    const int64_t n = keep.size(1), dropped = T - n;
+    for (int64_t b = 0; b < rows(); ++b) {
+      if (!core_.active[b] || dropped == 0) continue;
+      L.position.select(0, b).narrow(0, 0, n).copy_(keep.select(0, b));
+      if (!host_) tensor_path_.rewind(core_, L, layer, b, at::full({}, -dropped, L.position.options()));
+    }
+    int64_t evicted = 0;
+    for (int64_t b = 0; b < rows(); ++b) {
+      if (!core_.active[b]) continue;
+      L.seen[b] = T;
+      L.last_new[b] = T;
+      if (dropped > 0) L.appends[b] = 0;  // as after a pass
+      evicted += dropped;
+    }
+    L.last_T = T;
+    L.open_q = 0;
+    if (evicted > 0) L.events += 1;
+    L.evicted += evicted;
+  }
+
+  /// Empties every row of `layer` (positions -1, lengths, seen tokens and latest appends 0), the
+  /// other layers and the counters of stats() untouched: compress_prompt()'s undo of its append
+  /// into a layer that was empty. Allocates nothing on the host path; fills on the tensor path.
+  void clear_layer(int64_t layer) {
+    auto& L = at(layer);
+    for (int64_t b = 0; b < rows(); ++b) {
+      on_path([&](auto& p) { p.clear_row(core_, L, layer, b); });
+      L.len[b] = L.seen[b] = L.last_new[b] = L.appends[b] = 0;
+    }
+    L.last_T = 0;
+    L.open_q = 0;
+  }
+
   /// A layer's state and its path's scratch, made apart before they replace the layer's.
   struct Grown {
     LayerState state;
