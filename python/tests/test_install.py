@@ -360,12 +360,14 @@ def _readme_block(marker: str) -> str:
 @pytest.mark.parametrize("marker,expected", [
     ("kv = kvevict.install(model, budget=16", ["'tokens_evicted': 100", "'seen': 53", "[0, 1, 2, 3, "]),
     ("L, H, B, T = 2, 4, 1, 40", ["28 12\n28\n"]),
-], ids=["install", "cpp_api"])
+    ("long_prompt = torch.tensor", ["224 True\n"]),
+], ids=["install", "cpp_api", "press"])
 def test_readme_python_examples_run_as_printed(marker, expected):
     """Rows 4-8: the README's Python examples run as written and print what their comments say."""
     import contextlib
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(_readme_block(marker), "README.md", "exec"), {})
+        exec(compile(_readme_block(marker), "README.md", "exec"), {"torch": torch, "kvevict": kvevict, "BOS": BOS,
+                                                                  "Model": Model, "model": Model.load(WEIGHTS)})
     for e in expected:
         assert e in out.getvalue()
