@@ -383,10 +383,10 @@ TEST_CASE("a host-heap failure at any allocation of a cache call throws c10::Err
   SECTION("latent") { check_all(tensor_path, scenarios<kvevict::MlaLatentCache>()); }
 }
 
-// Hidden until compress_prompt() translates its own host-heap failures and undoes its steps
-// (issue 29, left to prefill.hpp's owner): run with "[alloc_failure_compress]".
+// compress_prompt() names its host-heap failures (host_heap) and undoes its steps after the
+// append (detail::PromptPress empties the layer again).
 TEST_CASE("a host-heap failure at any allocation of compress_prompt with a tier throws c10::Error and changes nothing",
-          "[.][alloc_failure_compress][cpu]") {
+          "[alloc_failure][alloc_failure_compress][cpu]") {
   const bool tensor_path = GENERATE(false, true);
   CAPTURE(tensor_path);
   SECTION("expanded") { check_all(tensor_path, compress_scenarios<kvevict::MlaCache>()); }

@@ -270,25 +270,28 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 /// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)).
 /// \throws c10::Error if the layer already holds tokens, every row of the cache is free, k does
 ///         not match the cache, the prompt holds 0 tokens, v does not match k, the scores are
-///         not finite, or as prompt_scores() / update() / evict(); the cache is unchanged then.
+///         not finite, or as prompt_scores() / update() / evict(), and on an allocation failure
+///         (host heap too: "compress_prompt: out of host memory"); the cache is unchanged then.
 template <class Policy>
 at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
                            const LseOptions& opts = LseOptions()) {
-  KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt: layer ", layer, " already holds ",
-                cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
-  detail::check_prompt_rows(cache, "compress_prompt");
-  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
-  detail::check_shape(k, "k", {cache.batch_size(), cache.num_heads(), -1, cache.options().qk_dim()},
-                      {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] with the cache's B, H, qk_dim");
-  detail::check_prompt_tokens(k.size(2), "compress_prompt", "k [B, H, T, qk_dim]");
-  detail::check_shape(v, "v", {k.size(0), k.size(1), k.size(2), cache.options().v_dim()}, {"B", "H", "T", "v_dim"},
-                      "[B, H, T, v_dim] with k's B, H, T");
-  const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
-  detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
-  const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
-  detail::PromptPress<BasicMlaCache<Policy>>::run(cache, layer, k, v, 2, scores, keep);
-  return keep;
+  return detail::host_heap("compress_prompt", [&] {  // a host-heap failure: a c10::Error naming the call
+    KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt: layer ", layer, " already holds ",
+                  cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
+    detail::check_prompt_rows(cache, "compress_prompt");
+    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(cache.options().qk_dim())));
+    detail::check_shape(k, "k", {cache.batch_size(), cache.num_heads(), -1, cache.options().qk_dim()},
+                        {"B", "H", "T", "qk_dim"}, "[B, H, T, qk_dim] with the cache's B, H, qk_dim");
+    detail::check_prompt_tokens(k.size(2), "compress_prompt", "k [B, H, T, qk_dim]");
+    detail::check_shape(v, "v", {k.size(0), k.size(1), k.size(2), cache.options().v_dim()}, {"B", "H", "T", "v_dim"},
+                        "[B, H, T, v_dim] with k's B, H, T");
+    const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
+    detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
+    const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
+    detail::PromptPress<BasicMlaCache<Policy>>::run(cache, layer, k, v, 2, scores, keep);
+    return keep;
+  });
 }
 
 /// compress_prompt() for the latent layout: ckv [B, T, kv_lora_rank] and kpe [B, T,
@@ -300,19 +303,21 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
                                     const at::Tensor& q_pe, const at::Tensor& ckv, const at::Tensor& kpe,
                                     const at::Tensor& lse, c10::optional<double> scale = c10::nullopt,
                                     const LseOptions& opts = LseOptions()) {
-  KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt_absorbed: layer ", layer, " already holds ",
-                cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
-  detail::check_prompt_rows(cache, "compress_prompt_absorbed");
-  const auto& o = cache.options();
-  detail::check_shape(ckv, "ckv", {cache.batch_size(), -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"},
-                      "[B, T, kv_lora_rank] with the cache's B, kv_lora_rank");
-  detail::check_prompt_tokens(ckv.size(1), "compress_prompt_absorbed", "ckv [B, T, kv_lora_rank]");
-  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
-  const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
-  detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
-  const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
-  detail::PromptPress<BasicMlaLatentCache<Policy>>::run(cache, layer, ckv, kpe, 1, scores, keep);
-  return keep;
+  return detail::host_heap("compress_prompt_absorbed", [&] {  // a host-heap failure: a c10::Error naming the call
+    KVEVICT_CHECK(cache.seen_tokens(layer) == 0, "compress_prompt_absorbed: layer ", layer, " already holds ",
+                  cache.seen_tokens(layer), " seen tokens; compress a prompt into an empty layer (reset() first)");
+    detail::check_prompt_rows(cache, "compress_prompt_absorbed");
+    const auto& o = cache.options();
+    detail::check_shape(ckv, "ckv", {cache.batch_size(), -1, o.kv_lora_rank()}, {"B", "T", "kv_lora_rank"},
+                        "[B, T, kv_lora_rank] with the cache's B, kv_lora_rank");
+    detail::check_prompt_tokens(ckv.size(1), "compress_prompt_absorbed", "ckv [B, T, kv_lora_rank]");
+    const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(o.qk_nope_dim() + o.qk_rope_dim())));
+    const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
+    detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
+    const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
+    detail::PromptPress<BasicMlaLatentCache<Policy>>::run(cache, layer, ckv, kpe, 1, scores, keep);
+    return keep;
+  });
 }
 
 /// Chunked prefill: feeds a prompt through `layer` in chunks of `chunk` tokens (update, attend
