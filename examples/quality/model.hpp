@@ -58,12 +58,10 @@ struct Recall {
 };
 
 // Per-sequence decode state outside the KV cache: each layer's last attention input
-// [B, 1, dim] (for the smeared keys of the next token), and the RoPE position of the next token
-// minus the cache's seen tokens (0: a compressed prompt counts whole in seen_tokens, its kept
-// tokens at their prompt positions). One per cache; empty at position 0.
+// [B, 1, dim] (for the smeared keys of the next token). The RoPE position of the next token is
+// the cache's seen tokens (a compressed prompt counts whole). One per cache; empty at position 0.
 struct DecodeState {
   std::vector<torch::Tensor> last;
-  int64_t offset = 0;
 };
 
 struct RMSNormImpl : torch::nn::Module {
@@ -276,7 +274,7 @@ struct ModelImpl : torch::nn::Module {
   template <class Cache>
   torch::Tensor step(const torch::Tensor& tokens, Cache& cache, DecodeState& state, const AttnTap& tap = nullptr,
                      bool observe = true, bool evict = true, const Recall& recall = {}) {
-    const int64_t start = cache.seen_tokens(0) + state.offset, T = tokens.size(1);
+    const int64_t start = cache.seen_tokens(0), T = tokens.size(1);
     if (static_cast<int64_t>(state.last.size()) != c.n_layers) state.last.assign(c.n_layers, torch::Tensor());
     if (start == 0) state.last.assign(c.n_layers, torch::Tensor());
     auto pos = torch::arange(start, start + T, torch::kLong);
@@ -305,7 +303,6 @@ struct ModelImpl : torch::nn::Module {
       x = x + b->attn->compressed(b->attn_norm(x), pos, cache, l, &state.last[l]);
       x = x + b->mlp(b->ffn_norm(x));
     }
-    state.offset = T - cache.seen_tokens(0);
     return head(x);
   }
 

@@ -91,12 +91,10 @@ class Config:
 @dataclass
 class DecodeState:
     """Per-sequence state outside the KV cache: each layer's last attention input [B, 1, dim]
-    (for the next token's shifted kv latent) and the RoPE position of the next token minus the
-    cache's seen tokens (0: a compressed prompt counts whole in ``seen_tokens``, its kept tokens
-    at their prompt positions)."""
+    (for the next token's shifted kv latent). The RoPE position of the next token is the cache's
+    seen tokens (a compressed prompt counts whole)."""
 
     last: List[Optional[torch.Tensor]] = field(default_factory=list)
-    offset: int = 0
 
 
 class RMSNorm(nn.Module):
@@ -338,7 +336,7 @@ class Model(nn.Module):
         ``cache.evict(layer)`` (unless evict is False). `state` belongs to this cache's sequence.
         -> logits [B, T, vocab]."""
         c = self.c
-        start, T = cache.seen_tokens(0) + state.offset, tokens.size(1)
+        start, T = cache.seen_tokens(0), tokens.size(1)
         if len(state.last) != c.n_layers or start == 0:
             state.last = [None] * c.n_layers
         pos = torch.arange(start, start + T, dtype=torch.long, device=tokens.device)
@@ -364,7 +362,6 @@ class Model(nn.Module):
             a, state.last[l] = b.attn.compressed(b.attn_norm(x), pos, cache, l)
             x = x + a
             x = x + b.mlp(b.ffn_norm(x))
-        state.offset = T - cache.seen_tokens(0)
         return self.head(x)
 
     def expanded_options(self, batch: int = 1) -> "_k.MlaCacheOptions":
