@@ -65,6 +65,26 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+// The nothrow forms as libstdc++ defines them (through the throwing form), so that every
+// allocation pairs with the free above: AddressSanitizer replaces them with its own, and
+// reported std::stable_sort's get_temporary_buffer (nothrow new) freed by our delete as an
+// alloc-dealloc mismatch (scripts/test_sanitizers.sh).
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return alloc_fault::allocate(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return alloc_fault::allocate(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 
