@@ -12,8 +12,12 @@
 // linear in the observations, so a rank may add its local sums up and all-reduce them once per
 // eviction pass (EvictionPolicyOptions::lazy_reduction): evict_every times fewer collectives.
 // Exact in this sense: every rank applies the same bits, and they are the bits one process
-// holding all the heads computes with lazy_reduction too (the pending sums are exact integers;
-// eager and lazy differ only in when fp32 rounds, once per pass instead of once per observe).
+// holding all the heads computes from the same probabilities, with lazy_reduction too (the
+// pending sums are exact integers; eager and lazy differ only in when fp32 rounds, once per pass
+// instead of once per observe). The probabilities themselves may differ from one process's in
+// the last bit: attention over a rank's subset of heads is a matmul of another shape (measured:
+// attend_absorbed with 1 head against the same head among 3, about 1 ulp), so ranks agree with
+// each other bit for bit and with one process to fp32 rounding.
 // Only for linear scorers (kLinear: CumulativeAttention, MeanObservedAttention). The policy
 // rejects it for LatestAttention (TOVA: each observation replaces the score, so the sum of the
 // observations since the last pass is not its score; deferring only the last observation would
