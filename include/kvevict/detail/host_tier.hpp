@@ -13,6 +13,7 @@
 #include <kvevict/detail/page_digests.hpp>
 
 #include <kvevict/detail/tier_host_path.hpp>
+#include <kvevict/detail/tier_scoring.hpp>
 #include <kvevict/detail/tier_tensor_path.hpp>
 
 #include <ATen/ATen.h>
@@ -113,8 +114,12 @@ struct TierKeys {
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
-/// The tiers of one layer: one TierRow per batch row, a token budget per row, and the byte
-/// size of one token's row in each buffer.
+/// The tiers of one layer: per batch row a TierRow (its tokens, within a token budget per row)
+/// and that row's PageDigests; the byte size of one token's row in each buffer; and, on the
+/// tensor path, the digests' copy on the cache's device (DeviceDigests) and the latest pass's
+/// hand-over, held until settle(). Tokens come in through take() (host path) or hold() and
+/// settle() (tensor path); recall() scores the pages, plans what comes back (pick(), or
+/// pick_tokens() for two-level recall) and the slots it replaces, then swaps them.
 class LayerTier {
  public:
   LayerTier() = default;
@@ -197,7 +202,7 @@ class LayerTier {
     s.tier_recalled += recalled();
   }
 
-  /// Recall on the host path (CacheBase::recall_rows(), after the checks and the flush): scores
+  /// Recall on either path (CacheBase::recall_rows(), after the checks and the flush): scores
   /// every active row's pages with `query` [B, H, Q, key width] (fp32, contiguous; the row's
   /// real columns, as observe()), reduces the scores across processes like observations
   /// (core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums before the
@@ -211,6 +216,8 @@ class LayerTier {
   /// `tokens` of the pool come back one by one (higher score first, equal scores the older
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
+  /// On the host path (`host` true; everything on the CPU) score_on_host() scores the pages and
+  /// swap() exchanges the tokens with the slots in place.
   /// On the tensor path (`host` false; the cache's tensors and `query` on its device) the pages
   /// are scored on the device (DeviceDigests: upload() then score(), no sync); the scores and
   /// L's positions and states then come to the host together (one wait) for the plan; a
@@ -681,7 +688,7 @@ class LayerTier {
   std::vector<uint8_t> source_;
   std::vector<const uint8_t*> src_;
   std::vector<int64_t> stride_;
-  std::vector<int64_t> order_;  // enforce_budget() scratch
+  std::vector<int64_t> order_;  // scratch: enforce_budget()'s token order, pick()'s page order
   std::vector<uint8_t> drop_;
   HandOver handover_;  // tensor path: the latest pass's evicted tokens, not yet taken
 };

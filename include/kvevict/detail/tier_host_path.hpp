@@ -3,11 +3,13 @@
 // score_on_device() in tier_tensor_path.hpp: per head, or by the heads' mean logit
 // (TierScoring::kHeadMean), reduced across processes like observations. Also two-level
 // recall's pool scoring, per head or by the heads' mean, which both paths run on the host.
+// The steps both paths share (the reduction, the heads' mean, their order) are tier_scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
-#include <kvevict/detail/tier_tensor_path.hpp>
+#include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/tier_scoring.hpp>
 
 #include <ATen/ATen.h>
 
@@ -18,17 +20,6 @@
 
 namespace kvevict {
 namespace detail {
-
-/// Row b's real query columns (core.first_real(), as observe()) of `q` [B, Hq, Q, W] (CPU):
-/// [1, Hq x Qr, W] when every head meets one shared key (`shared_key`, the latent layout), else
-/// [Hq, Qr, W] (head h meets key group h); contiguous. Undefined when the row has none.
-template <class Core>
-at::Tensor real_queries(const Core& core, const LayerState& L, const at::Tensor& q, int64_t b, bool shared_key) {
-  const int64_t Q = q.size(2), first = core.first_real(L, b, Q), Hq = q.size(1);
-  if (first >= Q) return at::Tensor();
-  auto r = q.select(0, b).narrow(1, first, Q - first);  // [Hq, Qr, W]
-  return (shared_key ? r.reshape({1, Hq * (Q - first), q.size(3)}) : r).contiguous();
-}
 
 /// LayerTier::recall()'s scoring on the host path: every row's pages (`digests`, one
 /// PageDigests per row) scored with `query` [B, H, Q, D] (fp32, CPU, contiguous): per head
@@ -49,46 +40,41 @@ at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_ke
   };
   int64_t P = 1;
   for (const auto& dg : digests) P = std::max(P, dg.slots());
-  at::Tensor sums, sum;  // sum: kHeadMean's sum over this process's heads (queries, or bounds)
-  allocating([&] {
-    sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble));
-    if (head_mean_scoring && shared_key) {
-      sum = head_sum(query);  // [B, 1, Q, D]
-      return;
-    }
-    // Per head: the scores. kHeadMean, a key per head: every row's bounds [H, Q, P] side by
-    // side, 0 where it has no query or page.
-    const auto bounds = head_mean_scoring ? at::zeros({B, H, Q, P}, at::TensorOptions().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor sums;
+  allocating([&] { sums = at::zeros({B, P}, at::TensorOptions().dtype(at::kDouble)); }, fail);
+  double* const out = sums.template data_ptr<double>();
+  const auto per_head = [&] {
     for (int64_t b = 0; b < B; ++b) {
       const auto& dg = digests[static_cast<size_t>(b)];
       const auto q = real_queries(core, L, query, b, shared_key);
-      if (!q.defined() || dg.pages() == 0) continue;
-      if (head_mean_scoring)
-        bounds.select(0, b).narrow(1, Q - q.size(1), q.size(1)).narrow(2, 0, dg.slots()).copy_(dg.bound(q, scale));
-      else
-        dg.score(q, scale, sums.template data_ptr<double>() + b * P);
+      if (q.defined() && dg.pages() > 0) dg.score(q, scale, out + b * P);
     }
-    if (head_mean_scoring) sum = head_sum(bounds);  // [B, 1, Q, P]
-  }, fail);
-  if (!head_mean_scoring) {
-    reduce_scores(layer, core, sums);
     return sums;
-  }
-  reduce_scores(layer, core, sum);  // the sums over every process's heads, then the softmax
-  allocating([&] {
-    const auto mean = head_mean(sum, core);
+  };
+  const auto summand = [&] {  // [B, H, ...]: the queries (latent) or every row's bounds [H, Q, P]
+    if (shared_key) return query;
+    auto bounds = at::zeros({B, H, Q, P}, at::TensorOptions().dtype(at::kFloat));  // 0 where no query or page
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& dg = digests[static_cast<size_t>(b)];
+      const auto q = real_queries(core, L, query, b, shared_key);
+      if (q.defined() && dg.pages() > 0)
+        bounds.select(0, b).narrow(1, Q - q.size(1), q.size(1)).narrow(2, 0, dg.slots()).copy_(dg.bound(q, scale));
+    }
+    return bounds;
+  };
+  const auto of_mean = [&](const at::Tensor& mean) {  // latent [B, 1, Q, D], expanded [B, 1, Q, P]
     for (int64_t b = 0; b < B; ++b) {
       const auto& dg = digests[static_cast<size_t>(b)];
       const auto m = real_queries(core, L, mean, b, shared_key);  // latent [1, Qr, D], expanded [1, Qr, P]
       if (!m.defined() || dg.pages() == 0) continue;
-      double* out = sums.template data_ptr<double>() + b * P;
       if (shared_key)
-        dg.score(m, scale, out);
+        dg.score(m, scale, out + b * P);
       else
-        dg.score_bounds(m.narrow(2, 0, dg.slots()), out);
+        dg.score_bounds(m.narrow(2, 0, dg.slots()), out + b * P);
     }
-  }, fail);
-  return sums;
+    return sums;
+  };
+  return score_pages(head_mean_scoring, layer, core, fail, per_head, summand, of_mean);
 }
 
 /// Two-level recall's exact scores per head of a row's pool keys `keys` [n, G, width] (fp32,

@@ -3,12 +3,14 @@
 // host without a sync (gathered on the device, copied to pinned host memory asynchronously,
 // taken into the tier at its next use: LayerTier::settle()), how recall scores the pages on the
 // device (DeviceDigests, score_on_device()), and how it swaps tokens with slots that live on the
-// device. The host tier itself, and its host path, are host_tier.hpp.
+// device. The host tier itself is host_tier.hpp; the host path's scoring, tier_host_path.hpp;
+// the scoring steps both paths share, tier_scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 #include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/tier_scoring.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -277,49 +279,6 @@ void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked,
   L.state.scatter_(1, ix_state, state_dev);
 }
 
-/// Reduces recall's scores `sums` (fp64, on the CPU or the cache's device) across processes
-/// like observations (core's reduce_contributions, if any), on the cache's device (NCCL reduces
-/// only there); `sums` stays where it was.
-template <class Core>
-void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
-  const auto& reducer = core.options.reduce_contributions();
-  if (!reducer) return;
-  if (sums.device() == core.device) {
-    reducer(layer, sums);
-    return;
-  }
-  auto on_device = sums.to(core.device);
-  reducer(layer, on_device);
-  sums = on_device.to(sums.device());
-}
-
-/// TierScoring::kHeadMean's mean over the heads, in two steps around the reduction across
-/// processes (reduce_scores, not an allocation: it throws its own error): head_sum() of
-/// `per_head` [B, H, ...] fp32 (queries, or Quest bounds) is their sum over dim 1 in fp64,
-/// [B, 1, ...]; once reduced, every process holds the sum over every process's heads, and
-/// head_mean() divides it by core.divisor_heads() and rounds it to fp32 once. Equal on every
-/// process; equal to one process with every head whenever the fp64 sums are exact, which they
-/// are unless one channel's values across the H heads differ in magnitude by more than
-/// 2^(29 - log2 H) (2^22 at 128 heads); even then they differ from it by fp64 rounding before
-/// the one rounding to fp32. Both allocate.
-inline at::Tensor head_sum(const at::Tensor& per_head) { return per_head.sum(1, /*keepdim=*/true, at::kDouble); }
-template <class Core>
-at::Tensor head_mean(const at::Tensor& sum, const Core& core) {
-  return sum.div(static_cast<double>(core.divisor_heads())).to(at::kFloat);
-}
-
-/// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows
-/// are not): [B, Q] bool, on the CPU.
-template <class Core>
-at::Tensor real_columns(const Core& core, const LayerState& L, int64_t B, int64_t Q) {
-  auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t first = core.first_real(L, b, Q);
-    if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
-  }
-  return real;
-}
-
 /// What LayerTier::recall() plans from on the tensor path, on the host: the page scores
 /// `sums` [B, P] fp64 and L's `position` [B, slots] int64 and `state` [B, slots, W] fp32.
 struct DeviceScores {
@@ -343,26 +302,18 @@ DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
     KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
                   " (the digests' copy holds ", device.bytes(), " bytes): ", why);
   };
-  at::Tensor on_device, real, sum;
+  at::Tensor real;
   int64_t P = 1;
   allocating([&] {
     P = std::max<int64_t>(device.upload(digests, G, D, core.device), 1);
     real = to_device_async(real_columns(core, L, B, Q), core.device);
-    if (!head_mean_scoring)
-      on_device = device.score(query, real, scale, P);
-    else
-      sum = head_sum(shared_key ? query : device.bound(query, scale, P));  // the mean query, or the mean bound
   }, fail);
-  if (head_mean_scoring) {
-    reduce_scores(layer, core, sum);
-    allocating([&] {
-      const auto mean = head_mean(sum, core);
-      on_device = shared_key ? device.score(mean, real, scale, P)
-                             : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
-    }, fail);
-  } else {
-    reduce_scores(layer, core, on_device);
-  }
+  const auto on_device = score_pages(
+      head_mean_scoring, layer, core, fail, [&] { return device.score(query, real, scale, P); },
+      [&] { return shared_key ? query : device.bound(query, scale, P); },  // the mean query, or the mean bound
+      [&](const at::Tensor& mean) {
+        return shared_key ? device.score(mean, real, scale, P) : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
+      });
   DeviceScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
   DeviceWait copied;
   copied.record(core.device);

@@ -1,0 +1,98 @@
+#pragma once
+// The host tier's page scoring that both paths share (score_on_host() in tier_host_path.hpp,
+// score_on_device() in tier_tensor_path.hpp): which query columns count, the reduction of
+// scores across processes, TierScoring::kHeadMean's mean over heads around it, and the order
+// of those steps (score_pages()). Neither path file includes the other.
+
+#include <kvevict/check.hpp>
+#include <kvevict/detail/layer_state.hpp>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace kvevict {
+namespace detail {
+
+/// Row b's real query columns (core.first_real(), as observe()) of `q` [B, Hq, Q, W] (CPU):
+/// [1, Hq x Qr, W] when every head meets one shared key (`shared_key`, the latent layout), else
+/// [Hq, Qr, W] (head h meets key group h); contiguous. Undefined when the row has none.
+template <class Core>
+at::Tensor real_queries(const Core& core, const LayerState& L, const at::Tensor& q, int64_t b, bool shared_key) {
+  const int64_t Q = q.size(2), first = core.first_real(L, b, Q), Hq = q.size(1);
+  if (first >= Q) return at::Tensor();
+  auto r = q.select(0, b).narrow(1, first, Q - first);  // [Hq, Qr, W]
+  return (shared_key ? r.reshape({1, Hq * (Q - first), q.size(3)}) : r).contiguous();
+}
+
+/// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows
+/// are not): [B, Q] bool, on the CPU.
+template <class Core>
+at::Tensor real_columns(const Core& core, const LayerState& L, int64_t B, int64_t Q) {
+  auto real = at::zeros({B, Q}, at::TensorOptions().dtype(at::kBool));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = core.first_real(L, b, Q);
+    if (first < Q) real.select(0, b).narrow(0, first, Q - first).fill_(true);
+  }
+  return real;
+}
+
+/// Reduces recall's scores `sums` (fp64, on the CPU or the cache's device) across processes
+/// like observations (core's reduce_contributions, if any), on the cache's device (NCCL reduces
+/// only there); `sums` stays where it was.
+template <class Core>
+void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
+  const auto& reducer = core.options.reduce_contributions();
+  if (!reducer) return;
+  if (sums.device() == core.device) {
+    reducer(layer, sums);
+    return;
+  }
+  auto on_device = sums.to(core.device);
+  reducer(layer, on_device);
+  sums = on_device.to(sums.device());
+}
+
+/// TierScoring::kHeadMean's mean over the heads, in two steps around the reduction across
+/// processes (reduce_scores, not an allocation: it throws its own error): head_sum() of
+/// `per_head` [B, H, ...] fp32 (queries, or Quest bounds) is their sum over dim 1 in fp64,
+/// [B, 1, ...]; once reduced, every process holds the sum over every process's heads, and
+/// head_mean() divides it by core.divisor_heads() and rounds it to fp32 once. Equal on every
+/// process; equal to one process with every head whenever the fp64 sums are exact, which they
+/// are unless one channel's values across the H heads differ in magnitude by more than
+/// 2^(29 - log2 H) (2^22 at 128 heads); even then they differ from it by fp64 rounding before
+/// the one rounding to fp32. Both allocate.
+inline at::Tensor head_sum(const at::Tensor& per_head) { return per_head.sum(1, /*keepdim=*/true, at::kDouble); }
+template <class Core>
+at::Tensor head_mean(const at::Tensor& sum, const Core& core) {
+  return sum.div(static_cast<double>(core.divisor_heads())).to(at::kFloat);
+}
+
+/// LayerTier::recall()'s page scoring, in the order both paths keep: per head, `per_head()`
+/// scores every row's pages ([B, P] fp64) and the scores are reduced across processes
+/// (reduce_scores); by the heads' mean (`head_mean_scoring`, TierScoring::kHeadMean),
+/// head_sum() of `summand()` ([B, H, ...] fp32: the queries, or every row's bounds) is reduced
+/// before the softmax and `of_mean(head_mean())` scores the pages with the mean ([B, P] fp64).
+/// Returns the scores where the callbacks put them. The callbacks run inside
+/// allocating(..., `fail`), the reductions outside it (they throw their own errors).
+template <class Core, class Fail, class PerHead, class Summand, class OfMean>
+at::Tensor score_pages(bool head_mean_scoring, int64_t layer, const Core& core, Fail&& fail, PerHead&& per_head,
+                       Summand&& summand, OfMean&& of_mean) {
+  at::Tensor scores, sum;  // sum: kHeadMean's sum over this process's heads (queries, or bounds)
+  allocating([&] {
+    if (head_mean_scoring)
+      sum = head_sum(summand());
+    else
+      scores = per_head();
+  }, fail);
+  if (!head_mean_scoring) {
+    reduce_scores(layer, core, scores);
+    return scores;
+  }
+  reduce_scores(layer, core, sum);  // the sums over every process's heads, then the softmax
+  allocating([&] { scores = of_mean(head_mean(sum, core)); }, fail);
+  return scores;
+}
+
+}  // namespace detail
+}  // namespace kvevict
