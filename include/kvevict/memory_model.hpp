@@ -2,6 +2,7 @@
 // Memory model: bytes a KV cache holds, for any MLA config, in either layout.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/page_digests.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -98,9 +99,10 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 /// evict_every 1; with more, up to evict_every - 1 of them still wait in the cache), each its K/V rows
 /// (as in the cache's dtype) plus 8 + 4 + 4 x state_width bytes (position, rank at eviction,
 /// scorer state). DeepSeek-V3 latent fp16 with W = 1: 61 x (1,152 + 16) = 71,248 bytes a token.
-/// Plus the page digests (cache options' tier_page_size): an fp32 min and max per key channel
-/// (latent: kv_lora_rank + qk_rope_dim; expanded: num_heads x qk_dim) for at most
-/// min(tier tokens, ceil(seq_len / page_size)) pages per layer. On the tensor path the cache's
+/// Plus the page digests (cache options' tier_page_size; the tier's digest, detail::TierDigest):
+/// an fp32 min and max per key channel (latent: kv_lora_rank + qk_rope_dim; expanded:
+/// num_heads x qk_dim) for at most min(tier tokens, ceil(seq_len / page_size)) pages per
+/// layer. On the tensor path the cache's
 /// device holds a copy of the digests as well (CacheStats::tier_device_bytes): their part of
 /// this again, up to twice it (its capacity grows geometrically).
 /// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1,
@@ -121,7 +123,8 @@ inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_l
   const int64_t pages = std::min(tokens, seq_len / page_size + (seq_len % page_size != 0));
   const int64_t key_floats = layout == Layout::kLatent ? checked_add(c.kv_lora_rank, c.qk_rope_dim, "key width")
                                                        : checked_mul(c.num_heads, c.qk_dim, "key width");
-  const int64_t digest = checked_mul(pages, checked_mul(8, key_floats, "digest bytes per page"), "digest bytes");
+  const int64_t page_bytes = checked_mul(detail::TierDigest::kBytesPerKeyChannel, key_floats, "digest bytes per page");
+  const int64_t digest = checked_mul(pages, page_bytes, "digest bytes");
   return checked_mul(checked_add(checked_mul(tokens, per_token, "tier tokens x bytes"), digest, "tier bytes"),
                      c.num_layers, "tier bytes (all layers)");
 }

@@ -1,33 +1,31 @@
 #pragma once
-// Page digests of one row's host tier (Quest, Tang et al. 2024, "Quest: Query-Aware Sparsity
-// for Efficient Long-Context LLM Inference", Sec. 3.2; ArkVale, Chen et al. 2024, Sec. 4.2):
-// tier tokens are grouped into pages by position (page = position / page_size), and each page
-// keeps the per-channel minimum and maximum of its tokens' keys. For any query q,
-// sum_c max(q_c min_c, q_c max_c) bounds q.k from above for every key of the page, so scoring
-// the digests finds the pages a query would attend without reading their rows.
+// The page digests of the host tier: the digest its page tables keep (TierDigest, Quest's
+// per-page min/max of the keys, quest_digest.hpp) and one row's pages (PageDigests, a
+// PageTable over it, page_table.hpp). Another digest is a file of its own implementing the
+// interface quest_digest.hpp describes, named here.
 //
 // The keys of a token are `groups` vectors of `width` floats: one per head in the expanded
 // layout (keys [H, qk_dim]), one shared by every head in the latent layout ([ckv | kpe]).
-// Each page's members are an intrusive list over the tier's token indices, so a token leaving
-// costs O(its page's members x width), not a scan of the tier. The slots whose digest changed
-// since the last take_touched() are listed, so a copy on the cache's device (DeviceDigests,
-// tier_tensor_path.hpp) follows with O(changed slots) uploads.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/page_table.hpp>
+#include <kvevict/detail/quest_digest.hpp>
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <vector>
 
 namespace kvevict {
 namespace detail {
 
-/// `n` values of dtype `t` at `src` as floats in `dst` (fp32, fp64, fp16 or bf16).
+/// The digest the tier's pages keep (LayerTier, DeviceDigests, tier_bytes()).
+using TierDigest = QuestDigest;
+/// One row's page digests.
+using PageDigests = PageTable<TierDigest>;
+
+/// `n` values of dtype `t` at `src` as floats in `dst` (fp32, fp64, fp16 or bf16): a tier
+/// token's keys as the digests take them.
 inline void to_floats(const uint8_t* src, at::ScalarType t, int64_t n, float* dst) {
   switch (t) {
     case at::kFloat: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
@@ -43,267 +41,6 @@ inline void to_floats(const uint8_t* src, at::ScalarType t, int64_t n, float* ds
     default: KVEVICT_CHECK(false, "tier digests: unsupported dtype ", t);
   }
 }
-
-/// Queries q [..., width] as [..., 2 width]: [max(q, 0) | min(q, 0)]. Against a digest [max |
-/// min] of a page, one product gives the Quest bound sum_c max(q_c min_c, q_c max_c).
-inline at::Tensor bound_query(const at::Tensor& q) {
-  const auto pos = q.clamp_min(0);
-  return at::cat({pos, q - pos}, -1);
-}
-
-/// The digests of one row's tier: per page slot, its digest [groups, 2, width] (max, then min)
-/// and the member list.
-class PageDigests {
- public:
-  PageDigests() = default;
-  PageDigests(int64_t page_size, int64_t groups, int64_t width)
-      : page_(page_size), G_(groups), D_(width), key_(static_cast<size_t>(groups * width)) {}
-
-  int64_t page_size() const noexcept { return page_; }
-  /// Page slots in use or freed (the width P of score()).
-  int64_t slots() const noexcept { return static_cast<int64_t>(page_of_.size()); }
-  /// Pages with at least one member.
-  int64_t pages() const noexcept { return slots() - static_cast<int64_t>(free_.size()); }
-  int64_t page_of_slot(int64_t s) const { return page_of_[s]; }
-  int64_t members(int64_t s) const { return count_[s]; }
-  int64_t head(int64_t s) const { return head_[s]; }
-  /// Slot s's digest, [groups, 2, width] fp32: per key group its per-channel maximum, then its
-  /// minimum (so that one matmul of [max(q, 0) | min(q, 0)] against it gives the bound).
-  const float* block(int64_t s) const { return digest_.data() + s * 2 * G_ * D_; }
-  int64_t next(int64_t token) const { return next_[token]; }
-  int64_t slot_of(int64_t position) const { return slot_of_page_[position / page_]; }
-  /// The digest bytes held (max and min, fp32).
-  int64_t bytes() const noexcept { return 2 * slots() * G_ * D_ * static_cast<int64_t>(sizeof(float)); }
-
-  /// Makes room for `tokens` tier tokens and a position up to `max_position`, so that insert(),
-  /// erase(), moved() and refresh() allocate nothing until then. Changes nothing.
-  void reserve(int64_t tokens, int64_t max_position) {
-    const auto grow = [](auto& v, size_t n) {
-      if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
-    };
-    const auto t = static_cast<size_t>(tokens);
-    const auto pages = static_cast<size_t>(max_position / page_ + 1);
-    const auto slots = std::min(t, pages);  // a page slot holds at least one token
-    grow(next_, t);
-    grow(prev_, t);
-    grow(page_of_, slots);
-    grow(count_, slots);
-    grow(head_, slots);
-    grow(free_, slots);
-    grow(dirty_, t);
-    grow(touched_, slots);
-    if (is_touched_.size() < slots) is_touched_.resize(std::max(slots, 2 * is_touched_.size()), 0);
-    grow(digest_, slots * static_cast<size_t>(2 * G_ * D_));
-    if (slot_of_page_.size() < pages) {
-      grow(slot_of_page_, pages);
-      slot_of_page_.resize(pages, -1);
-    }
-  }
-
-  /// Adds tier token `token` at `position` with keys `key` [groups, width] to its page.
-  void insert(int64_t token, int64_t position, const float* key) {
-    if (static_cast<int64_t>(next_.size()) <= token) {
-      next_.resize(static_cast<size_t>(token) + 1, -1);
-      prev_.resize(static_cast<size_t>(token) + 1, -1);
-    }
-    const int64_t page = position / page_;
-    int64_t s = slot_of_page_[page];
-    const int64_t n = G_ * D_;
-    if (s < 0) {
-      if (!free_.empty()) {
-        s = free_.back();
-        free_.pop_back();
-      } else {
-        s = slots();
-        page_of_.push_back(-1);
-        count_.push_back(0);
-        head_.push_back(-1);
-        digest_.resize(digest_.size() + static_cast<size_t>(2 * n));
-      }
-      slot_of_page_[page] = s;
-      page_of_[s] = page;
-      float* d = digest_.data() + s * 2 * n;
-      for (int64_t g = 0; g < G_; ++g) {
-        std::copy(key + g * D_, key + (g + 1) * D_, d + 2 * g * D_);        // max
-        std::copy(key + g * D_, key + (g + 1) * D_, d + (2 * g + 1) * D_);  // min
-      }
-    } else {
-      fold(digest_.data() + s * 2 * n, key);
-    }
-    touch(s);
-    prev_[token] = -1;
-    next_[token] = head_[s];
-    if (head_[s] >= 0) prev_[head_[s]] = token;
-    head_[s] = token;
-    ++count_[s];
-  }
-
-  /// Takes tier token `token` at `position` out of its page; a page left empty frees its slot,
-  /// one left with members is recomputed by the next refresh().
-  void erase(int64_t token, int64_t position) {
-    const int64_t page = position / page_, s = slot_of_page_[page];
-    const int64_t p = prev_[token], x = next_[token];
-    if (p >= 0) next_[p] = x; else head_[s] = x;
-    if (x >= 0) prev_[x] = p;
-    if (--count_[s] == 0) {
-      slot_of_page_[page] = -1;
-      page_of_[s] = -1;
-      head_[s] = -1;
-      free_.push_back(s);
-    } else {
-      dirty_.push_back(s);
-    }
-  }
-
-  /// Tier token `from` (at `position`) is now token `to` (the tier moved it).
-  void moved(int64_t from, int64_t to, int64_t position) {
-    const int64_t s = slot_of_page_[position / page_];
-    const int64_t p = prev_[from], x = next_[from];
-    prev_[to] = p;
-    next_[to] = x;
-    if (p >= 0) next_[p] = to; else head_[s] = to;
-    if (x >= 0) prev_[x] = to;
-  }
-
-  /// Recomputes the digests of the pages that lost members: key_of(token, out) writes a
-  /// member's keys [groups, width]. Allocates nothing.
-  template <class KeyOf>
-  void refresh(KeyOf&& key_of) {
-    const int64_t n = G_ * D_;
-    for (const int64_t s : dirty_) {
-      if (count_[s] == 0) continue;  // freed after it was marked
-      float* d = digest_.data() + s * 2 * n;
-      for (int64_t g = 0; g < G_; ++g) {
-        std::fill(d + 2 * g * D_, d + (2 * g + 1) * D_, -std::numeric_limits<float>::infinity());
-        std::fill(d + (2 * g + 1) * D_, d + (2 * g + 2) * D_, std::numeric_limits<float>::infinity());
-      }
-      for (int64_t t = head_[s]; t >= 0; t = next_[t]) {
-        key_of(t, key_.data());
-        fold(d, key_.data());
-      }
-      touch(s);
-    }
-    dirty_.clear();
-    compact();
-  }
-
-  /// Moves the last page slots into the freed ones until no slot is free, so that slots() (what
-  /// score() reads and bytes() counts) is the pages in use. Allocates nothing.
-  void compact() {
-    const int64_t n = G_ * D_;
-    std::sort(free_.begin(), free_.end());
-    size_t next = 0;  // free_[0, next) are filled already
-    while (next < free_.size()) {
-      const int64_t last = slots() - 1;
-      if (free_.back() == last) {  // the last slot is free: drop it
-        free_.pop_back();
-      } else {  // the last slot is in use: it takes the lowest free slot not yet filled
-        const int64_t f = free_[next++];
-        page_of_[f] = page_of_[last];
-        count_[f] = count_[last];
-        head_[f] = head_[last];
-        std::copy(digest_.begin() + last * 2 * n, digest_.begin() + (last + 1) * 2 * n, digest_.begin() + f * 2 * n);
-        slot_of_page_[page_of_[f]] = f;
-        touch(f);
-      }
-      page_of_.pop_back();
-      count_.pop_back();
-      head_.pop_back();
-      digest_.resize(digest_.size() - static_cast<size_t>(2 * n));
-    }
-    free_.clear();
-  }
-
-  /// scale * (the Quest bound) of queries q [groups, M, width] (fp32, CPU) on every slot's page:
-  /// [groups, M, P] fp32 (P = slots()). For the latent layout M is every head's query; for the
-  /// expanded layout head g's queries meet key group g. Allocates (tensor ops).
-  at::Tensor bound(const at::Tensor& q, double scale) const {
-    // digest_ is [P, G, 2 width]: as [G, 2 width, P] for the matmul.
-    const auto digests = at::from_blob(const_cast<float*>(digest_.data()), {slots(), G_, 2 * D_},
-                                       at::TensorOptions().dtype(at::kFloat)).permute({1, 2, 0});
-    return at::matmul(bound_query(q), digests).mul_(scale);
-  }
-
-  /// Page scores from `bound` [..., M, P] fp32 (bound(), or a mean of bounds over heads): per
-  /// query, a softmax over the pages, summed over everything but the pages as fixed-point terms
-  /// (detail::fixed_terms, exact in fp64 in any order) into out[slot]. Allocates (tensor ops).
-  void score_bounds(const at::Tensor& bound, double* out) const {
-    const int64_t P = slots();
-    if (P == 0) return;
-    std::vector<int64_t> dims(static_cast<size_t>(bound.dim() - 1));
-    for (size_t i = 0; i < dims.size(); ++i) dims[i] = static_cast<int64_t>(i);
-    // Every slot holds a page here: each removal ends in refresh(), which compacts the slots.
-    const auto sums = at::sum(fixed_terms(at::softmax(bound, -1)), dims, false, at::kDouble);
-    std::copy(sums.template data_ptr<double>(), sums.template data_ptr<double>() + P, out);
-  }
-
-  /// Page scores for queries q [groups, M, width] (as bound()): per query a softmax over the
-  /// pages of scale * (the Quest bound), summed over the queries (score_bounds()).
-  void score(const at::Tensor& q, double scale, double* out) const {
-    if (slots() > 0) score_bounds(bound(q, scale), out);
-  }
-
-  /// Calls f(slot, block(slot)) for every slot in use whose digest
-  /// changed since the last call (inserted into, recomputed, or filled by compact()), in no
-  /// particular order, then forgets them. Allocates nothing.
-  template <class F>
-  void take_touched(F&& f) {
-    for (const int64_t s : touched_) {
-      is_touched_[static_cast<size_t>(s)] = 0;
-      if (s < slots()) f(s, block(s));
-    }
-    touched_.clear();
-  }
-  /// Slots take_touched() would report, at most (a bound for its caller's buffers).
-  int64_t touched() const noexcept { return static_cast<int64_t>(touched_.size()); }
-
-  /// Empties the digests and gives their memory back.
-  void release() {
-    std::vector<int64_t>().swap(next_);
-    std::vector<int64_t>().swap(prev_);
-    std::vector<int64_t>().swap(page_of_);
-    std::vector<int64_t>().swap(count_);
-    std::vector<int64_t>().swap(head_);
-    std::vector<int64_t>().swap(free_);
-    std::vector<int64_t>().swap(dirty_);
-    std::vector<int64_t>().swap(slot_of_page_);
-    std::vector<int64_t>().swap(touched_);
-    std::vector<uint8_t>().swap(is_touched_);
-    std::vector<float>().swap(digest_);
-  }
-
- private:
-  /// Folds keys `key` [groups, width] into digest `d` [groups, 2, width].
-  void fold(float* d, const float* key) const {
-    for (int64_t g = 0; g < G_; ++g) {
-      float* hi = d + 2 * g * D_;
-      float* lo = hi + D_;
-      const float* k = key + g * D_;
-      for (int64_t c = 0; c < D_; ++c) {
-        hi[c] = std::max(hi[c], k[c]);
-        lo[c] = std::min(lo[c], k[c]);
-      }
-    }
-  }
-
-  /// Lists slot s for take_touched() (once; reserve() made room).
-  void touch(int64_t s) {
-    if (static_cast<int64_t>(is_touched_.size()) <= s) is_touched_.resize(static_cast<size_t>(s) + 1, 0);  // not after reserve()
-    if (is_touched_[static_cast<size_t>(s)]) return;
-    is_touched_[static_cast<size_t>(s)] = 1;
-    touched_.push_back(s);
-  }
-
-  int64_t page_ = 16, G_ = 1, D_ = 1;
-  std::vector<int64_t> next_, prev_;                 // per tier token: its page's list
-  std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
-  std::vector<int64_t> free_, dirty_;                // free slots; slots to recompute
-  std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
-  std::vector<float> digest_;                        // [slot, G, 2, D]: max, then min
-  std::vector<float> key_;                           // refresh() scratch
-  std::vector<int64_t> touched_;                     // slots changed since take_touched()
-  std::vector<uint8_t> is_touched_;                  // per slot: listed in touched_
-};
 
 }  // namespace detail
 }  // namespace kvevict

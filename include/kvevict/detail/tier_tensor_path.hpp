@@ -70,10 +70,11 @@ inline at::Tensor to_device_async(const at::Tensor& t, const at::Device& device)
 /// scores them where the queries are, with tensor ops and no host sync (ArkVale, Chen et al.
 /// 2024, Sec. 4.2, keeps its digests on the GPU too). A copy: the host's PageDigests (one per
 /// row) stay the source, and upload() sends what changed since the last upload, O(changed page
-/// slots x width) bytes. Per row b, page slots [0, count[b]) are its pages.
+/// slots x width) bytes. Per row b, page slots [0, count[b]) are its pages. The layout of a
+/// page's digest and its bound are the digest type's (TierDigest, page_digests.hpp).
 class DeviceDigests {
  public:
-  /// Device bytes held: the digests (fp32 max and min) and the counts. Capacity grows
+  /// Device bytes held: the digests (fp32) and the counts. Capacity grows
   /// geometrically, so this is at most twice the digests in use (after the largest tier so far).
   int64_t bytes() const { return digest_.defined() ? digest_.numel() * 4 + count_.numel() * 8 : 0; }
   /// Page slots per row the copy has room for.
@@ -90,22 +91,24 @@ class DeviceDigests {
     int64_t P = 0;
     for (const auto& r : rows) P = std::max(P, r.slots());
     try {
-      if (capacity() < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), G, D, device);
+      const TierDigest digest(G, D);
+      if (capacity() < std::max<int64_t>(P, 1)) grow(B, std::max<int64_t>(P, 1), digest, device);
       int64_t n = 0;
       for (const auto& r : rows) n += stale_ ? r.slots() : std::min(r.touched(), r.slots());
       auto count = at::empty({B}, at::TensorOptions().dtype(at::kLong));
       for (int64_t b = 0; b < B; ++b) count.data_ptr<int64_t>()[b] = rows[b].slots();
       if (n > 0) {
         auto index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-        auto values = at::empty({n, G, 2 * D}, at::TensorOptions().dtype(at::kFloat));
+        auto values = at::empty(with_page({n}, digest), at::TensorOptions().dtype(at::kFloat));
         int64_t* ix = index.data_ptr<int64_t>();
         float* v = values.data_ptr<float>();
-        const auto bytes = static_cast<size_t>(2 * G * D) * sizeof(float);
+        const int64_t F = digest.floats();
+        const auto bytes = static_cast<size_t>(digest.bytes());
         int64_t k = 0;
         for (int64_t b = 0; b < B; ++b) {
           const auto put = [&](int64_t s, const float* block) {
             ix[k] = b * capacity() + s;
-            std::memcpy(v + k * 2 * G * D, block, bytes);
+            std::memcpy(v + k * F, block, bytes);
             ++k;
           };
           if (stale_) {
@@ -118,7 +121,7 @@ class DeviceDigests {
         stale_ = true;  // until the copies below are enqueued
         const auto ix_d = to_device_async(index.narrow(0, 0, k), device);
         const auto v_d = to_device_async(values.narrow(0, 0, k), device);
-        digest_.view({-1, G, 2 * D}).index_copy_(0, ix_d, v_d);
+        digest_.view(with_page({-1}, digest)).index_copy_(0, ix_d, v_d);
       }
       count_ = to_device_async(count, device);
       stale_ = false;
@@ -129,15 +132,14 @@ class DeviceDigests {
     return P;
   }
 
-  /// scale * (the Quest bound) of `query` [B, H, Q, D] (fp32, on the device) on every row's
+  /// scale * (the digest's bound) of `query` [B, H, Q, D] (fp32, on the device) on every row's
   /// first P page slots, without a sync: [B, G, M, P] fp32. Latent G = 1, M = H Q: every head's
   /// query meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys
   /// (with one head, G = H = 1, both readings give the same product).
   at::Tensor bound(const at::Tensor& query, double scale, int64_t P) const {
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
     const auto q = digest_.size(2) == 1 ? query.reshape({B, 1, H * Q, D}) : query;  // [B, G, M, D]
-    const auto digests = digest_.narrow(1, 0, P).permute({0, 2, 3, 1});             // [B, G, 2 D, P]
-    return at::matmul(bound_query(q), digests).mul_(scale);
+    return TierDigest::bound(digest_.narrow(1, 0, P), q, scale);
   }
 
   /// Page scores from `bound` [B, G, M, P] fp32 (bound(), or a mean of bounds over heads as
@@ -162,7 +164,7 @@ class DeviceDigests {
 
   /// Page scores of every row, on the device, without a sync: for the queries `query` [B, H, Q,
   /// D] (fp32, on the device; `real` [B, Q] bool there), per head and query a softmax over the
-  /// row's pages of scale * (the Quest bound, bound()), summed over heads and queries
+  /// row's pages of scale * (the digest's bound, bound()), summed over heads and queries
   /// (scores_of()). As PageDigests::score() row by row, up to fp32 rounding of the matmuls and
   /// the softmax (the host's are per row, these batched).
   at::Tensor score(const at::Tensor& query, const at::Tensor& real, double scale, int64_t P) const {
@@ -170,10 +172,17 @@ class DeviceDigests {
   }
 
  private:
-  void grow(int64_t B, int64_t P, int64_t G, int64_t D, const at::Device& device) {
+  /// [lead..., digest.page_shape()...]: the sizes of `lead` pages' digests.
+  static std::vector<int64_t> with_page(std::vector<int64_t> lead, const TierDigest& digest) {
+    const auto page = digest.page_shape();
+    lead.insert(lead.end(), page.begin(), page.end());
+    return lead;
+  }
+
+  void grow(int64_t B, int64_t P, const TierDigest& page, const at::Device& device) {
     const int64_t cap = std::max(P, 2 * capacity());
     const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-    auto digest = at::zeros({B, cap, G, 2 * D}, opts);
+    auto digest = at::zeros(with_page({B, cap}, page), opts);
     if (digest_.defined() && !stale_) {
       digest.narrow(1, 0, capacity()).copy_(digest_);
     } else {
@@ -182,7 +191,7 @@ class DeviceDigests {
     digest_ = digest;
   }
 
-  at::Tensor digest_;   // [B, capacity, G, 2 D] fp32 on the device: per group max, then min
+  at::Tensor digest_;   // [B, capacity, TierDigest::page_shape()] fp32 on the device (Quest: [G, 2 D])
   at::Tensor count_;    // [B] int64 on the device: each row's slots in use
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
