@@ -75,7 +75,8 @@ say "pip install .[hf] into $venv"
 # Debian's, before the venv) keeps that LibTorch's paths in its cache: start that cache afresh.
 torch_prefix=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 torch_root=$("$py" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-if [ -f build/CMakeCache.txt ] && ! grep -qx "Torch_DIR:PATH=$torch_prefix/Torch" build/CMakeCache.txt; then
+# (-DTorch_DIR=... on the command line is cached as Torch_DIR:UNINITIALIZED, a find as :PATH.)
+if [ -f build/CMakeCache.txt ] && ! grep -qxE "Torch_DIR:[A-Z]+=$torch_prefix/Torch" build/CMakeCache.txt; then
   say "build/ was configured against another LibTorch: configuring it afresh"
   rm -rf build/CMakeCache.txt build/CMakeFiles
 fi

@@ -187,24 +187,43 @@ class Installed:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.size(1) < 1:
             got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"kvevict: {where}: tokens must be [B, T] int64 with T >= 1, got {got}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"kvevict: {where}: tokens must be an integer tensor (token ids), got {tokens.dtype}")
         if tokens.size(0) != self.cache.batch_size:
             raise ValueError(f"kvevict: {where}: tokens must have B = {self.cache.batch_size} rows (the cache's "
                              f"batch_size; install(..., batch_size=B) for another), got {tokens.size(0)}")
 
+    def _with_pending(self, tokens: torch.Tensor, counts: Optional[List[int]]):
+        """`tokens` with generate()'s last token (not yet in the cache) put just before each row's
+        first real token: ([B, T + 1] tokens, their counts)."""
+        B, T = tokens.shape
+        real = [T] * B if counts is None else counts
+        out = torch.cat([tokens.new_zeros(B, 1), tokens], 1)
+        col = torch.tensor([T - c for c in real], device=tokens.device).unsqueeze(1)
+        out.scatter_(1, col, self._pending.to(tokens.dtype))
+        return out, (None if counts is None else [c + 1 for c in real])
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Continues the cached sequence with `tokens` [B, T] int64 -> logits [B, T, vocab].
-        attention_mask [B, T] 0/1: left padding (each row's real tokens its last columns); pads are
-        never stored, scored or attended, their logits are meaningless. Raises ValueError on a bad
-        shape or mask (nothing changes then)."""
+        """Continues the cached sequence with `tokens` [B, T] int64 -> logits [B, T, vocab]. After
+        ``generate``, its last token (returned but not yet in the cache) is fed first, just before
+        each row's first real token. attention_mask [B, T] 0/1: left padding (each row's real
+        tokens its last columns; a row may have none); pads are never stored, scored or attended,
+        their logits are meaningless. Raises ValueError / TypeError on a bad shape, type or mask
+        (nothing changes then)."""
         self._require()
         self._check_tokens(tokens, "step")
         counts = left_padding_counts(attention_mask, tokens.size(0), tokens.size(1), "step")
+        pending = self._pending is not None
+        if pending:
+            tokens, counts = self._with_pending(tokens, counts)
         self._explicit, self._counts = True, counts
         try:
-            return self.model(tokens)
+            out = self.model(tokens)
         finally:
             self._explicit, self._counts = False, None
+        self._pending = None
+        return out[:, 1:] if pending else out
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, attention_mask: Optional[torch.Tensor] = None,
@@ -216,7 +235,8 @@ class Installed:
         default); False continues the cached one (the previous call's last token is fed first:
         a conversation's next turn). Returns the tokens [B, T + max_new_tokens] (the prompt and
         the new tokens), and with `return_logits` also the logits of every step [B, T +
-        max_new_tokens - 1, vocab] (the last token's are not computed)."""
+        max_new_tokens - 1, vocab] (the last token's are not computed; [B, T, vocab], the
+        prompt's, when max_new_tokens is 0)."""
         self._require()
         self._check_tokens(prompt, "generate")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -224,27 +244,19 @@ class Installed:
         left_padding_counts(attention_mask, prompt.size(0), prompt.size(1), "generate")  # checked before any change
         if reset:
             self.reset()
-        feed, mask = prompt, attention_mask
-        if not reset and self._pending is not None:
-            feed = torch.cat([self._pending, prompt], 1)
-            if mask is not None:
-                mask = torch.cat([mask.new_ones(prompt.size(0), 1), mask], 1)
-        tokens, logits = [prompt], []
-        out = self.step(feed, mask)
-        if not reset and self._pending is not None:
-            out = out[:, 1:]
+        tokens = [prompt]
+        out = self.step(prompt, attention_mask)  # feeds the previous call's last token first (reset=False)
+        logits = [out]
         nxt = None
         for i in range(max_new_tokens):
             if i:
                 out = self.step(nxt)
-            logits.append(out)
+                logits.append(out)
             nxt = out[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
-        self._pending = nxt if nxt is not None else None
+        self._pending = nxt
         seq = torch.cat(tokens, 1)
-        if return_logits:
-            return seq, (torch.cat(logits, 1) if logits else torch.empty(prompt.size(0), 0, 0))
-        return seq
+        return (seq, torch.cat(logits, 1)) if return_logits else seq
 
     # -- the installed attention -------------------------------------------------------------------
     def _attend(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +265,14 @@ class Installed:
         if B != kv.batch_size:
             raise ValueError(f"kvevict: the installed cache holds B = {kv.batch_size} rows (install(..., "
                              f"batch_size=B)), the input has {B}")
+        if x.dtype != kv.dtype:
+            raise TypeError(f"kvevict: the installed cache holds {kv.dtype}, the model now computes in {x.dtype} (cast "
+                            "after install?): kv.remove(), then install() again on the cast model")
         counts = self._counts
+        if layer == 0 and not self._explicit and self._pending is not None:
+            raise ValueError("kvevict: model(tokens) after generate(): generate()'s last token is not in the cache yet; "
+                             "continue with kv.step(tokens) or kv.generate(..., reset=False), which feed it first, or "
+                             "kv.reset() for a new sequence")
         if layer == 0 and not self._explicit and kv.seen_tokens(0) > 0 and not self._warned:
             self._warned = True
             warnings.warn(f"kvevict: model(tokens) continues the cached sequence ({kv.seen_tokens(0)} tokens seen): "
@@ -278,10 +297,14 @@ class Installed:
         else:
             first = torch.tensor([s - (T - c) for s, c in zip(seen, real)], dtype=torch.long, device=x.device)
             pos = (first.unsqueeze(1) + torch.arange(T, device=x.device)).clamp_min(0)  # pads: clamped, unused
-        if counts is not None:  # pads in, zeros: the token shift starts each row at its first real token
+        if counts is not None:
+            # Pads take the row's last attention input (zeros at a sequence's start), so the token
+            # shift gives each row's first real token its own predecessor, and a row with no real
+            # token here hands the same `last` on.
             cols = torch.arange(T, device=x.device).unsqueeze(0)
             valid = cols >= torch.tensor([T - c for c in real], device=x.device).unsqueeze(1)
-            x = x * valid.unsqueeze(-1).to(x.dtype)
+            prev = self._last[layer] if self._last[layer] is not None else x.new_zeros(B, 1, x.size(-1))
+            x = torch.where(valid.unsqueeze(-1), x, prev.expand(B, T, x.size(-1)))
         chunk = cfg.prefill_chunk if cfg.prefill_chunk and T - lead > cfg.prefill_chunk else T - lead
         recall = cfg.recall_tokens if cfg.tier_tokens else 0
         outs = [x.new_zeros(B, lead, x.size(-1))] if lead else []
@@ -362,6 +385,8 @@ def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int
     param = next(attns[0].parameters(), None)
     if param is None:
         param = next(model.parameters())
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"kvevict: install: dtype must be a torch.dtype or None, got {type(dtype).__name__} ({dtype!r})")
     if dtype is not None and dtype != param.dtype:
         raise ValueError(f"kvevict: install: dtype must be the model's, {param.dtype}, got {dtype}: the cache holds "
                          f"what the model computes. Cast the model first (model.to({dtype})) and leave dtype unset")
@@ -396,7 +421,8 @@ def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int =
     A SnapKV window longer than n_recent warns (UserWarning): the window's queries then vote for
     tokens the recent window does not protect (measured on the shipped model's passkey at a 10%
     budget: 8/32 answer tokens with window 64 > n_recent 37, 24/32 with window 32)."""
-    compress = _k.SnapKV(window, kernel) if scorer is None else make_scorer(scorer)
+    snapkv_name = isinstance(scorer, str) and scorer.lower() == "snapkv"
+    compress = _k.SnapKV(window, kernel) if scorer is None or snapkv_name else make_scorer(scorer)
     if isinstance(compress, _k.SnapKV) and compress.window > n_recent:
         warnings.warn(f"kvevict: press: the SnapKV window ({compress.window}) is longer than n_recent ({n_recent}): "
                       "the window's queries vote for tokens the recent window does not protect, which loses answers; "

@@ -52,6 +52,8 @@ def left_padding_counts(mask: Optional[torch.Tensor], B: int, T: int, where: str
         return None
     if mask.dim() != 2 or tuple(mask.shape) != (B, T):
         raise ValueError(f"kvevict: {where}: attention_mask must be [B, T] = [{B}, {T}], got {list(mask.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"kvevict: {where}: attention_mask must hold only 0 (pad) and 1 (token)")
     m = mask.to(torch.bool)
     counts = m.sum(1)
     cols = torch.arange(T, device=m.device).unsqueeze(0)
@@ -142,7 +144,14 @@ class EvictionConfig:
                              "(kvevict.hf.press, kvevict.press), or a decode-time scorer ('h2o', 'mean', 'tova', "
                              "'decay')")
         if self.layer_budgets is not None:
-            self.layer_budgets = [int(b) for b in self.layer_budgets]
+            if isinstance(self.layer_budgets, (str, bytes)) or not hasattr(self.layer_budgets, "__iter__"):
+                raise TypeError("kvevict: layer_budgets must be a list of ints (one budget per layer) or None, got "
+                                f"{type(self.layer_budgets).__name__}")
+            budgets = list(self.layer_budgets)
+            for i, b in enumerate(budgets):
+                if isinstance(b, bool) or not isinstance(b, int):
+                    raise TypeError(f"kvevict: layer_budgets[{i}] must be an int, got {type(b).__name__} ({b!r})")
+            self.layer_budgets = budgets
         if isinstance(self.scorer, str) and self.scorer.lower() == "snapkv":
             raise ValueError("kvevict: scorer='snapkv' scores a prompt once: use the press (kvevict.hf.press, "
                              "kvevict.press) for SnapKV, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")

@@ -782,14 +782,14 @@ def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int =
     Unpadded prompts only (batches of equal length). A SnapKV window longer than `n_recent`
     warns: the window's own tokens then compete with the prompt's. On exit the model is
     restored. Yields the handle; other keyword arguments are ``EvictionConfig`` fields."""
-    if scorer is None:
-        if window > n_recent:
-            warnings.warn(f"kvevict: press: the SnapKV window ({window}) is longer than n_recent ({n_recent}): the "
-                          "window's queries vote for tokens the recent window does not protect, which loses "
-                          f"answers; use window <= n_recent", stacklevel=3)
-        compress = _k.SnapKV(window, kernel)
+    if scorer is None or (isinstance(scorer, str) and scorer.lower() == "snapkv"):
+        compress = _k.SnapKV(window, kernel)  # the name "snapkv" takes window and kernel too
     else:
         compress = make_scorer(scorer)
+    if isinstance(compress, _k.SnapKV) and compress.window > n_recent:
+        warnings.warn(f"kvevict: press: the SnapKV window ({compress.window}) is longer than n_recent ({n_recent}): "
+                      "the window's queries vote for tokens the recent window does not protect, which loses "
+                      "answers; use window <= n_recent", stacklevel=3)
     config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent, **options)
     handle = _install(model, config, compress)
     try:

@@ -493,3 +493,12 @@ def test_deepcopy_and_pickle_are_refused_clearly_and_the_dtype_follows_the_model
     assert out.sequences.shape == (1, 14) and h.cache.kv.dtype == torch.bfloat16
     h.remove()
     copy.deepcopy(model)
+
+
+def test_press_snapkv_by_name_takes_window_and_kernel():
+    model = make_model()
+    with pytest.warns(UserWarning, match=r"SnapKV window \(16\) is longer than n_recent \(8\)"):
+        with hf.press(model, budget=8, n_sink=2, n_recent=8, window=16, kernel=3, scorer="snapkv"):
+            pass
+    with hf.press(model, budget=8, n_sink=2, n_recent=8, window=4, kernel=3, scorer="snapkv") as h:
+        assert repr(h._compress) == "SnapKV(window=4, kernel=3)"

@@ -371,3 +371,106 @@ def test_readme_python_examples_run_as_printed(marker, expected):
                                                                   "Model": Model, "model": Model.load(WEIGHTS)})
     for e in expected:
         assert e in out.getvalue()
+
+
+def _alone(tokens_per_step, layout="expanded"):
+    """Logits of each step of one row run alone through the same install."""
+    m = Model.load(WEIGHTS)
+    kv = kvevict.install(m, budget=1000, n_sink=4, n_recent=8, layout=layout)
+    try:
+        return [kv.step(torch.tensor([t])) for t in tokens_per_step]
+    finally:
+        kv.remove()
+
+
+@pytest.mark.parametrize("layout", ["expanded", "latent"])
+def test_padded_step_on_a_non_empty_cache_equals_rows_alone(model, layout):
+    """A left-padded step after the prompt (found by a fresh-clone check: the token shift took the
+    pad column as the first real token's predecessor), and a step in which one row has no real
+    token, give each row what it gives alone."""
+    a, b = row("The jury"), row("It was")
+    kv = kvevict.install(model, budget=1000, n_sink=4, n_recent=8, batch_size=2, layout=layout)
+    try:
+        kv.step(torch.tensor([a, [0, 0] + b]), torch.tensor([[1] * 9, [0, 0] + [1] * 7]))
+        out = kv.step(torch.tensor([[65, 66, 67], [0, 68, 69]]), torch.tensor([[1, 1, 1], [0, 1, 1]]))
+        idle = kv.step(torch.tensor([[70], [0]]), torch.tensor([[1], [0]]))
+        last = kv.step(torch.tensor([[71], [72]]))
+    finally:
+        kv.remove()
+    ra = _alone([a, [65, 66, 67], [70], [71]], layout)
+    rb = _alone([b, [68, 69], [72]], layout)
+    assert max_abs(out[0], ra[1][0]) < TOL and max_abs(idle[0], ra[2][0]) < TOL and max_abs(last[0], ra[3][0]) < TOL
+    assert max_abs(out[1, 1:], rb[1][0]) < TOL and max_abs(last[1], rb[2][0]) < TOL
+
+
+def test_step_after_generate_feeds_its_last_token_first(model, plain):
+    """generate() returns a last token that is not in the cache yet: step() feeds it first, so
+    generate, step, generate(reset=False) equals the plain model on the visible text; a bare
+    model(x) there is refused (it cannot feed it)."""
+    kv = kvevict.install(model, budget=1000, n_sink=4, n_recent=8)
+    try:
+        a = kv.generate(torch.tensor([A]), 3)
+        with pytest.raises(ValueError, match="generate\\(\\)'s last token is not in the cache"):
+            model(torch.tensor([[ord("Q")]]))
+        kv.step(torch.tensor([[ord("Q")]]))
+        b = kv.generate(torch.tensor([[ord("R")]]), 4, reset=False)
+    finally:
+        kv.remove()
+    text = torch.cat([a, torch.tensor([[ord("Q"), ord("R")]])], 1)[0].tolist()
+    assert torch.equal(b[:, 1:], plain(text, 4)[0][:, -4:])
+
+
+def test_padded_next_turn_puts_the_last_token_before_each_rows_text(model):
+    """generate(reset=False) with a left-padded turn: the previous last token goes just before
+    each row's first real token (no hole in the mask); each row as alone."""
+    a, b = row("The jury"), row("It was")
+    kv = kvevict.install(model, budget=1000, n_sink=4, n_recent=8, batch_size=2)
+    try:
+        s1 = kv.generate(torch.tensor([a, [0, 0] + b]), 3, attention_mask=torch.tensor([[1] * 9, [0, 0] + [1] * 7]))
+        s2 = kv.generate(torch.tensor([[65, 66, 67], [0, 68, 69]]), 3, reset=False,
+                         attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    finally:
+        kv.remove()
+    for r, (first, turn) in enumerate(((a, [65, 66, 67]), (b, [68, 69]))):
+        alone = kvevict.install(model, budget=1000, n_sink=4, n_recent=8)
+        try:
+            t1 = alone.generate(torch.tensor([first]), 3)
+            t2 = alone.generate(torch.tensor([turn]), 3, reset=False)
+        finally:
+            alone.remove()
+        assert torch.equal(s1[r, -3:], t1[0, -3:]) and torch.equal(s2[r, -3:], t2[0, -3:])
+
+
+def test_press_snapkv_by_name_takes_window_and_kernel(model):
+    with kvevict.press(model, budget=8, n_sink=2, n_recent=8, window=4, kernel=3, scorer="snapkv") as kv:
+        assert repr(kv.compress) == "SnapKV(window=4, kernel=3)"
+
+
+def test_more_bad_input_is_refused_clearly(model):
+    """The fresh-clone check's smaller findings: each refused naming the argument, nothing installed
+    or changed."""
+    for bad, err, msg in [(dict(layer_budgets=[1.7, 2, 3, 4]), TypeError, r"layer_budgets\[0\] must be an int"),
+                          (dict(layer_budgets=5), TypeError, "layer_budgets must be a list of ints"),
+                          (dict(dtype="float32"), TypeError, "dtype must be a torch.dtype or None, got str")]:
+        with pytest.raises(err, match=msg):
+            kvevict.install(model, **bad)
+        assert not hasattr(model, "_kvevict_installed")
+    kv = kvevict.install(model, budget=8, batch_size=2)
+    try:
+        with pytest.raises(ValueError, match="attention_mask must hold only 0"):
+            kv.step(torch.tensor([A[:3], A[:3]]), torch.tensor([[1, 1, 1], [0.5, 1, 1]]))
+        with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+            kv.generate(torch.tensor([A[:3], A[:3]]).float(), 2)
+        assert kv.cache.seen_tokens(0) == 0
+        seq, logits = kv.generate(torch.tensor([A[:3], A[:3]]), 0, return_logits=True)
+        assert seq.shape == (2, 3) and logits.shape == (2, 3, 392)
+    finally:
+        kv.remove()
+    m = Model.load(WEIGHTS)
+    kv = kvevict.install(m, budget=8)
+    try:
+        m.to(torch.float64)
+        with pytest.raises(TypeError, match="cache holds torch.float32, the model now computes in torch.float64"):
+            kv.step(torch.tensor([A]))
+    finally:
+        kv.remove()
