@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from . import _kvevict as _k
-from .config import (SCORERS, EvictionConfig, MemoryReport, ScorerLike, chunk_counts, left_padding_counts,
-                     make_scorer)
+from .config import (SCORERS, EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts,
+                     left_padding_counts, make_scorer)
 from .config import tier_scoring as _tier_scoring
 from .models import MLA
 
@@ -46,22 +46,19 @@ LAYOUTS = ("expanded", "latent")
 _METHODS = ("project", "expand", "out", "absorbed_weights")
 
 
-class _LayerHook:
+_COPY_REFUSAL = ("kvevict: a model with eviction installed cannot be deep-copied or pickled (torch.save(model)); "
+                 "kv.remove() first (state_dict() works while installed)")
+
+
+class _LayerHook(Uncopyable):
     """What an installed attention module's ``forward`` holds: the handle and the layer. Refuses
     to be copied or pickled (the cache is a C++ object)."""
 
     __slots__ = ("handle", "layer")
+    _copy_refusal = _COPY_REFUSAL
 
     def __init__(self, handle: "Installed", layer: int):
         self.handle, self.layer = handle, layer
-
-    def _refuse(self, *args):
-        raise TypeError("kvevict: a model with eviction installed cannot be deep-copied or pickled "
-                        "(torch.save(model)); kv.remove() first (state_dict() works while installed)")
-
-    __deepcopy__ = _refuse
-    __reduce__ = _refuse
-    __reduce_ex__ = _refuse
 
 
 class _NoBackward(torch.autograd.Function):
@@ -87,12 +84,14 @@ def _installed_forward(hook: _LayerHook, x: torch.Tensor, pos: Optional[torch.Te
     return _NoBackward.apply(out) if out.requires_grad else out
 
 
-class Installed:
+class Installed(Uncopyable):
     """What ``install`` returns: the cache and the per-sequence state of an installed model.
 
     Attributes: ``model``; ``cache`` (``MlaCache`` or ``MlaLatentCache``, batch rows =
     ``config``'s batch size, on the model's device and dtype); ``config`` (``EvictionConfig``);
     ``compress`` (the press's scorer, or None); ``layers`` (the attention modules, layer order)."""
+
+    _copy_refusal = _COPY_REFUSAL
 
     def __init__(self, model: nn.Module, attns: List[nn.Module], cache, config: EvictionConfig,
                  compress: Optional[Any]):
@@ -171,12 +170,6 @@ class Installed:
         return (f"Installed(layers={len(self._last)}, layout={cfg.layout}, budget={cfg.budget}, n_sink={cfg.n_sink}, "
                 f"n_recent={cfg.n_recent}, capacity={cfg.capacity}, press={self.compress is not None}, "
                 f"tier_tokens={cfg.tier_tokens}, installed={self.installed})")
-
-    def __deepcopy__(self, memo):
-        _LayerHook._refuse(None)
-
-    def __reduce_ex__(self, protocol):
-        _LayerHook._refuse(None)
 
     # -- running -----------------------------------------------------------------------------------
     def _require(self) -> None:

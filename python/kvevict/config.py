@@ -27,6 +27,20 @@ SCORERS = {
 }
 
 
+class Uncopyable:
+    """Installed state that deep copies and pickles must not take (it holds a C++ cache): both
+    raise TypeError(``_copy_refusal``), which each installer words for its own handle."""
+
+    _copy_refusal = "kvevict: a model with eviction installed cannot be deep-copied or pickled; remove() it first"
+
+    def _refuse(self, *args):
+        raise TypeError(self._copy_refusal)
+
+    __deepcopy__ = _refuse
+    __reduce__ = _refuse
+    __reduce_ex__ = _refuse
+
+
 def make_scorer(scorer: ScorerLike):
     """A scorer object from a name in ``SCORERS`` (default parameters) or a scorer object.
     Raises ValueError on an unknown name, TypeError on another type."""

@@ -48,7 +48,8 @@ except ImportError as e:  # pragma: no cover - the [hf] extra
     raise ImportError("kvevict.hf needs transformers: pip install 'kvevict[hf]'") from e
 
 from . import _kvevict as _k
-from .config import EvictionConfig, MemoryReport, ScorerLike, chunk_counts, make_scorer, tier_scoring
+from .config import (EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts, make_scorer,
+                     tier_scoring)
 
 __all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "MemoryReport", "install_kv_eviction",
            "reset_eviction_scores", "press"]
@@ -378,16 +379,11 @@ def _project(module: nn.Module, family: str, rope_mod, hidden: torch.Tensor, pos
     return q_nope, q_pe, ckv, kpe.view(B, T, g.qk_rope_dim)
 
 
-class _LayerState(dict):
+class _LayerState(Uncopyable, dict):
     """What install_kv_eviction keeps on an attention module; refuses to be copied or pickled."""
 
-    def _refuse(self, *args):
-        raise TypeError("kvevict: a model with eviction installed cannot be deep-copied or pickled; "
-                        "handle.remove() first (state_dict() and save_pretrained() work while installed)")
-
-    __deepcopy__ = _refuse
-    __reduce__ = _refuse
-    __reduce_ex__ = _refuse
+    _copy_refusal = ("kvevict: a model with eviction installed cannot be deep-copied or pickled; "
+                     "handle.remove() first (state_dict() and save_pretrained() work while installed)")
 
 
 def _installed_forward(module: nn.Module, *args, **kwargs):
