@@ -8,6 +8,7 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/host_tier.hpp>
+#include <kvevict/detail/layer_buffers.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/slot_moves.hpp>
 
@@ -27,15 +28,6 @@
 
 namespace kvevict {
 namespace detail {
-
-/// One per-token buffer of a layout: shape [B, outer..., slots, inner].
-struct BufferSpec {
-  std::string name;                    // argument name, e.g. "k_new"
-  std::vector<int64_t> outer;          // dims between batch and token, e.g. {H}; {} for latent
-  int64_t inner;                       // row width, e.g. 192
-  std::vector<std::string> dim_names;  // for messages, e.g. {"B", "H", "T", "qk_dim"}
-  bool key = false;                    // part of the keys the tier's page digests bound
-};
 
 /// Buffers of every layer over one EvictionPolicy; the base of every cache layout. Live tokens
 /// of row b fill slots [0, size(layer, b)); views are [.., size(layer), ..] wide (the longest
@@ -408,50 +400,6 @@ class CacheBase {
     }, [&](const std::string& why) { fail_allocation(why); });
   }
 
-  /// Checks new rows against the specs (defined, dense, shape, same T, dtype, device); returns T.
-  int64_t check_rows(const std::vector<at::Tensor>& rows) const {
-    if (rows_ok(rows)) return rows[0].size(token_dim(0));  // the common case: no message built
-    int64_t T = -1;
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      const auto& spec = specs_[i];
-      check_tensor(rows[i], spec.name.c_str(), device());
-      std::vector<int64_t> dims{batch_size()};
-      dims.insert(dims.end(), spec.outer.begin(), spec.outer.end());
-      dims.push_back(T);
-      dims.push_back(spec.inner);
-      std::string doc = "[";
-      for (size_t d = 0; d < spec.dim_names.size(); ++d) doc += (d ? ", " : "") + spec.dim_names[d];
-      doc += "]";
-      check_shape(rows[i], spec.name.c_str(), dims, spec.dim_names, doc.c_str());
-      const int64_t t = rows[i].size(token_dim(i));
-      KVEVICT_CHECK(t >= 1, spec.name, " must hold at least one token, got T = 0");
-      if (T < 0) T = t;
-      KVEVICT_CHECK_TYPE(rows[i].scalar_type() == dtype_, spec.name, " must have the cache's dtype ", dtype_,
-                         ", got ", rows[i].scalar_type());
-    }
-    return T;
-  }
-
-  /// What check_rows() checks, without building its messages: true when it would pass.
-  bool rows_ok(const std::vector<at::Tensor>& rows) const {
-    int64_t T = -1;
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      const auto& t = rows[i];
-      const auto& outer = specs_[i].outer;
-      const int64_t tdim = token_dim(i);
-      if (!t.defined() || t.layout() != at::kStrided || t.dim() != tdim + 2 || t.scalar_type() != dtype_ ||
-          t.device() != device()) {
-        return false;
-      }
-      if (t.size(0) != batch_size() || t.size(tdim + 1) != specs_[i].inner) return false;
-      for (size_t o = 0; o < outer.size(); ++o) {
-        if (t.size(static_cast<int64_t>(o) + 1) != outer[o]) return false;
-      }
-      if (T < 0) T = t.size(tdim);
-      if (T < 1 || t.size(tdim) != T) return false;
-    }
-    return true;
-  }
 
   /// Appends the rows of a chunk: row b's tokens are its last counts[b] columns (all T when
   /// `counts` is empty: every active row appends T, free rows 0). Returns views over slots
@@ -459,7 +407,7 @@ class CacheBase {
   std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts) {
     at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     policy_.size(layer);      // checks the layer
-    const int64_t T = check_rows(rows);
+    const int64_t T = check_rows(specs_, rows, batch_size(), dtype_, device());
     const int64_t B = batch_size();
     if (counts.empty()) {
       counts_.resize(B);
@@ -518,7 +466,7 @@ class CacheBase {
     auto& target = grow ? grown_bufs : bufs;
     int64_t width = 0;  // size(layer) after the append
     for (int64_t b = 0; b < B; ++b) width = std::max(width, policy_.size(layer, b) + counts_[b]);
-    const bool same_views = views_match(live_views_[layer], target, width);  // the decode steady state
+    const bool same_views = live_views_[layer].match(specs_, target, width);  // the decode steady state
     LiveViews views;
     std::vector<at::Tensor> out;
     allocating([&] {
@@ -547,34 +495,11 @@ class CacheBase {
     return out;
   }
 
-  /// Views of one layer's buffers, valid while width and buffers stay.
-  struct LiveViews {
-    int64_t width = -1;
-    const c10::TensorImpl* base = nullptr;  // buffers_[layer][0] when the views were made
-    std::vector<at::Tensor> views;
-  };
-
-  /// Whether `views` are the views over slots [0, width) of `bufs`.
-  bool views_match(const LiveViews& views, const std::vector<at::Tensor>& bufs, int64_t width) const {
-    bool valid = views.width == width && views.base == bufs[0].unsafeGetTensorImpl();
-    for (size_t i = 0; valid && i < specs_.size(); ++i) {  // a caller may have resized a view in place
-      const auto& v = views.views[i];
-      valid = v.strides() == bufs[i].strides() && v.storage_offset() == bufs[i].storage_offset() &&
-              v.dim() == bufs[i].dim() && v.size(token_dim(i)) == width;
-    }
-    return valid;
-  }
-
   /// The views over slots [0, width) of `bufs` (the buffers of `layer`, or the ones replacing
   /// them): the cached ones while they still match, else new ones. Allocates; changes nothing.
   LiveViews views_over(int64_t layer, const std::vector<at::Tensor>& bufs, int64_t width) const {
-    if (views_match(live_views_[layer], bufs, width)) return live_views_[layer];
-    LiveViews fresh;
-    fresh.views.reserve(specs_.size());
-    for (size_t i = 0; i < specs_.size(); ++i) fresh.views.push_back(bufs[i].narrow(token_dim(i), 0, width));
-    fresh.width = width;
-    fresh.base = bufs[0].unsafeGetTensorImpl();
-    return fresh;
+    if (live_views_[layer].match(specs_, bufs, width)) return live_views_[layer];
+    return LiveViews::over(specs_, bufs, width);
   }
 
   /// Views over slots [0, size(layer)) of every buffer of `layer` (real views: they share the
@@ -585,7 +510,7 @@ class CacheBase {
   std::vector<at::Tensor> live(int64_t layer) const {
     const int64_t S = size(layer);
     auto& cached = live_views_[layer];
-    if (!views_match(cached, buffers_[layer], S)) cached = views_over(layer, buffers_[layer], S);
+    if (!cached.match(specs_, buffers_[layer], S)) cached = LiveViews::over(specs_, buffers_[layer], S);
     return cached.views;
   }
 
@@ -608,7 +533,7 @@ class CacheBase {
     return out;
   }
 
-  int64_t token_dim(size_t i) const { return static_cast<int64_t>(specs_[i].outer.size()) + 1; }
+  int64_t token_dim(size_t i) const { return specs_[i].token_dim(); }
 
   /// What every layout's recall checks, naming `call` (e.g. "recall"): a tier, the layer, no
   /// open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a two-level
@@ -655,31 +580,14 @@ class CacheBase {
     throw;  // not reached
   }
 
-  /// New buffers of one layer with `slots` slots per row, outside InferenceMode (so they stay
-  /// usable whatever mode later calls run in).
+  /// New buffers of one layer with `slots` slots per row (allocate_buffers()).
   std::vector<at::Tensor> allocate(int64_t slots) const {
-    c10::InferenceMode normal_tensors(false);
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> out;
-    for (const auto& spec : specs_) {
-      std::vector<int64_t> shape{batch_size()};
-      shape.insert(shape.end(), spec.outer.begin(), spec.outer.end());
-      shape.push_back(slots);
-      shape.push_back(spec.inner);
-      out.push_back(at::zeros(shape, at::TensorOptions().dtype(dtype_).device(device())));
-    }
-    return out;
+    return allocate_buffers(specs_, batch_size(), slots, at::TensorOptions().dtype(dtype_).device(device()));
   }
 
   /// "batch_size=B, num_heads=H, <bytes> bytes per slot and row, dtype D on device", for messages.
   std::string sizes_str() const {
-    int64_t bytes = 0;  // per slot and row, every buffer
-    for (const auto& spec : specs_) {
-      int64_t n = spec.inner;
-      for (const auto o : spec.outer) n *= o;
-      bytes += n * static_cast<int64_t>(c10::elementSize(dtype_));
-    }
-    return c10::str("batch_size=", batch_size(), ", num_heads=", num_heads(), ", ", bytes,
+    return c10::str("batch_size=", batch_size(), ", num_heads=", num_heads(), ", ", bytes_per_slot(specs_, dtype_),
                     " bytes per slot and row, dtype ", dtype_, " on ", device());
   }
 
