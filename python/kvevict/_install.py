@@ -365,12 +365,11 @@ def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int
         raise ValueError("kvevict: install: SnapKV scores a prompt once: use kvevict.press(model, ..., window=W) for "
                          "it, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
     config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent,
+                            # under the press the cache's scorer is `compress`, as in kvevict.hf
                             scorer="h2o" if compress is not None else scorer, evict_every=evict_every,
                             layer_budgets=layer_budgets, layout=layout, tier_tokens=tier_tokens,
                             tier_page_size=tier_page_size, recall_tokens=recall_tokens, recall_rescore=recall_rescore,
                             tier_scoring=tier_scoring, prefill_chunk=prefill_chunk, observe=observe)
-    if compress is not None:
-        config.scorer = scorer
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"kvevict: install: batch_size must be an int >= 1, got {batch_size!r}")
     attns = _attention_modules(model)
