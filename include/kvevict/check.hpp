@@ -109,8 +109,11 @@ void allocating(Allocate&& allocate, Fail&& fail) {
 /// Runs the body `f` of the public call `call` (e.g. "update") and returns what it returns; a
 /// host-heap failure that escapes it (std::bad_alloc, std::length_error: a std::vector, a
 /// LibTorch TensorImpl or c10::List) becomes the documented c10::Error, "kvevict: <call>: out
-/// of host memory (<what>)". The body keeps its own all-or-nothing guarantee: this only
-/// renames the failure. c10::Error and everything else pass through unchanged.
+/// of host memory (<what>)". A c10::Error of LibTorch's own from inside the body, after
+/// kvevict's checks (its indexing reports a failed host allocation as a c10::IndexError "shape
+/// mismatch"), becomes a c10::Error "kvevict: <call>: <its message>". The body keeps its own
+/// all-or-nothing guarantee: this only renames the failure. kvevict's own errors, a device's
+/// c10::OutOfMemoryError and everything else pass through unchanged.
 template <class F>
 decltype(auto) host_heap(const char* call, F&& f) {
   try {
@@ -119,6 +122,12 @@ decltype(auto) host_heap(const char* call, F&& f) {
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
   } catch (const std::length_error& e) {
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.rfind("kvevict: ", 0) == 0) throw;
+    KVEVICT_CHECK(false, call, ": ", what);
   }
   throw;  // not reached
 }

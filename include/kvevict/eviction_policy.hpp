@@ -170,7 +170,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// go on. \throws c10::IndexError for a bad row; c10::Error if the row is already free.
   void finish(int64_t row) {
     KVEVICT_CHECK(active(row), "finish: row ", row, " holds no sequence");
-    clear_row(row);
+    detail::host_heap("finish", [&] { clear_row(row, "finish"); });
     core_.active[row] = 0;
   }
 
@@ -178,7 +178,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::IndexError for a bad row; c10::Error if the row is free.
   void reset(int64_t row) {
     KVEVICT_CHECK(active(row), "reset: row ", row, " holds no sequence (add_sequence() starts one)");
-    clear_row(row);
+    detail::host_heap("reset", [&] { clear_row(row, "reset"); });
   }
 
   /// Empties every row of every layer, makes every row active, and gives back the slots grown
@@ -205,9 +205,13 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   ///         nothing changes then, in any layer.
   /// \note Syncs with the host on the tensor path (it reads positions back).
   std::vector<SlotMoves> truncate(int64_t row, int64_t k) {
-    auto t = plan_truncate(row, k);
-    commit_truncate(t);
-    return std::move(t.moves);
+    return detail::host_heap("truncate", [&] {
+      auto t = plan_truncate(row, k);
+      detail::TensorUndo undo;  // the tensor path's writes, put back if one of them throws
+      for (int64_t l = 0; l < num_layers(); ++l) save(undo, l);
+      undo.commit("truncate", [&] { commit_truncate(t); });
+      return std::move(t.moves);
+    });
   }
 
   // -------------------------------------------------------------------------------------------
@@ -294,13 +298,20 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::Error on a bad layer, count or T, or if a row would exceed slots(layer)
   ///         (reserve() first); nothing changes then.
   at::Tensor append(int64_t layer, at::IntArrayRef counts, int64_t T) {
+    return detail::host_heap("append", [&] { return append_checked(layer, counts, T); });
+  }
+
+ private:
+  at::Tensor append_checked(int64_t layer, at::IntArrayRef counts, int64_t T) {
     check_append(layer, counts, T);
     auto& L = at(layer);
     if (!host_) {
       auto map = tensor_path_.slot_map(core_, L, layer, counts.data(), T, -1).clone();  // the counters move on
       const auto pads_on_trash = map.masked_fill(map.lt(0), L.slots - 1);
       prepare_append(layer, counts.data(), T, pads_on_trash);  // every allocation before any write
-      append_prepared(layer, counts.data(), T, pads_on_trash);
+      detail::TensorUndo undo;
+      save_append(undo, layer, pads_on_trash);
+      undo.commit("append", [&] { append_prepared(layer, counts.data(), T, pads_on_trash); });
       return map;
     }
     auto map = at::full({batch_size(), T}, -1, at::TensorOptions().dtype(at::kLong));
@@ -313,6 +324,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     return map;
   }
 
+ public:
   /// Checks an append (see append()) without changing anything; `check_room` false leaves out
   /// the room check (a cache grows its buffers first). \throws c10::Error as append().
   void check_append(int64_t layer, at::IntArrayRef counts, int64_t T, bool check_room = true) const {
@@ -532,14 +544,22 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \note Host path: no allocation but the returned tensors. Tensor path: static shapes in the
   ///       steady state, no host sync.
   SlotMoves evict(int64_t layer) {
+    return detail::host_heap("evict", [&] { return evict_due(layer); });
+  }
+
+ private:
+  SlotMoves evict_due(int64_t layer) {
     if (!due(layer)) return {};
     detail::Pass pass;
     plan(layer, pass);
     auto moves = pass.to_moves(core_.device);  // allocates: before the state changes
-    commit(layer, pass);
+    detail::TensorUndo undo;                    // the tensor path's writes, put back if one throws
+    if (!moves.empty()) save(undo, layer, /*counters=*/false);  // the last write
+    undo.commit("evict", [&] { commit(layer, pass); });
     return moves;
   }
 
+ public:
   /// Gives `layer` `slots` slots per row (growing or shrinking), keeping its tokens; buffers of
   /// the layer must then hold that many. Caches call it as their buffers change, with `what`
   /// naming their public call (e.g. "update") in the messages.
@@ -596,7 +616,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   using Base::append_prepared, Base::at, Base::base_slots_unchecked, Base::begin_observation, Base::check_row,
       Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation, Base::end_observation,
       Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
-      Base::resized, Base::slot_map, Base::swap_in;
+      Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };
 

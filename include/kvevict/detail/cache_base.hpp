@@ -9,6 +9,7 @@
 #include <kvevict/check.hpp>
 #include <kvevict/detail/host_tier.hpp>
 #include <kvevict/detail/layer_buffers.hpp>
+#include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/slot_moves.hpp>
 
@@ -36,8 +37,8 @@ namespace detail {
 /// Failures: every public call allocates first and commits last, so that a throw leaves the
 /// cache as it was (docs/DESIGN.md, rule 9); a host-heap failure (std::bad_alloc) leaves it
 /// as a c10::Error naming the call (host_heap()). On the tensor path a commit is a few
-/// LibTorch in-place writes, which allocate small host objects themselves: a host-heap failure
-/// among them leaves the call partly applied ([alloc_failure] counts them).
+/// LibTorch in-place writes, which allocate small host objects themselves: they run under an
+/// undo log (TensorUndo) that puts back what they wrote if one of them throws.
 ///
 /// CUDA graphs: with observation checks off, a steady-state step (one token per row, observe,
 /// evict) has static shapes and no host sync, so it can be captured and replayed once the
@@ -119,8 +120,7 @@ class CacheBase {
   /// \return tokens evicted, summed over rows (0 if no pass ran).
   /// \throws c10::IndexError for a bad layer; c10::Error naming evict on an allocation failure
   ///         (the device's or the host heap's). A throw leaves the cache as it was, but for
-  ///         the tensor path's commit (see the class comment) and one thing: with lazy_reduction the pending
-  ///         observations were applied first (EvictionPolicy::flush(), a collective under
+  ///         one thing: with lazy_reduction the pending observations were applied first (EvictionPolicy::flush(), a collective under
   ///         tensor parallelism) and stay applied, so that every process stays in step.
   /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
   ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
@@ -178,9 +178,14 @@ class CacheBase {
         settle_tier(layer);    // one hand-over at a time
         handover = hand_over(pass.dst_t, pass.n, policy_.at(layer), bufs);
       }
-      policy_.commit(layer, pass);  // throws before changing anything, or not at all
+      TensorUndo undo;  // what the writes below change, put back if one of them throws
+      if (!moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
+      for (size_t i = 0; i < gathered.size(); ++i) undo.save_slots(bufs[i], token_dim(i), moves.dst, rows);
+      undo.commit(now ? "evict_now" : "evict", [&] {
+        for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
+        policy_.commit(layer, pass);  // its device writes, then the host counters
+      });
       if (handover.held()) tiers_[layer].hold(std::move(handover));
-      for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
     }
     shrink_if_fits(layer);
     return evicted;
@@ -337,19 +342,30 @@ class CacheBase {
     }
     std::vector<int64_t> tier_from(static_cast<size_t>(num_layers()));
     for (int64_t l = 0; l < num_layers(); ++l) tier_from[l] = policy_.seen_tokens(l, row) - k;
-    policy_.commit_truncate(t);  // from here on nothing allocates or throws
-    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) tiers_[l].drop_from(row, tier_from[l]);
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      const auto& m = t.moves[l];
-      for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
-        if (gathered[l][i].defined()) {
-          scatter_moves(m, buffers_[l][i], token_dim(i), gathered[l][i], move_rows_of[l]);
-        } else {
-          apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(), m.size(),
-                           buffers_[l][i], token_dim(i));
+    // The tensor path's writes (the moves, then every layer's state) under an undo log, then
+    // the host counters and the tier, which allocate nothing.
+    TensorUndo undo;
+    for (int64_t l = 0; l < num_layers() && !policy_.host_path(); ++l) {
+      policy_.save(undo, l);
+      if (t.moves[l].empty()) continue;
+      if (!move_rows_of[l].defined()) move_rows_of[l] = move_rows(t.moves[l]);
+      for (size_t i = 0; i < specs_.size(); ++i) undo.save_slots(buffers_[l][i], token_dim(i), t.moves[l].dst, move_rows_of[l]);
+    }
+    undo.commit("truncate", [&] {
+      for (int64_t l = 0; l < num_layers(); ++l) {
+        const auto& m = t.moves[l];
+        for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
+          if (gathered[l][i].defined()) {
+            scatter_moves(m, buffers_[l][i], token_dim(i), gathered[l][i], move_rows_of[l]);
+          } else {
+            apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(),
+                             m.size(), buffers_[l][i], token_dim(i));
+          }
         }
       }
-    }
+      policy_.commit_truncate(t);
+    });
+    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) tiers_[l].drop_from(row, tier_from[l]);
   }
 
   void reserve_slots(int64_t tokens) {
@@ -485,13 +501,35 @@ class CacheBase {
       }
     }
     // The commit: swaps and host counters (the host path allocates nothing here); the tensor
-    // path's state writes are LibTorch in-place ops (see the class comment).
-    if (grow) {
-      buffers_[layer].swap(grown_bufs);
-      policy_.swap_in(policy_.at(layer), layer, grown_state);
+    // path's state writes are LibTorch in-place ops under an undo log (see the class comment):
+    // a grown layer swaps back, else the new slots' positions go back to -1.
+    TensorUndo undo;
+    if (!host) {
+      allocating([&] {
+        if (grow) {
+          auto old = policy_.current(policy_.at(layer), layer);
+          const int64_t open_q = policy_.at(layer).open_q;
+          undo.on_failure([this, layer, old, open_q, &grown_bufs]() mutable {
+            buffers_[layer].swap(grown_bufs);
+            policy_.swap_in(policy_.at(layer), layer, old);
+            policy_.at(layer).open_q = open_q;
+          });
+        } else {
+          policy_.save_append(undo, layer, map);
+        }
+      }, [&](const std::string& why) {
+        KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
+                      sizes_str(), "): ", why);
+      });
     }
+    undo.commit("update", [&] {
+      if (grow) {
+        buffers_[layer].swap(grown_bufs);
+        policy_.swap_in(policy_.at(layer), layer, grown_state);
+      }
+      policy_.append_prepared(layer, counts_.data(), T, map);
+    });
     if (!same_views) live_views_[layer] = std::move(views);
-    policy_.append_prepared(layer, counts_.data(), T, map);
     return out;
   }
 

@@ -222,8 +222,9 @@ class LayerTier {
   /// are scored on the device (DeviceDigests: upload() then score(), no sync); the scores and
   /// L's positions and states then come to the host together (one wait) for the plan; a
   /// two-level pool is scored on the host with a host copy of the queries. swap_on_device()
-  /// gathers the victims' rows, positions and states to the host (one wait), swaps them there,
-  /// and writes them back in place without a wait.
+  /// gathers the victims' rows, positions and states to the host (one wait), writes the tier
+  /// tokens into their slots in place without a wait (under an undo log), then stores the
+  /// victims in the tier.
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
                  const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
@@ -332,10 +333,7 @@ class LayerTier {
           swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(), rank);
       }
     } else {
-      // Everything allocates before the first swap (a failure there changes nothing).
-      allocating([&] { swap_on_device(*this, picked, victims, top, L, buffers, rank); }, [&](const std::string& why) {
-        KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, " on ", core.device, ": ", why);
-      });
+      swap_on_device(*this, picked, victims, top, L, buffers, layer, rank);  // all or nothing
     }
     recalled_ += recalled;
     return recalled;
@@ -406,32 +404,46 @@ class LayerTier {
   void swap(int64_t b, const std::vector<int64_t>& tokens, const std::vector<int64_t>& victims,
             const std::vector<at::Tensor>& buffers, int64_t slots, int64_t* position, float* state,
             const float* top_state, Rank&& rank) {
-    auto& r = row(b);
-    auto& dg = digests_[static_cast<size_t>(b)];
     for (size_t k = 0; k < tokens.size(); ++k) {
       const int64_t i = tokens[k], s = victims[k];
-      dg.erase(i, r.position[i]);
-      for (size_t j = 0; j < row_bytes_.size(); ++j) {
-        const int64_t piece = row_bytes_[j] / groups_[j];
-        auto* base = static_cast<uint8_t*>(buffers[j].data_ptr());
-        uint8_t* t = r.bytes[j].data() + i * row_bytes_[j];
-        for (int64_t g = 0; g < groups_[j]; ++g) {
-          uint8_t* c = base + ((b * groups_[j] + g) * slots + s) * piece;
-          std::memcpy(swap_.data(), c, static_cast<size_t>(piece));
-          std::memcpy(c, t + g * piece, static_cast<size_t>(piece));
-          std::memcpy(t + g * piece, swap_.data(), static_cast<size_t>(piece));
-        }
-      }
-      std::swap(position[b * slots + s], r.position[i]);
+      for_each_piece(b, i, buffers, slots, s, [&](uint8_t* t, uint8_t* c, size_t piece) {
+        std::memcpy(swap_.data(), c, piece);
+        std::memcpy(c, t, piece);
+        std::memcpy(t, swap_.data(), piece);
+      });
       float* cs = state + (b * slots + s) * W_;
-      float* ts = r.state.data() + i * W_;
-      std::copy(cs, cs + W_, ts);
+      const int64_t recalled = row(b).position[i];
+      replace(b, i, position[b * slots + s], cs, rank);
+      position[b * slots + s] = recalled;
       std::copy(top_state, top_state + W_, cs);
-      r.rank[i] = rank(ts);
-      key_of(b, i, key_.data());
-      dg.insert(i, r.position[i], key_.data());
     }
-    dg.refresh([&](int64_t t, float* out) { key_of(b, t, out); });
+    refresh(b);
+  }
+
+  /// swap() in two halves, for a cache whose rows live on a device (the tensor path), so that
+  /// the device's writes come between them: fetch() copies row b's tier tokens `tokens[k]`
+  /// into column k of host copies (`buffers` [B, outer..., slots, inner], contiguous, and
+  /// `position` [B, slots]) and changes nothing; store() then takes the victims from column k
+  /// of the host copies `buffers`, `position` and `state` [B, slots, W] in their place (as
+  /// swap() does: their rank rank(state), the digests follow). store() allocates nothing after
+  /// reserve_recall() and does not throw.
+  void fetch(int64_t b, const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& buffers, int64_t slots,
+             int64_t* position) {
+    for (size_t k = 0; k < tokens.size(); ++k) {
+      const auto s = static_cast<int64_t>(k);
+      for_each_piece(b, tokens[k], buffers, slots, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(c, t, piece); });
+      position[b * slots + s] = row(b).position[tokens[k]];
+    }
+  }
+  template <class Rank>
+  void store(int64_t b, const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& buffers, int64_t slots,
+             const int64_t* position, const float* state, Rank&& rank) {
+    for (size_t k = 0; k < tokens.size(); ++k) {
+      const auto s = static_cast<int64_t>(k);
+      for_each_piece(b, tokens[k], buffers, slots, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(t, c, piece); });
+      replace(b, tokens[k], position[b * slots + s], state + (b * slots + s) * W_, rank);
+    }
+    refresh(b);
   }
 
   /// What swap() of row b needs, with victims up to `max_position`. Changes nothing.
@@ -600,6 +612,40 @@ class LayerTier {
   }
 
  private:
+  /// Calls f(tier, cache, bytes) for each piece (a buffer's row of one key group) of row b's
+  /// tier token i and of slot s of `buffers` [B, outer..., slots, inner] (contiguous).
+  template <class F>
+  void for_each_piece(int64_t b, int64_t i, const std::vector<at::Tensor>& buffers, int64_t slots, int64_t s, F&& f) {
+    auto& r = row(b);
+    for (size_t j = 0; j < row_bytes_.size(); ++j) {
+      const int64_t piece = row_bytes_[j] / groups_[j];
+      auto* base = static_cast<uint8_t*>(buffers[j].data_ptr());
+      uint8_t* t = r.bytes[j].data() + i * row_bytes_[j];
+      for (int64_t g = 0; g < groups_[j]; ++g) {
+        f(t + g * piece, base + ((b * groups_[j] + g) * slots + s) * piece, static_cast<size_t>(piece));
+      }
+    }
+  }
+
+  /// Row b's tier token i, whose rows were just replaced, becomes the token at `position`
+  /// with scorer state `state` (rank(state) its rank); its digest follows (refresh() after the
+  /// last). Allocates nothing after reserve_recall().
+  template <class Rank>
+  void replace(int64_t b, int64_t i, int64_t position, const float* state, Rank&& rank) {
+    auto& r = row(b);
+    auto& dg = digests_[static_cast<size_t>(b)];
+    dg.erase(i, r.position[i]);
+    r.position[i] = position;
+    float* ts = r.state.data() + i * W_;
+    std::copy(state, state + W_, ts);
+    r.rank[i] = rank(ts);
+    key_of(b, i, key_.data());
+    dg.insert(i, position, key_.data());
+  }
+  void refresh(int64_t b) {
+    digests_[static_cast<size_t>(b)].refresh([&](int64_t t, float* out) { key_of(b, t, out); });
+  }
+
   /// Adds the tokens in slots evicted_[b] of every row b (rows in `buffers` [B, outer...,
   /// slots, inner], contiguous; positions `position` [B, slots], states `state` [B, slots, W],
   /// all on the CPU), then drops what is over the budget. Every allocation first.

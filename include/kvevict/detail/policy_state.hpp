@@ -126,22 +126,35 @@ class PolicyState {
     return t;
   }
 
-  /// truncate(), second half: applies a plan_truncate() to every layer. Allocates nothing and
-  /// does not throw.
+  /// truncate(), second half: applies a plan_truncate() to every layer. Allocates nothing on
+  /// the host path; on the tensor path its device writes (every layer's) come before any host
+  /// counter changes, under the caller's undo log (save() of every layer).
   void commit_truncate(Truncation& t) {
+    for (size_t l = 0; l < layers_.size() && !host_; ++l) {
+      const auto layer = static_cast<int64_t>(l);
+      tensor_path_.commit(core_, layers_[l], layer, t.passes[l], t.writes[l]);
+      tensor_path_.rewind(core_, layers_[l], layer, t.row, t.k_device);
+    }
     for (size_t l = 0; l < layers_.size(); ++l) {
       auto& L = layers_[l];
-      const auto layer = static_cast<int64_t>(l);
       L.open_q = 0;  // slots move: an observation in pieces no longer matches them
-      if (host_) {
-        host_path_.commit(core_, L, layer, t.passes[l]);
-      } else {
-        tensor_path_.commit(core_, L, layer, t.passes[l], t.writes[l]);
-        tensor_path_.rewind(core_, L, layer, t.row, t.k_device);
-      }
+      if (host_) host_path_.commit(core_, L, static_cast<int64_t>(l), t.passes[l]);
       for (int64_t b = 0; b < rows(); ++b) L.len[b] = t.passes[l].new_len[b];
       L.seen[t.row] -= t.k;
     }
+  }
+
+  /// Tensor path: copies into `undo` what a commit on `layer` may write (its device state:
+  /// positions, scorer states, pending sums and, unless `counters` is false, the counters),
+  /// so that a throw among the writes can be undone (detail::TensorUndo). A pass's last write
+  /// is the counters' (commit()): when nothing comes after it, they need no copy. Nothing on
+  /// the host path, whose commits do not throw.
+  void save(TensorUndo& undo, int64_t layer, bool counters = true) const {
+    if (!host_) tensor_path_.save(undo, at(layer), layer, counters);
+  }
+  /// Tensor path: what undoes append_prepared() of `map` on `layer` (TensorPath::save_append).
+  void save_append(TensorUndo& undo, int64_t layer, const at::Tensor& map) {
+    if (!host_) tensor_path_.save_append(undo, core_, at(layer), map);
   }
 
   /// Plans a pass on `layer` into `pass` (the caller checked due()), reusing its vectors' room;
@@ -160,8 +173,9 @@ class PolicyState {
     on_path([&](auto& p) { p.plan(core_, L, layer, pass); });
   }
 
-  /// Applies a planned pass to the state of `layer`. \throws only on an allocation failure of
-  /// the tensor path, before anything changed.
+  /// Applies a planned pass to the state of `layer`. \throws only on a host-heap failure among
+  /// the tensor path's writes (the caller's undo log, save(), puts them back); the host
+  /// counters change after them.
   void commit(int64_t layer, Pass& pass) {
     auto& L = at(layer);
     commit_state(L, layer, pass);
@@ -175,16 +189,15 @@ class PolicyState {
   }
 
   /// Moves the state rows of a pass, marks the freed tail dead and sets the new lengths.
-  /// \throws only on an allocation failure of the tensor path, before anything changed.
+  /// \throws as commit(), before any host counter changed.
   void commit_state(LayerState& L, int64_t layer, Pass& pass) {
     if (host_) {
-      L.open_q = 0;  // slots move: an observation in pieces no longer matches them
       host_path_.commit(core_, L, layer, pass);
     } else {
       auto w = tensor_path_.prepare_commit(core_, L, layer, pass);  // every allocation first
-      L.open_q = 0;
       tensor_path_.commit(core_, L, layer, pass, w);
     }
+    L.open_q = 0;  // slots moved: an observation in pieces no longer matches them
     for (int64_t b = 0; b < rows(); ++b) L.len[b] = pass.new_len[b];
   }
 
@@ -306,6 +319,19 @@ class PolicyState {
     });
   }
 
+  /// L's own state and scratch as a Grown (handles, no device copy; allocates host vectors):
+  /// swap_in() of it undoes a swap_in() of a resized() one.
+  Grown current(const LayerState& L, int64_t layer) const {
+    Grown N;
+    N.state = L;
+    if (host_) {
+      N.host = host_path_.resized(core_, layer, L.slots);
+    } else {
+      N.tensor = tensor_path_.resized(core_, layer, L.slots);
+    }
+    return N;
+  }
+
   /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
   void swap_in(LayerState& L, int64_t layer, Grown& N) noexcept {
     L.slots = N.state.slots;
@@ -399,11 +425,17 @@ class PolicyState {
   const LayerState& at(int64_t layer) const { return const_cast<PolicyState*>(this)->at(layer); }
 
   /// Empties `row` in every layer (positions -1, lengths and seen 0). No allocation on the host
-  /// path; on the tensor path a fill per layer.
-  void clear_row(int64_t row) {
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      auto& L = layers_[l];
-      on_path([&](auto& p) { p.clear_row(core_, L, static_cast<int64_t>(l), row); });
+  /// path; on the tensor path fills per layer, under an undo log (a throw among them, named
+  /// `call`, changes nothing), then the host counters.
+  void clear_row(int64_t row, const char* call) {
+    TensorUndo undo;
+    for (size_t l = 0; l < layers_.size() && !host_; ++l) tensor_path_.save_row(undo, layers_[l], static_cast<int64_t>(l), row);
+    undo.commit(call, [&] {
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        on_path([&](auto& p) { p.clear_row(core_, layers_[l], static_cast<int64_t>(l), row); });
+      }
+    });
+    for (auto& L : layers_) {
       L.len[row] = L.seen[row] = L.last_new[row] = L.appends[row] = 0;
       L.open_q = 0;
     }

@@ -18,6 +18,7 @@
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/slot_plan.hpp>
+#include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/selection.hpp>
 #include <kvevict/slot_moves.hpp>
 
@@ -113,6 +114,32 @@ class TensorPath {
   /// Takes `D` (from resized()) as the scratch of `layer`, which size_layers() made room for.
   /// Allocates nothing, does not throw.
   void swap_in(int64_t layer, Scratch& D) noexcept { std::swap(scratch_[static_cast<size_t>(layer)], D); }
+
+  /// What a pass or a truncate may write on `layer` (L's positions, states and pending sums;
+  /// the counters too unless `counters` is false: a pass's last write), copied into `undo`
+  /// (allocates).
+  void save(TensorUndo& undo, const LayerState& L, int64_t layer, bool counters) const {
+    undo.save(L.position);
+    undo.save(L.state);
+    undo.save(L.pending);
+    if (counters) undo.save(scratch_[layer].counters);
+  }
+
+  /// What clear_row() writes, copied into `undo` (allocates).
+  void save_row(TensorUndo& undo, const LayerState& L, int64_t layer, int64_t row) const {
+    undo.save(L.position.select(0, row));
+    undo.save(scratch_[layer].counters.select(0, row));
+    if (L.pending.defined()) undo.save(L.pending.select(0, row));
+  }
+
+  /// What undoes append() of a prepared `map` on L: its slots were dead (position -1) and go
+  /// back to -1; the states written there are not read while dead; the counters' step is
+  /// append()'s last write, so it never needs undoing. Allocates a step, no tensor.
+  void save_append(TensorUndo& undo, const Core& c, const LayerState& L, const at::Tensor& map) {
+    auto position = L.position;
+    const auto& r = rows_index(c);
+    undo.on_failure([position, r, map]() mutable { position.index_put_({r, map}, -1); });
+  }
 
   void clear_row(const Core& c, LayerState& L, int64_t layer, int64_t row) {
     L.position.select(0, row).fill_(-1);

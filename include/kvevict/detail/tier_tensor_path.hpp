@@ -10,6 +10,7 @@
 #include <kvevict/detail/layer_state.hpp>
 #include <kvevict/detail/page_digests.hpp>
 #include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier_scoring.hpp>
 
 #include <ATen/ATen.h>
@@ -240,52 +241,80 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
 
 /// LayerTier::recall() on the tensor path: gathers every row's victims (`victims[b]`, padded with the
 /// trash slot to the longest row's count V) from `buffers` [B, outer..., slots, inner], L's
-/// positions and states into [.., V, ..] device tensors, swaps host copies of them with the
-/// tier tokens `picked[b]` (tier.swap(), victim k of row b in column k), and writes them back
-/// into the same slots: the device tensors (allocated before the first swap) take the
-/// swapped copies, then scatter in place. On CUDA the copies go through pinned memory: one host
-/// wait, for the victims to arrive; the index goes up and the swapped rows go back without one.
+/// positions and states into [.., V, ..] device tensors and copies them to the host; fetches
+/// the tier tokens `picked[b]` into host copies of the same shape (tier.fetch(), token k of
+/// row b in column k; recalled tokens get the state `top[b]`) and sends them up; then writes
+/// them into the victims' slots (in place, under an undo log whose copies are the victims'
+/// gathered rows: a throw among the writes puts those back) and, last, stores the victims in
+/// the tier (tier.store(), which does not throw). On CUDA the copies go through pinned memory:
+/// one host wait, for the victims to arrive; the tokens go up without one.
+/// \throws c10::Error naming recall and `layer` on an allocation failure (before any write) or
+/// a failed write (undone); the cache and the tier are unchanged then.
 template <class Tier, class Rank>
 void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked, const std::vector<std::vector<int64_t>>& victims,
                     const std::vector<std::vector<float>>& top, LayerState& L, const std::vector<at::Tensor>& buffers,
-                    Rank&& rank) {
+                    int64_t layer, Rank&& rank) {
   const auto B = static_cast<int64_t>(picked.size()), W = L.state.size(2);
   int64_t V = 0;
   for (const auto& p : picked) V = std::max(V, static_cast<int64_t>(p.size()));
-  std::vector<int64_t> idx(static_cast<size_t>(B * V), L.slots - 1);  // the trash slot: no token
-  for (int64_t b = 0; b < B; ++b) std::copy(victims[b].begin(), victims[b].end(), idx.begin() + b * V);
   const auto device = L.position.device();
-  const auto ix = to_device_async(at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}), device);
-  const auto ix_state = ix.unsqueeze(2).expand({B, V, W});
-  std::vector<at::Tensor> index, dev, rows;  // per buffer: its index, the victims' rows there and here
-  for (const auto& buf : buffers) {
-    index.push_back(token_index(ix, buf));
-    dev.push_back(buf.gather(buf.dim() - 2, index.back()));
-    rows.push_back(to_host_async(dev.back()));
-  }
-  auto pos_dev = L.position.gather(1, ix), state_dev = L.state.gather(1, ix_state);
-  auto pos = to_host_async(pos_dev), state = to_host_async(state_dev);
-  DeviceWait arrived;
-  arrived.record(device);
-  arrived.wait();
-  std::vector<std::vector<int64_t>> columns(static_cast<size_t>(B));  // victim k of row b: column k
-  for (int64_t b = 0; b < B; ++b) {
-    columns[b].resize(picked[b].size());
-    std::iota(columns[b].begin(), columns[b].end(), int64_t{0});
-  }
+  std::vector<at::Tensor> index, out_dev, out, in, in_dev;  // per buffer: its index; the victims' rows, the tokens' rows
+  at::Tensor ix, ix_state, pos_dev, state_dev, pos, state, in_pos_dev, in_state_dev;
+  TensorUndo undo;
+  allocating([&] {
+    std::vector<int64_t> idx(static_cast<size_t>(B * V), L.slots - 1);  // the trash slot: no token
+    for (int64_t b = 0; b < B; ++b) std::copy(victims[b].begin(), victims[b].end(), idx.begin() + b * V);
+    ix = to_device_async(at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}), device);
+    ix_state = ix.unsqueeze(2).expand({B, V, W});
+    for (const auto& buf : buffers) {
+      index.push_back(token_index(ix, buf));
+      out_dev.push_back(buf.gather(buf.dim() - 2, index.back()));
+      out.push_back(to_host_async(out_dev.back()));
+    }
+    pos_dev = L.position.gather(1, ix);
+    state_dev = L.state.gather(1, ix_state);
+    pos = to_host_async(pos_dev);
+    state = to_host_async(state_dev);
+    DeviceWait arrived;
+    arrived.record(device);
+    arrived.wait();
+    // The tokens coming back: the victims' copies (the trash slot's own rows in padding
+    // columns), their columns replaced by the tier's rows, positions and the best state.
+    const auto host_copy = [&](const at::Tensor& t) {  // pinned like t: the upload needs no other copy
+      return at::empty(t.sizes(), t.options().pinned_memory(!device.is_cpu())).copy_(t);
+    };
+    for (const auto& o : out) in.push_back(host_copy(o));
+    auto in_pos = host_copy(pos), in_state = host_copy(state);
+    for (int64_t b = 0; b < B; ++b) {
+      tier.fetch(b, picked[b], in, V, in_pos.template data_ptr<int64_t>());
+      float* st = in_state.template data_ptr<float>() + b * V * W;
+      for (size_t k = 0; k < picked[b].size(); ++k) std::copy(top[b].begin(), top[b].end(), st + k * W);
+    }
+    for (const auto& t : in) in_dev.push_back(to_device_async(t, device));
+    in_pos_dev = to_device_async(in_pos, device);
+    in_state_dev = to_device_async(in_state, device);
+    // The undo: the victims' rows, positions and states, gathered above, back into their slots.
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const auto buf = buffers[i], where = index[i], was = out_dev[i];
+      undo.on_failure([buf, where, was] { buf.scatter_(buf.dim() - 2, where, was); });
+    }
+    const auto position = L.position, st = L.state;
+    undo.on_failure([position, st, ix, ix_state, pos_dev, state_dev] {
+      position.scatter_(1, ix, pos_dev);
+      st.scatter_(1, ix_state, state_dev);
+    });
+  }, [&](const std::string& why) {
+    KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, " on ", device, ": ", why);
+  });
+  undo.commit("recall", [&] {
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].scatter_(buffers[i].dim() - 2, index[i], in_dev[i]);
+    L.position.scatter_(1, ix, in_pos_dev);
+    L.state.scatter_(1, ix_state, in_state_dev);
+  });
   for (int64_t b = 0; b < B; ++b) {
     if (!picked[b].empty())
-      tier.swap(b, picked[b], columns[b], rows, V, pos.template data_ptr<int64_t>(), state.template data_ptr<float>(),
-           top[b].data(), rank);
+      tier.store(b, picked[b], out, V, pos.template data_ptr<int64_t>(), state.template data_ptr<float>(), rank);
   }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    dev[i].copy_(rows[i], /*non_blocking=*/true);  // from pinned memory on CUDA: no wait
-    buffers[i].scatter_(buffers[i].dim() - 2, index[i], dev[i]);
-  }
-  pos_dev.copy_(pos, /*non_blocking=*/true);
-  state_dev.copy_(state, /*non_blocking=*/true);
-  L.position.scatter_(1, ix, pos_dev);
-  L.state.scatter_(1, ix_state, state_dev);
 }
 
 /// What LayerTier::recall() plans from on the tensor path, on the host: the page scores
