@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 /// Throws c10::Error("kvevict: " + message) when `cond` is false.
@@ -109,11 +110,11 @@ void allocating(Allocate&& allocate, Fail&& fail) {
 /// Runs the body `f` of the public call `call` (e.g. "update") and returns what it returns; a
 /// host-heap failure that escapes it (std::bad_alloc, std::length_error: a std::vector, a
 /// LibTorch TensorImpl or c10::List) becomes the documented c10::Error, "kvevict: <call>: out
-/// of host memory (<what>)". A c10::Error of LibTorch's own from inside the body, after
-/// kvevict's checks (its indexing reports a failed host allocation as a c10::IndexError "shape
-/// mismatch"), becomes a c10::Error "kvevict: <call>: <its message>". The body keeps its own
-/// all-or-nothing guarantee: this only renames the failure. kvevict's own errors, a device's
-/// c10::OutOfMemoryError and everything else pass through unchanged.
+/// of host memory (<what>)". A plain c10::Error or c10::IndexError of LibTorch's own from
+/// inside the body, after kvevict's checks (its indexing reports a failed host allocation as
+/// an IndexError "shape mismatch"), becomes a c10::Error "kvevict: <call>: <its message>". The
+/// body keeps its own all-or-nothing guarantee: this only renames the failure. kvevict's own
+/// errors, LibTorch's other typed errors and everything else pass through unchanged.
 template <class F>
 decltype(auto) host_heap(const char* call, F&& f) {
   try {
@@ -122,9 +123,11 @@ decltype(auto) host_heap(const char* call, F&& f) {
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
   } catch (const std::length_error& e) {
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
-  } catch (const c10::OutOfMemoryError&) {
-    throw;
   } catch (const c10::Error& e) {
+    // Only the two types that LibTorch's kernels raise for a failed host allocation inside them;
+    // typed errors a caller may catch by type (a device's OutOfMemoryError, a collective's
+    // DistError, ValueError, ...) keep their type and message.
+    if (typeid(e) != typeid(c10::Error) && typeid(e) != typeid(c10::IndexError)) throw;
     const std::string what = e.what_without_backtrace();
     if (what.rfind("kvevict: ", 0) == 0) throw;
     KVEVICT_CHECK(false, call, ": ", what);
