@@ -427,6 +427,7 @@ TEST_CASE("compress_prompt with a free row: the active rows as alone, the free r
       CHECK(at::equal(keep[0], keep_alone[0]));
       CHECK(kept_positions(batch, 0, 0) == kept_positions(alone, 0, 0));
       CHECK(kept_positions(batch, 0, 0) == to_vec<int64_t>(keep[0]));
+      CHECK(to_vec<int64_t>(keep[1]) == std::vector<int64_t>(6, -1));  // the free row receives nothing
       CHECK(batch.seen_tokens(0, 0) == T);
       CHECK(batch.size(0, 1) == 0);
       CHECK(batch.seen_tokens(0, 1) == 0);

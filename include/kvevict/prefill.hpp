@@ -139,6 +139,19 @@ void check_prompt_rows(const Cache& cache, const char* what) {
                 "reset()); the cache is unchanged");
 }
 
+/// What compress_prompt() returns: `keep` [B, n] with -1 in the rows of free sequences
+/// (finish()), which receive nothing (as positions() marks dead slots). Allocates only when a
+/// row is free; changes nothing.
+template <class Cache>
+at::Tensor kept_or_free(const Cache& cache, const at::Tensor& keep) {
+  std::vector<uint8_t> free(static_cast<size_t>(cache.batch_size()));
+  bool any = false;
+  for (int64_t b = 0; b < cache.batch_size(); ++b) any = (free[b] = !cache.active(b)) || any;
+  if (!any) return keep;
+  const auto rows = at::tensor(at::ArrayRef<uint8_t>(free)).to(at::kBool).view({cache.batch_size(), 1});
+  return keep.masked_fill(rows.to(keep.device()), -1);
+}
+
 /// compress_prompt()'s steps on the cache (a friend of CacheBase), all or nothing: `a`, `b` the
 /// prompt's two buffers (k, v or ckv, kpe) with tokens along `dim`, `scores` [B, T] its ranks,
 /// `keep` [B, n] the kept positions. Without a tier the n kept rows are appended, ranked, and
@@ -267,7 +280,8 @@ at::Tensor prompt_scores_absorbed(const at::Tensor& q_absorbed, const at::Tensor
 /// \param q, k  [B, H, T, qk_dim], v [B, H, T, v_dim]: the prompt, cache dtype and device.
 /// \param lse   [B, H, T] LSE of the prefill kernel (see prompt_scores()).
 /// \param scale default 1/sqrt(qk_dim), as attend().
-/// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)).
+/// \return [B, n] int64 prompt positions kept, ascending, n = min(T, capacity(layer)); -1 in
+///         the rows of free sequences (finish()), which stay empty.
 /// \throws c10::Error if the layer already holds tokens, every row of the cache is free, k does
 ///         not match the cache, the prompt holds 0 tokens, v does not match k, the scores are
 ///         not finite, or as prompt_scores() / update() / evict(), and on an allocation failure
@@ -289,8 +303,9 @@ at::Tensor compress_prompt(BasicMlaCache<Policy>& cache, int64_t layer, const at
     const auto scores = prompt_scores(q, k, lse, s, cache.policy().scorer(), opts);
     detail::check_prompt_scores(scores, "compress_prompt");  // before the cache changes
     const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
+    auto out = detail::kept_or_free(cache, keep);  // before the cache changes
     detail::PromptPress<BasicMlaCache<Policy>>::run(cache, layer, k, v, 2, scores, keep);
-    return keep;
+    return out;
   });
 }
 
@@ -315,8 +330,9 @@ at::Tensor compress_prompt_absorbed(BasicMlaLatentCache<Policy>& cache, int64_t 
     const auto scores = prompt_scores_absorbed(q_absorbed, q_pe, ckv, kpe, lse, s, cache.policy().scorer(), opts);
     detail::check_prompt_scores(scores, "compress_prompt_absorbed");  // before the cache changes
     const auto keep = Selection(cache.policy().eviction(layer)).keep_indices(scores);
+    auto out = detail::kept_or_free(cache, keep);  // before the cache changes
     detail::PromptPress<BasicMlaLatentCache<Policy>>::run(cache, layer, ckv, kpe, 1, scores, keep);
-    return keep;
+    return out;
   });
 }
 

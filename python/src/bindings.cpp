@@ -1111,7 +1111,8 @@ void def_attention(py::module_& m) {
       "Selection.keep_indices() with the layer's capacity; the kept keys and values are appended with their prompt "
       "rank. The layer is then what appending the whole prompt and one eviction pass would leave: positions() are "
       "the kept tokens' prompt positions, seen_tokens(layer) is T, stats().tokens_evicted counts the T - n dropped "
-      "tokens of each row. Returns [B, n] int64 prompt positions kept. Raises if the layer holds tokens, every row "
+      "tokens of each row. Returns [B, n] int64 prompt positions kept (-1 in the rows of free sequences, which stay "
+      "empty). Raises if the layer holds tokens, every row "
       "is free (finish()ed: add_sequence() first), on bad shapes or non-finite scores; the cache is unchanged then "
       "(all or nothing).");
   m.def(
