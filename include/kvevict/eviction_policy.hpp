@@ -4,16 +4,16 @@
 // storage (slot_moves.hpp). MlaCache and MlaLatentCache own DeepSeek-V3-layout buffers over one.
 //
 // This file is the facade: it validates every call and hands it to its private base,
-// detail/policy_state.hpp (the layers, growth, plan and commit), which makes one call per
-// step into a path: detail/host_path.hpp (CPU loops) or detail/tensor_path.hpp (ATen
+// detail/policy/policy_state.hpp (the layers, growth, plan and commit), which makes one call per
+// step into a path: detail/policy/host_path.hpp (CPU loops) or detail/policy/tensor_path.hpp (ATen
 // ops: CUDA, and CPU in tests), which have the same steps in the same order. The state they
-// share is detail/layer_state.hpp; the exact reduction detail/reduction.hpp; the plan of a pass
-// detail/slot_plan.hpp; the selection rules selection.hpp.
+// share is detail/policy/layer_state.hpp; the exact reduction detail/reduction.hpp; the plan of a pass
+// detail/policy/slot_plan.hpp; the selection rules selection.hpp.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
-#include <kvevict/detail/policy_state.hpp>
-#include <kvevict/detail/slot_plan.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/policy/policy_state.hpp>
+#include <kvevict/detail/policy/slot_plan.hpp>
 #include <kvevict/options.hpp>
 #include <kvevict/scorers.hpp>
 #include <kvevict/selection.hpp>

@@ -2,7 +2,7 @@
 // Memory model: bytes a KV cache holds, for any MLA config, in either layout.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/page_digests.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
 
 #include <algorithm>
 #include <cstdint>

@@ -1,7 +1,7 @@
 #pragma once
 // MlaCache: the expanded DeepSeek-V3 layout (per-head keys and values), held at a fixed size.
 
-#include <kvevict/detail/cache_base.hpp>
+#include <kvevict/cache_base.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/options.hpp>
 

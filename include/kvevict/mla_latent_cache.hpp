@@ -2,7 +2,7 @@
 // MlaLatentCache: the compressed MLA layout (ckv + kpe per token, shared by all heads), the
 // layout production MLA engines store, held at a fixed size by the same eviction contract.
 
-#include <kvevict/detail/cache_base.hpp>
+#include <kvevict/cache_base.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/options.hpp>
 

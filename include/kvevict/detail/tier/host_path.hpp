@@ -1,15 +1,15 @@
 #pragma once
 // The host tier's page scoring on the host path (LayerTier::recall() on the CPU), beside
-// score_on_device() in tier_tensor_path.hpp: per head, or by the heads' mean logit
+// score_on_device() in tier/tensor_path.hpp: per head, or by the heads' mean logit
 // (TierScoring::kHeadMean), reduced across processes like observations. Also two-level
 // recall's pool scoring, per head or by the heads' mean, which both paths run on the host.
-// The steps both paths share (the reduction, the heads' mean, their order) are tier_scoring.hpp.
+// The steps both paths share (the reduction, the heads' mean, their order) are tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
-#include <kvevict/detail/page_digests.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
-#include <kvevict/detail/tier_scoring.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/scoring.hpp>
 
 #include <ATen/ATen.h>
 

@@ -9,12 +9,12 @@
 // (pinned) host memory asynchronously, and the tier takes them at its next use (settle()).
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
-#include <kvevict/detail/page_digests.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
 
-#include <kvevict/detail/tier_host_path.hpp>
-#include <kvevict/detail/tier_scoring.hpp>
-#include <kvevict/detail/tier_tensor_path.hpp>
+#include <kvevict/detail/tier/host_path.hpp>
+#include <kvevict/detail/tier/scoring.hpp>
+#include <kvevict/detail/tier/tensor_path.hpp>
 
 #include <ATen/ATen.h>
 

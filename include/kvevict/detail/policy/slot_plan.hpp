@@ -2,7 +2,7 @@
 // The plan of one pass (or a rollback) as slot moves, before anything changes: what the
 // caches and EvictionPolicy::evict() apply to every buffer of a layer, then commit.
 
-#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>

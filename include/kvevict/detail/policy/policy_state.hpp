@@ -6,11 +6,11 @@
 // (tensor_path.hpp). Nothing here validates user input: the facade has done that.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/host_path.hpp>
-#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/policy/host_path.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/policy/slot_plan.hpp>
+#include <kvevict/detail/policy/tensor_path.hpp>
 #include <kvevict/detail/reduction.hpp>
-#include <kvevict/detail/slot_plan.hpp>
-#include <kvevict/detail/tensor_path.hpp>
 #include <kvevict/options.hpp>
 #include <kvevict/slot_moves.hpp>
 

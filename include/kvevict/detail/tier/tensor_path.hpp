@@ -3,15 +3,15 @@
 // host without a sync (gathered on the device, copied to pinned host memory asynchronously,
 // taken into the tier at its next use: LayerTier::settle()), how recall scores the pages on the
 // device (DeviceDigests, score_on_device()), and how it swaps tokens with slots that live on the
-// device. The host tier itself is host_tier.hpp; the host path's scoring, tier_host_path.hpp;
-// the scoring steps both paths share, tier_scoring.hpp.
+// device. The host tier itself is tier/tier.hpp; the host path's scoring, tier/host_path.hpp;
+// the scoring steps both paths share, tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
-#include <kvevict/detail/page_digests.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
-#include <kvevict/detail/tier_scoring.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/scoring.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>

@@ -5,9 +5,9 @@
 // (docs/DESIGN.md, contract rule 5).
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/policy/slot_plan.hpp>
 #include <kvevict/detail/reduction.hpp>
-#include <kvevict/detail/slot_plan.hpp>
 #include <kvevict/selection.hpp>
 #include <kvevict/slot_moves.hpp>
 

@@ -1,11 +1,11 @@
 #pragma once
-// The host tier's page scoring that both paths share (score_on_host() in tier_host_path.hpp,
-// score_on_device() in tier_tensor_path.hpp): which query columns count, the reduction of
+// The host tier's page scoring that both paths share (score_on_host() in tier/host_path.hpp,
+// score_on_device() in tier/tensor_path.hpp): which query columns count, the reduction of
 // scores across processes, TierScoring::kHeadMean's mean over heads around it, and the order
 // of those steps (score_pages()). Neither path file includes the other.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
 
 #include <ATen/ATen.h>
 

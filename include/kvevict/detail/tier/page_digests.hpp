@@ -8,8 +8,8 @@
 // layout (keys [H, qk_dim]), one shared by every head in the latent layout ([ckv | kpe]).
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/page_table.hpp>
-#include <kvevict/detail/quest_digest.hpp>
+#include <kvevict/detail/tier/page_table.hpp>
+#include <kvevict/detail/tier/quest_digest.hpp>
 
 #include <ATen/ATen.h>
 

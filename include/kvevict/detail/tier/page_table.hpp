@@ -7,7 +7,7 @@
 // Each page's members are an intrusive list over the tier's token indices, so a token leaving
 // costs O(its page's members x width), not a scan of the tier. The slots whose digest changed
 // since the last take_touched() are listed, so a copy on the cache's device (DeviceDigests,
-// tier_tensor_path.hpp) follows with O(changed slots) uploads.
+// tier/tensor_path.hpp) follows with O(changed slots) uploads.
 
 #include <kvevict/detail/reduction.hpp>
 

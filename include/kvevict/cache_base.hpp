@@ -1,15 +1,15 @@
 #pragma once
 // What every cache layout shares: per-layer buffers in the layout's shape, owned next to one
 // EvictionPolicy that decides where rows go, and with tier_tokens one host tier per layer
-// (LayerTier, host_tier.hpp). A layout (MlaCache, MlaLatentCache) names its buffers and their
+// (LayerTier, detail/tier/tier.hpp). A layout (MlaCache, MlaLatentCache) names its buffers and their
 // token dims; the rest is here: append, evict (plan the pass, hand the evicted rows to the
 // tier, move every buffer, commit), grow and shrink, reserve, truncate (tier tokens included),
 // sequences (add, finish, reset), and recall (check, score every row's pages, swap).
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/host_tier.hpp>
 #include <kvevict/detail/layer_buffers.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
+#include <kvevict/detail/tier/tier.hpp>
 #include <kvevict/eviction_policy.hpp>
 #include <kvevict/slot_moves.hpp>
 

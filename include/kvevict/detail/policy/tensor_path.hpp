@@ -14,10 +14,10 @@
 // host sync and no host-to-device copy.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/host_path.hpp>
-#include <kvevict/detail/layer_state.hpp>
+#include <kvevict/detail/policy/host_path.hpp>
+#include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/policy/slot_plan.hpp>
 #include <kvevict/detail/reduction.hpp>
-#include <kvevict/detail/slot_plan.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/selection.hpp>
 #include <kvevict/slot_moves.hpp>
