@@ -153,12 +153,12 @@ class CacheBase {
     auto& bufs = buffers_[layer];
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
+    // The evicted tokens to the tier, before the moves overwrite their rows (LayerTier::take():
+    // the host path stores them at once, the tensor path sends them on their way).
+    if (tier_tokens_ > 0) {
+      tiers_[layer].take(pass, policy_.at(layer), bufs, [&](const float* state) { return policy_.scorer().rank(state); });
+    }
     if (policy_.host_path()) {
-      if (tier_tokens_ > 0) {  // the evicted tokens to the tier, before the moves overwrite their rows
-        const auto& L = policy_.at(layer);
-        tiers_[layer].take(pass, L.position, L.state, bufs, slots(layer),
-                           [&](const float* state) { return policy_.scorer().rank(state); });
-      }
       for (size_t i = 0; i < specs_.size(); ++i) {
         apply_moves_host(pass.src.data(), pass.dst.data(), batch_size(), pass.columns, pass.columns,
                          bufs[i], token_dim(i));
@@ -173,11 +173,6 @@ class CacheBase {
         rows = move_rows_;
         for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i), rows));
       }
-      HandOver handover;
-      if (tier_tokens_ > 0) {  // the evicted tokens on their way to the tier, before the moves overwrite them
-        settle_tier(layer);    // one hand-over at a time
-        handover = hand_over(pass.dst_t, pass.n, policy_.at(layer), bufs);
-      }
       TensorUndo undo;  // what the writes below change, put back if one of them throws
       if (!moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
       for (size_t i = 0; i < gathered.size(); ++i) undo.save_slots(bufs[i], token_dim(i), moves.dst, rows);
@@ -185,14 +180,15 @@ class CacheBase {
         for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
         policy_.commit(layer, pass);  // its device writes, then the host counters
       });
-      if (handover.held()) tiers_[layer].hold(std::move(handover));
     }
+    if (tier_tokens_ > 0) tiers_[layer].keep();  // after the commit: the tensor path holds its hand-over
     shrink_if_fits(layer);
     return evicted;
   }
 
-  /// Takes the tensor path's held hand-over of `layer` into its tier (waits for its copies on
-  /// CUDA); a no-op without one. Every tier read, recall, truncate and release calls it first.
+  /// LayerTier::settle() of `layer`'s tier: takes the tensor path's held hand-over in (waits for
+  /// its copies on CUDA); a no-op on the host path or without a tier. Every tier read, recall,
+  /// truncate and release calls it first.
   void settle_tier(int64_t layer) const {
     if (tier_tokens_ > 0) tiers_[layer].settle([&](const float* state) { return policy_.scorer().rank(state); });
   }
@@ -410,7 +406,7 @@ class CacheBase {
           }
         }
         for (int64_t l = 0; l < num_layers(); ++l) {
-          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys);
+          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys, policy_.host_path());
         }
       }
     }, [&](const std::string& why) { fail_allocation(why); });
@@ -594,10 +590,8 @@ class CacheBase {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
     settle_tier(layer);
-    const bool host = policy_.host_path();
-    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_,
-                                                  buffers_[layer], host);
-    if (recalled > 0 && host) {
+    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer]);
+    if (recalled > 0 && policy_.host_path()) {  // the host path wrote the buffers with memcpy
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }
     return recalled;

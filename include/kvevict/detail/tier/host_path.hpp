@@ -1,9 +1,12 @@
 #pragma once
-// The host tier's page scoring on the host path (LayerTier::recall() on the CPU), beside
-// score_on_device() in tier/tensor_path.hpp: per head, or by the heads' mean logit
+// The tier's host path (a cache whose policy takes the host path: everything on the CPU):
+// TierHostPath, with the steps of its twin TierTensorPath (tier/tensor_path.hpp) under the same
+// names in the same order: take and keep a pass's evicted tokens, settle, and recall's score
+// and swap. The page scoring, score_on_host(): per head, or by the heads' mean logit
 // (TierScoring::kHeadMean), reduced across processes like observations. Also two-level
 // recall's pool scoring, per head or by the heads' mean, which both paths run on the host.
-// The steps both paths share (the reduction, the heads' mean, their order) are tier/scoring.hpp.
+// The steps both paths share (the reduction, the heads' mean, their order) are tier/scoring.hpp;
+// the plan between score and swap is the tier's own (LayerTier::plan_recall()).
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -125,6 +128,48 @@ at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& k
   }
   return exact;
 }
+
+/// The tier's host path: each step runs at once, in place, on the CPU (LayerTier's storage and
+/// the cache's contiguous CPU buffers). Holds nothing between steps.
+class TierHostPath {
+ public:
+  /// A pass's evicted tokens (its plan `pass`: n, new lengths, moves), before the moves
+  /// overwrite their rows in `buffers`: into the tier at once (LayerTier::take_pass()). Every
+  /// allocation first: a throw (c10::Error naming the tier) changes nothing.
+  template <class Tier, class Pass, class Rank>
+  void take(Tier& tier, const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
+    tier.take_pass(pass, L.position, L.state, buffers, L.slots, rank);
+  }
+  /// After the pass's commit: nothing is pending here.
+  void keep() noexcept {}
+  /// Before every read of the tier: nothing is held here.
+  template <class Tier, class Rank>
+  void settle(Tier& /*tier*/, Rank&& /*rank*/) {}
+  bool holding() const noexcept { return false; }
+
+  /// recall's score step: score_on_host(); the plan reads L's own positions and states.
+  template <class Core>
+  RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t /*groups*/, int64_t /*width*/,
+                     int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
+    return {score_on_host(digests, keys.shared, keys.head_mean, layer, query, scale, L, core), L.position, L.state};
+  }
+
+  /// recall's swap step: LayerTier::swap() of each row's picked tokens with its victims, in
+  /// place (allocates nothing after the plan's reserve_recall(); does not throw).
+  template <class Tier, class Rank>
+  void swap(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers,
+            int64_t /*layer*/, Rank&& rank) {
+    for (size_t b = 0; b < plan.picked.size(); ++b) {
+      if (plan.picked[b].empty()) continue;
+      tier.swap(static_cast<int64_t>(b), plan.picked[b], plan.victims[b], buffers, L.slots,
+                L.position.template data_ptr<int64_t>(), L.state.template data_ptr<float>(), plan.top[b].data(), rank);
+    }
+  }
+
+  /// Device bytes held: none.
+  int64_t device_bytes() const noexcept { return 0; }
+  void release_device() noexcept {}
+};
 
 }  // namespace detail
 }  // namespace kvevict

@@ -2,7 +2,8 @@
 // The host tier's page scoring that both paths share (score_on_host() in tier/host_path.hpp,
 // score_on_device() in tier/tensor_path.hpp): which query columns count, the reduction of
 // scores across processes, TierScoring::kHeadMean's mean over heads around it, and the order
-// of those steps (score_pages()). Neither path file includes the other.
+// of those steps (score_pages()); what recall's steps hand each other (RecallScores,
+// RecallPlan). Neither path file includes the other.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -10,9 +11,38 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kvevict {
 namespace detail {
+
+/// What a tier's digests are made of: the buffers that hold the keys (their pieces, per key
+/// group, side by side: the latent [ckv | kpe], or the expanded keys of one head), the cached
+/// dtype and the page size.
+struct TierKeys {
+  std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
+  at::ScalarType dtype = at::kFloat;
+  int64_t page_size = 16;
+  bool shared = false;     // one key shared by every head (the latent layout), else one per head
+  bool head_mean = false;  // TierScoring::kHeadMean
+};
+
+/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64
+/// and L's `position` [B, slots] int64 and `state` [B, slots, W] fp32 (the host path: L's own
+/// tensors; the tensor path: host copies of them, made with the scores' copy: one wait).
+struct RecallScores {
+  at::Tensor sums, position, state;
+};
+
+/// What recall's plan step gives its swap step: per row b the tier tokens to recall
+/// (`picked[b]`, token indices), the cache slots they replace (`victims[b]`, in the same
+/// order) and the scorer state the recalled tokens get (`top[b]`, W floats: the best-ranked
+/// candidate's); `recalled`: the tokens picked, summed over rows.
+struct RecallPlan {
+  std::vector<std::vector<int64_t>> picked, victims;
+  std::vector<std::vector<float>> top;
+  int64_t recalled = 0;
+};
 
 /// Row b's real query columns (core.first_real(), as observe()) of `q` [B, Hq, Q, W] (CPU):
 /// [1, Hq x Qr, W] when every head meets one shared key (`shared_key`, the latent layout), else

@@ -1,10 +1,12 @@
 #pragma once
-// The host tier's tensor path (CUDA, and CPU in tests): how a pass's evicted tokens reach the
-// host without a sync (gathered on the device, copied to pinned host memory asynchronously,
-// taken into the tier at its next use: LayerTier::settle()), how recall scores the pages on the
-// device (DeviceDigests, score_on_device()), and how it swaps tokens with slots that live on the
-// device. The host tier itself is tier/tier.hpp; the host path's scoring, tier/host_path.hpp;
-// the scoring steps both paths share, tier/scoring.hpp.
+// The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the steps of its twin
+// TierHostPath (tier/host_path.hpp) under the same names in the same order. How a pass's
+// evicted tokens reach the host without a sync (take: gathered on the device and copied to
+// pinned host memory asynchronously; keep: held after the pass's commit; settle: taken into
+// the tier at its next use), how recall scores the pages on the device (DeviceDigests,
+// score_on_device()), and how it swaps tokens with slots that live on the device
+// (swap_on_device()). The tier itself is tier/tier.hpp; the steps both paths share,
+// tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -197,7 +199,7 @@ class DeviceDigests {
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
 
-/// A tensor-path pass's evicted tokens on their way to the tier (LayerTier::hold()): row b's
+/// A tensor-path pass's evicted tokens on their way to the tier (TierTensorPath::take()): row b's
 /// first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
 /// `rows` [B, outer..., C, inner] (host tensors, contiguous), in the order the host path takes
 /// them (ascending slots). `done`: on CUDA, recorded on the stream after the copies.
@@ -239,7 +241,7 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
   return h;
 }
 
-/// LayerTier::recall() on the tensor path: gathers every row's victims (`victims[b]`, padded with the
+/// recall's swap step on the tensor path: gathers every row's victims (`victims[b]`, padded with the
 /// trash slot to the longest row's count V) from `buffers` [B, outer..., slots, inner], L's
 /// positions and states into [.., V, ..] device tensors and copies them to the host; fetches
 /// the tier tokens `picked[b]` into host copies of the same shape (tier.fetch(), token k of
@@ -251,9 +253,11 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
 /// \throws c10::Error naming recall and `layer` on an allocation failure (before any write) or
 /// a failed write (undone); the cache and the tier are unchanged then.
 template <class Tier, class Rank>
-void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked, const std::vector<std::vector<int64_t>>& victims,
-                    const std::vector<std::vector<float>>& top, LayerState& L, const std::vector<at::Tensor>& buffers,
+void swap_on_device(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers,
                     int64_t layer, Rank&& rank) {
+  const auto& picked = plan.picked;
+  const auto& victims = plan.victims;
+  const auto& top = plan.top;
   const auto B = static_cast<int64_t>(picked.size()), W = L.state.size(2);
   int64_t V = 0;
   for (const auto& p : picked) V = std::max(V, static_cast<int64_t>(p.size()));
@@ -317,13 +321,7 @@ void swap_on_device(Tier& tier, const std::vector<std::vector<int64_t>>& picked,
   }
 }
 
-/// What LayerTier::recall() plans from on the tensor path, on the host: the page scores
-/// `sums` [B, P] fp64 and L's `position` [B, slots] int64 and `state` [B, slots, W] fp32.
-struct DeviceScores {
-  at::Tensor sums, position, state;
-};
-
-/// LayerTier::recall()'s scoring on the tensor path: `device` takes what changed in `digests`
+/// recall's score step on the tensor path: `device` takes what changed in `digests`
 /// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
 /// (fp32, on core.device) where they are, per head (reducing the scores across processes,
 /// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
@@ -332,7 +330,7 @@ struct DeviceScores {
 /// them with L's positions and states to the host: one wait, after every copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
 /// naming `layer`; nothing but the device copy (then sent whole next time) changes.
 template <class Core>
-DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
+RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
                              bool shared_key, bool head_mean_scoring, int64_t layer, const at::Tensor& query,
                              double scale, const LayerState& L, const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
@@ -352,12 +350,68 @@ DeviceScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
       [&](const at::Tensor& mean) {
         return shared_key ? device.score(mean, real, scale, P) : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
       });
-  DeviceScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
+  RecallScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
   DeviceWait copied;
   copied.record(core.device);
   copied.wait();
   return out;
 }
+
+/// The tier's tensor path: a pass's hand-over between take() and settle(), and the digests'
+/// copy on the device (DeviceDigests), are its own state.
+class TierTensorPath {
+ public:
+  /// A pass's evicted tokens (the first pass.n[b] columns of its `dst_t`), before the moves
+  /// overwrite their rows: the previous hand-over is settled first (one at a time), then these
+  /// are gathered on the device and copied to host memory without a sync (hand_over()), pending
+  /// until keep(). Allocates; a throw leaves the tier as it was (but settled).
+  template <class Tier, class Pass, class Rank>
+  void take(Tier& tier, const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
+    settle(tier, rank);
+    pending_ = hand_over(pass.dst_t, pass.n, L, buffers);
+  }
+  /// After the pass's commit: holds the pending hand-over until settle(). Does not throw.
+  void keep() noexcept {
+    held_ = std::move(pending_);
+    pending_ = HandOver{};
+  }
+  /// Takes the held hand-over, if any, into the tier (LayerTier::take_copies(); waits for its
+  /// copies first: a host wait on CUDA). A throw (an allocation failure, c10::Error naming the
+  /// tier) changes nothing and keeps it held; otherwise nothing is held afterwards.
+  template <class Tier, class Rank>
+  void settle(Tier& tier, Rank&& rank) {
+    if (!held_.held()) return;
+    held_.wait();
+    tier.take_copies(held_.n, held_.position, held_.state, held_.rows, rank);
+    held_ = HandOver{};
+  }
+  bool holding() const noexcept { return held_.held(); }
+
+  /// recall's score step: score_on_device(); the plan reads host copies of L's positions and
+  /// states, made with the scores' copy (one wait).
+  template <class Core>
+  RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t groups, int64_t width,
+                     int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
+    return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, L, core);
+  }
+
+  /// recall's swap step: swap_on_device() (all or nothing).
+  template <class Tier, class Rank>
+  void swap(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers, int64_t layer,
+            Rank&& rank) {
+    swap_on_device(tier, plan, L, buffers, layer, rank);
+  }
+
+  /// Device bytes the digests' copy holds (after a recall; else 0).
+  int64_t device_bytes() const { return device_.bytes(); }
+  /// Frees the digests' copy (reset(): the next recall sends every page again).
+  void release_device() { device_ = DeviceDigests{}; }
+
+ private:
+  DeviceDigests device_;
+  HandOver pending_;  // take() -> keep()
+  HandOver held_;     // keep() -> settle()
+};
 
 }  // namespace detail
 }  // namespace kvevict

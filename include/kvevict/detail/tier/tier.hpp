@@ -10,9 +10,8 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
-#include <kvevict/detail/tier/page_digests.hpp>
-
 #include <kvevict/detail/tier/host_path.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/tensor_path.hpp>
 
@@ -103,31 +102,31 @@ inline bool drops_before(float ra, int64_t pa, float rb, int64_t pb) {
   return pa < pb;
 }
 
-/// What a tier's digests are made of: the buffers that hold the keys (their pieces, per key
-/// group, side by side: the latent [ckv | kpe], or the expanded keys of one head), the cached
-/// dtype and the page size.
-struct TierKeys {
-  std::vector<size_t> buffers;  // indices of the key buffers, each with `groups` pieces per token
-  at::ScalarType dtype = at::kFloat;
-  int64_t page_size = 16;
-  bool shared = false;     // one key shared by every head (the latent layout), else one per head
-  bool head_mean = false;  // TierScoring::kHeadMean
-};
-
-/// The tiers of one layer: per batch row a TierRow (its tokens, within a token budget per row)
-/// and that row's PageDigests; the byte size of one token's row in each buffer; and, on the
-/// tensor path, the digests' copy on the cache's device (DeviceDigests) and the latest pass's
-/// hand-over, held until settle(). Tokens come in through take() (host path) or hold() and
-/// settle() (tensor path); recall() scores the pages, plans what comes back (pick(), or
-/// pick_tokens() for two-level recall) and the slots it replaces, then swaps them.
+/// The tiers of one layer, the facade over the tier's two paths as EvictionPolicy is over the
+/// policy's: per batch row a TierRow (its tokens, within a token budget per row) and that row's
+/// PageDigests; the byte size of one token's row in each buffer; and the path the cache's
+/// policy takes, TierHostPath (tier/host_path.hpp) or TierTensorPath (tier/tensor_path.hpp:
+/// the digests' copy on the device, the latest pass's hand-over), which have the same steps
+/// under the same names. Each step is one call into the path: take() and keep() around a
+/// pass's commit, settle() before a read; recall() scores the pages (the path), plans what
+/// comes back and the slots it replaces (plan_recall(), the same on both: pick(), or
+/// pick_tokens() for two-level recall) and swaps them (the path).
 class LayerTier {
+  /// Calls `f(path)` with the path of this tier: one call per step into a path (defined first:
+  /// the steps below deduce their types from it).
+  template <class F>
+  decltype(auto) on_path(F&& f) {
+    return host_ ? f(host_path_) : f(tensor_path_);
+  }
+
  public:
   LayerTier() = default;
   /// `row_bytes[i]`: one token's bytes in buffer i, `groups[i]` pieces of it (one per outer
   /// index of a [B, outer..., slots, inner] buffer); `keys`: what the page digests bound.
+  /// `host`: the cache's policy takes the host path (TierHostPath), else the tensor path.
   LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes,
-            std::vector<int64_t> groups, TierKeys keys)
-      : rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)),
+            std::vector<int64_t> groups, TierKeys keys, bool host)
+      : host_(host), rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)),
         groups_(std::move(groups)), keys_(std::move(keys)), evicted_(static_cast<size_t>(batch)),
         src_(row_bytes_.size()), stride_(row_bytes_.size()) {
     for (auto& r : rows_) r.bytes.resize(row_bytes_.size());
@@ -202,13 +201,15 @@ class LayerTier {
     s.tier_recalled += recalled();
   }
 
-  /// Recall on either path (CacheBase::recall_rows(), after the checks and the flush): scores
-  /// every active row's pages with `query` [B, H, Q, key width] (fp32, contiguous; the row's
-  /// real columns, as observe()), reduces the scores across processes like observations
-  /// (core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums before the
-  /// softmax, head_sum() / head_mean()), and swaps the best pages' tokens (at most `tokens` per row,
-  /// whole pages) with the row's lowest-ranked heavy hitters in `L` and `buffers`. Every
-  /// allocation comes before the first swap. Returns the tokens recalled, summed over rows.
+  /// Recall (CacheBase::recall_rows(), after the checks and the flush), in three steps, each
+  /// row at once: score (the path's: every active row's pages scored with `query` [B, H, Q,
+  /// key width], fp32, the row's real columns as observe(), reduced across processes like
+  /// observations: core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums
+  /// before the softmax, head_sum() / head_mean()), plan (plan_recall(), on the host, the same
+  /// on both paths: the best pages' tokens, at most `tokens` per row, whole pages, and the
+  /// row's lowest-ranked heavy hitters they replace) and swap (the path's: the tokens and the
+  /// victims exchange places in `L` and `buffers`). Every allocation comes before the swap's
+  /// first write. Returns the tokens recalled, summed over rows.
   ///
   /// rescore > tokens (two-level recall): the best whole pages up to `rescore` tokens per row
   /// are the pool, each pool token is scored again with its own keys (the exact logits, the
@@ -216,34 +217,44 @@ class LayerTier {
   /// `tokens` of the pool come back one by one (higher score first, equal scores the older
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
-  /// On the host path (`host` true; everything on the CPU) score_on_host() scores the pages and
-  /// swap() exchanges the tokens with the slots in place.
-  /// On the tensor path (`host` false; the cache's tensors and `query` on its device) the pages
-  /// are scored on the device (DeviceDigests: upload() then score(), no sync); the scores and
-  /// L's positions and states then come to the host together (one wait) for the plan; a
-  /// two-level pool is scored on the host with a host copy of the queries. swap_on_device()
-  /// gathers the victims' rows, positions and states to the host (one wait), writes the tier
-  /// tokens into their slots in place without a wait (under an undo log), then stores the
-  /// victims in the tier.
+  /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages and
+  /// swap() exchanges the tokens with the slots in place. Tensor path (TierTensorPath; the
+  /// cache's tensors and `query` on its device): the pages are scored on the device
+  /// (DeviceDigests: upload() then score(), no sync), and the scores and L's positions and
+  /// states come to the host together (one wait) for the plan; a two-level pool is scored on
+  /// the host with a host copy of the queries. swap_on_device() gathers the victims' rows,
+  /// positions and states to the host (one wait), writes the tier tokens into their slots in
+  /// place without a wait (under an undo log), then stores the victims in the tier.
   template <class Core>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
-                 const Core& core, const std::vector<at::Tensor>& buffers, bool host) {
+                 const Core& core, const std::vector<at::Tensor>& buffers) {
+    const auto scores = on_path([&](auto& p) {
+      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, L, core);
+    });
+    const auto plan = plan_recall(layer, scores, query, scale, tokens, rescore, L, core);
+    if (plan.recalled == 0) return 0;
+    const auto rank = [&](const float* state) { return core.scorer.rank(state); };
+    on_path([&](auto& p) { p.swap(*this, plan, L, buffers, layer, rank); });
+    recalled_ += plan.recalled;
+    return plan.recalled;
+  }
+
+  /// recall()'s plan, the same on both paths, from the score step's `scores` (host tensors):
+  /// per active row with pages, the tier tokens to recall (the best whole pages, or two-level
+  /// recall's best pool tokens) and as many victims (candidates: neither sinks nor in the
+  /// recent window as it was before the latest append, lowest-ranked first), the state the
+  /// recalled tokens get (the best-ranked candidate's), and the room their swap needs
+  /// (reserve_recall()). Allocates; changes nothing the caller sees.
+  template <class Core>
+  RecallPlan plan_recall(int64_t layer, const RecallScores& scores, const at::Tensor& query, double scale,
+                         int64_t tokens, int64_t rescore, const LayerState& L, const Core& core) {
     const int64_t B = static_cast<int64_t>(rows_.size());
-    at::Tensor host_query = host ? query : at::Tensor();  // on the tensor path: copied when needed
+    at::Tensor host_query;  // copied when a two-level pool needs it (a no-op for a CPU query)
     const auto row_queries = [&](int64_t b) {
       if (!host_query.defined()) host_query = query.to(at::kCPU).contiguous();
       return real_queries(core, L, host_query, b, keys_.shared);
     };
-    at::Tensor sums, pos_t = L.position, st_t = L.state;  // on the tensor path: host copies, below
-    if (host) {
-      sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core);
-    } else {  // the digests' copy on the device, scored there; one wait for what the plan reads
-      auto scored = score_on_device(device_, digests_, key_groups_, key_width_, keys_.shared, keys_.head_mean, layer,
-                                    query, scale, L, core);
-      sums = scored.sums;
-      pos_t = scored.position;
-      st_t = scored.state;
-    }
+    const at::Tensor& sums = scores.sums;
     const int64_t P = sums.size(1);
     const double* sum = sums.template data_ptr<double>();
     // Two-level recall: the pool of every row (tokens of its best pages, by position) and the
@@ -277,10 +288,15 @@ class LayerTier {
     }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
     const auto& e = core.layer_eviction[layer];
-    const int64_t* pos = pos_t.template data_ptr<int64_t>();
-    float* st = st_t.template data_ptr<float>();
-    std::vector<std::vector<int64_t>> picked(static_cast<size_t>(B)), victims(static_cast<size_t>(B));
-    std::vector<std::vector<float>> top(static_cast<size_t>(B));
+    const int64_t* pos = scores.position.template data_ptr<int64_t>();
+    const float* st = scores.state.template data_ptr<float>();
+    RecallPlan plan;
+    auto& picked = plan.picked;
+    auto& victims = plan.victims;
+    auto& top = plan.top;
+    picked.resize(static_cast<size_t>(B));
+    victims.resize(static_cast<size_t>(B));
+    top.resize(static_cast<size_t>(B));
     struct Cand {
       float rank;
       int64_t position, slot;
@@ -323,20 +339,8 @@ class LayerTier {
         reserve_recall(b, max_position);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
-    const auto rank = [&](const float* state) { return core.scorer.rank(state); };
-    int64_t recalled = 0;
-    for (int64_t b = 0; b < B; ++b) recalled += static_cast<int64_t>(picked[b].size());
-    if (recalled == 0) return 0;
-    if (host) {
-      for (int64_t b = 0; b < B; ++b) {
-        if (!picked[b].empty())
-          swap(b, picked[b], victims[b], buffers, L.slots, L.position.template data_ptr<int64_t>(), st, top[b].data(), rank);
-      }
-    } else {
-      swap_on_device(*this, picked, victims, top, L, buffers, layer, rank);  // all or nothing
-    }
-    recalled_ += recalled;
-    return recalled;
+    for (int64_t b = 0; b < B; ++b) plan.recalled += static_cast<int64_t>(picked[b].size());
+    return plan;
   }
 
   /// Row b's tier tokens to recall, by page: the pages in order of `scores` (per page slot,
@@ -461,14 +465,38 @@ class LayerTier {
     digests_[static_cast<size_t>(b)].release();
   }
 
-  /// Host path, before a pass's moves overwrite them: adds each evicted token of `pass` (its
+  /// A pass's evicted tokens into the tier, on the path's terms, in two steps around the pass's
+  /// commit: take() before the moves overwrite their rows (`buffers` [B, outer..., slots,
+  /// inner], L's positions and states; allocates; a throw changes nothing the caller sees),
+  /// keep() after the commit (does not throw). The host path takes them at once; the tensor
+  /// path gathers them and copies them to the host asynchronously, and settle() takes them in
+  /// at the tier's next use.
+  template <class Pass, class Rank>
+  void take(const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
+    on_path([&](auto& p) { p.take(*this, pass, L, buffers, rank); });
+  }
+  void keep() noexcept {
+    on_path([](auto& p) noexcept { p.keep(); });
+  }
+  /// Takes what the tensor path holds into the tier (a host wait on CUDA); nothing on the host
+  /// path. Every read of the tier, recall, truncate and release calls it first. A throw
+  /// (c10::Error naming the tier) changes nothing.
+  template <class Rank>
+  void settle(Rank&& rank) {
+    on_path([&](auto& p) { p.settle(*this, rank); });
+  }
+  bool holding() const noexcept {
+    return host_ ? host_path_.holding() : tensor_path_.holding();
+  }
+
+  /// The host path's take(): adds each evicted token of `pass` (its
   /// rows in `buffers` [B, outer..., slots, inner], contiguous; its position and scorer state
   /// from `position` [B, slots] and `state` [B, slots, W]; rank(state) its rank) to its row,
   /// then drops what is over the budget. Every allocation first: a throw (c10::Error naming the
   /// tier) changes nothing; once the tier is full, nothing allocates.
   template <class Pass, class Rank>
-  void take(const Pass& pass, const at::Tensor& position, const at::Tensor& state,
-            const std::vector<at::Tensor>& buffers, int64_t slots, Rank&& rank) {
+  void take_pass(const Pass& pass, const at::Tensor& position, const at::Tensor& state,
+                 const std::vector<at::Tensor>& buffers, int64_t slots, Rank&& rank) {
     const auto B = static_cast<int64_t>(rows_.size());
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
@@ -490,27 +518,21 @@ class LayerTier {
     take_slots(position, state, buffers, slots, rank);
   }
 
-  /// Tensor path: holds a pass's hand-over (its copies may still be running) until settle().
-  /// Call settle() first: one hand-over is held at a time.
-  void hold(HandOver h) { handover_ = std::move(h); }
-  /// Takes the held hand-over, if any, into the rows (as take(); waits for its copies first).
-  /// A throw (an allocation failure, c10::Error naming the tier) changes nothing and keeps it
-  /// held; otherwise nothing is held afterwards.
+  /// The tensor path's settle(): adds the first n[b] columns of every row b of host copies
+  /// (`position` [B, C] int64, `state` [B, C, W] fp32, `rows` per buffer [B, outer..., C,
+  /// inner], contiguous, CPU: a hand-over) to the tier, as take_pass(). Every allocation first.
   template <class Rank>
-  void settle(Rank&& rank) {
-    if (!handover_.held()) return;
-    handover_.wait();
+  void take_copies(const std::vector<int64_t>& n, const at::Tensor& position, const at::Tensor& state,
+                   const std::vector<at::Tensor>& rows, Rank&& rank) {
     const auto B = static_cast<int64_t>(rows_.size());
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
-        evicted_[b].resize(static_cast<size_t>(handover_.n[b]));
+        evicted_[b].resize(static_cast<size_t>(n[b]));
         std::iota(evicted_[b].begin(), evicted_[b].end(), int64_t{0});
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
-    take_slots(handover_.position, handover_.state, handover_.rows, handover_.position.size(1), rank);
-    handover_ = HandOver{};
+    take_slots(position, state, rows, position.size(1), rank);
   }
-  bool holding() const noexcept { return handover_.held(); }
 
   int64_t budget() const { return budget_; }
   const TierRow& row(int64_t b) const { return rows_[static_cast<size_t>(b)]; }
@@ -598,9 +620,11 @@ class LayerTier {
     return n * per_token + digest;
   }
   /// Bytes the digests' copy on the cache's device holds (tensor path, after a recall; else 0).
-  int64_t device_bytes() const { return device_.bytes(); }
+  int64_t device_bytes() const { return host_ ? host_path_.device_bytes() : tensor_path_.device_bytes(); }
   /// Frees the digests' copy on the device (reset(): the next recall sends every page again).
-  void release_device() { device_ = DeviceDigests{}; }
+  void release_device() {
+    on_path([](auto& p) { p.release_device(); });
+  }
   /// Tokens recalled so far (CacheStats::tier_recalled); reset() clears it, as the other counters.
   int64_t recalled() const noexcept { return recalled_; }
   void clear_recalled() noexcept { recalled_ = 0; }
@@ -719,6 +743,9 @@ class LayerTier {
     }
   }
 
+  bool host_ = true;
+  TierHostPath host_path_;
+  TierTensorPath tensor_path_;  // the digests' copy on the device, the latest pass's hand-over
   std::vector<TierRow> rows_;
   int64_t budget_ = 0;
   int64_t W_ = 1;
@@ -727,7 +754,6 @@ class LayerTier {
   int64_t key_groups_ = 1, key_width_ = 0;
   int64_t recalled_ = 0;
   std::vector<PageDigests> digests_;  // per row
-  DeviceDigests device_;              // tensor path: digests_ on the cache's device
   std::vector<float> key_;            // one token's keys (scratch)
   std::vector<uint8_t> swap_;         // swap() scratch: one piece of a row
   std::vector<std::vector<int64_t>> evicted_;  // take() scratch: per row, the evicted slots
@@ -736,7 +762,6 @@ class LayerTier {
   std::vector<int64_t> stride_;
   std::vector<int64_t> order_;  // scratch: enforce_budget()'s token order, pick()'s page order
   std::vector<uint8_t> drop_;
-  HandOver handover_;  // tensor path: the latest pass's evicted tokens, not yet taken
 };
 
 }  // namespace detail
