@@ -250,6 +250,7 @@ class HostPath {
     pass.columns = columns;
     pass.src.assign(static_cast<size_t>(B * columns), 0);
     pass.dst.assign(static_cast<size_t>(B * columns), 0);
+    pass.evicted.assign(static_cast<size_t>(B * columns), 0);
     if (columns == 0) return;
     auto& HS = scratch_[layer];
     const int64_t* pos = L.position.template data_ptr<int64_t>();

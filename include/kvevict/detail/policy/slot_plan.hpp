@@ -14,8 +14,8 @@
 namespace kvevict {
 namespace detail {
 
-/// A planned pass: each row's evicted count and new length, and the moves (host arrays on the
-/// host path, device tensors on the tensor path).
+/// A planned pass: each row's evicted count, evicted slots and new length, and the moves (host
+/// arrays on the host path, device tensors on the tensor path).
 struct Pass {
   std::vector<int64_t> n;        // [B] tokens evicted per row
   std::vector<int64_t> new_len;  // [B]
@@ -23,7 +23,9 @@ struct Pass {
   int64_t columns = 0;           // move columns per row
   int64_t slot_bound = 0;        // every move's slots are below this (the longest row before)
   std::vector<int64_t> src, dst; // host-built: [B, columns]
+  std::vector<int64_t> evicted;  // host-built: [B, columns], row b's first n[b]: its evicted slots, ascending
   at::Tensor src_t, dst_t;       // tensor path: [B, columns] on the device
+  at::Tensor evicted_t;          // tensor path: [B, columns], row b's first n[b]: its evicted slots, ascending (the tier's take)
   at::Tensor tail_t;             // tensor path: [B, columns] slots freed (marked dead), pads on the trash slot
   at::Tensor new_len_t;          // tensor path: [B, 1] new lengths
 
@@ -58,14 +60,17 @@ inline void reset_pass(const LayerState& L, Pass& p) {
   p.columns = 0;
   p.src.clear();
   p.dst.clear();
+  p.evicted.clear();
   p.src_t = at::Tensor();
   p.dst_t = at::Tensor();
+  p.evicted_t = at::Tensor();
   p.tail_t = at::Tensor();
   p.new_len_t = at::Tensor();
 }
 
 /// Host moves for row b of a pass whose `n` evicted slots (ascending) are given: each evicted
-/// slot below the new length receives the next kept tail slot.
+/// slot below the new length receives the next kept tail slot. The slots are kept in the plan
+/// too (pass.evicted).
 inline void fill_moves_host(Pass& pass, int64_t b, const int64_t* evicted, int64_t n,
                             std::vector<uint8_t>& tail_flags) {
   if (n <= 0) {  // nothing evicted (and GCC 14 cannot then warn of a negative fill size)
@@ -78,7 +83,9 @@ inline void fill_moves_host(Pass& pass, int64_t b, const int64_t* evicted, int64
     const auto B = static_cast<int64_t>(pass.n.size());
     pass.src.assign(static_cast<size_t>(B * n), 0);
     pass.dst.assign(static_cast<size_t>(B * n), 0);
+    pass.evicted.assign(static_cast<size_t>(B * n), 0);
   }
+  std::copy(evicted, evicted + n, pass.evicted.begin() + b * pass.columns);
   if (static_cast<int64_t>(tail_flags.size()) < n) tail_flags.resize(static_cast<size_t>(n));
   uint8_t* tail = tail_flags.data();
   std::fill(tail, tail + n, uint8_t{0});

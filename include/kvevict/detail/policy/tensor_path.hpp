@@ -327,6 +327,7 @@ class TensorPath {
       mark.scatter_(1, evicted, true);
       pass.src_t = std::get<0>(at::sort(tail.masked_fill(mark.gather(1, tail), trash), /*dim=*/1));  // kept, ascending
     }
+    pass.evicted_t = pass.dst_t;  // ascending, pads on the trash slot
     pass.tail_t = tail;
     pass.slot_bound = L.slots;  // the moves name the trash slot
     pass.new_len_t = new_len;

@@ -361,14 +361,14 @@ RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
 /// copy on the device (DeviceDigests), are its own state.
 class TierTensorPath {
  public:
-  /// A pass's evicted tokens (the first pass.n[b] columns of its `dst_t`), before the moves
+  /// A pass's evicted tokens (the first pass.n[b] columns of its `evicted_t`), before the moves
   /// overwrite their rows: the previous hand-over is settled first (one at a time), then these
   /// are gathered on the device and copied to host memory without a sync (hand_over()), pending
   /// until keep(). Allocates; a throw leaves the tier as it was (but settled).
   template <class Tier, class Pass, class Rank>
   void take(Tier& tier, const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
     settle(tier, rank);
-    pending_ = hand_over(pass.dst_t, pass.n, L, buffers);
+    pending_ = hand_over(pass.evicted_t, pass.n, L, buffers);
   }
   /// After the pass's commit: holds the pending hand-over until settle(). Does not throw.
   void keep() noexcept {

@@ -500,19 +500,8 @@ class LayerTier {
     const auto B = static_cast<int64_t>(rows_.size());
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
-        auto& ev = evicted_[b];
-        ev.clear();
-        if (pass.n[b] == 0) continue;
-        ev.reserve(static_cast<size_t>(pass.n[b]));
-        const int64_t new_len = pass.new_len[b], len = new_len + pass.n[b];
-        source_.assign(static_cast<size_t>(pass.n[b]), 0);  // the tail slots that move
-        for (int64_t k = 0; k < pass.moves[b]; ++k) {
-          ev.push_back(pass.dst[b * pass.columns + k]);
-          source_[pass.src[b * pass.columns + k] - new_len] = 1;
-        }
-        for (int64_t s = new_len; s < len; ++s) {
-          if (!source_[s - new_len]) ev.push_back(s);
-        }
+        const auto* first = pass.evicted.data() + b * pass.columns;  // the plan names them, ascending
+        evicted_[b].assign(first, first + pass.n[b]);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
     take_slots(position, state, buffers, slots, rank);
@@ -757,7 +746,6 @@ class LayerTier {
   std::vector<float> key_;            // one token's keys (scratch)
   std::vector<uint8_t> swap_;         // swap() scratch: one piece of a row
   std::vector<std::vector<int64_t>> evicted_;  // take() scratch: per row, the evicted slots
-  std::vector<uint8_t> source_;
   std::vector<const uint8_t*> src_;
   std::vector<int64_t> stride_;
   std::vector<int64_t> order_;  // scratch: enforce_budget()'s token order, pick()'s page order
