@@ -116,7 +116,7 @@ Options (default in brackets):
   --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
-  --count-ops          instead of timing: count what the decode loops (a)-(f) ask of LibTorch per
+  --count-ops          instead of timing: count what the decode loops (a)-(g) ask of LibTorch per
                        step and layer on the tensor path (the path CUDA takes, run on CPU): kernels,
                        views, host<->device copies, syncs, allocations, split into update / observe
                        / evict, amortized over one evict_every window holding one pass. (a) cache +
@@ -208,15 +208,24 @@ struct Expanded {
   using Cache = kvevict::MlaCache;
   static constexpr int64_t kTokenDim = 2;  // of every buffer
 
-  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e) {
+  /// `tier_tokens` > 0: with a host tier (pages of 64 tokens, scored by the heads' mean).
+  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e,
+                                           int64_t tier_tokens = 0) {
     return std::make_unique<Cache>(kvevict::MlaCacheOptions(1, c.heads)
                                        .batch_size(c.batch)
                                        .qk_dim(a.qk_dim)
                                        .v_dim(a.v_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_observations(a.check_observations),
+                                       .check_observations(a.check_observations)
+                                       .tier_tokens(tier_tokens)
+                                       .tier_page_size(64)
+                                       .tier_scoring(kvevict::TierScoring::kHeadMean),
                                    e);
+  }
+  /// Brings back up to `tokens` tier tokens for one step's queries (two-level: a pool of `rescore`).
+  static int64_t recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
+    return cache.recall(0, q[0], scale, tokens, rescore);
   }
   /// Shapes of T tokens' rows as update() takes them: {k_new, v_new}.
   static std::vector<std::vector<int64_t>> row_shapes(const Config& c, const Args& a, int64_t T) {
@@ -243,15 +252,22 @@ struct Latent {
   using Cache = kvevict::MlaLatentCache;
   static constexpr int64_t kTokenDim = 1;
 
-  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e) {
+  static std::unique_ptr<Cache> make_cache(const Config& c, const Args& a, const kvevict::EvictionOptions& e,
+                                           int64_t tier_tokens = 0) {
     return std::make_unique<Cache>(kvevict::MlaLatentCacheOptions(1, c.heads)
                                        .batch_size(c.batch)
                                        .kv_lora_rank(a.kv_lora_rank)
                                        .qk_rope_dim(a.qk_rope_dim)
                                        .dtype(c.dtype)
                                        .device(c.device)
-                                       .check_observations(a.check_observations),
+                                       .check_observations(a.check_observations)
+                                       .tier_tokens(tier_tokens)
+                                       .tier_page_size(64)
+                                       .tier_scoring(kvevict::TierScoring::kHeadMean),
                                    e);
+  }
+  static int64_t recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
+    return cache.recall_absorbed(0, q[0], q[1], scale, tokens, rescore);
   }
   /// {ckv_new [B, T, kv_lora_rank], kpe_new [B, T, qk_rope_dim]}.
   static std::vector<std::vector<int64_t>> row_shapes(const Config& c, const Args& a, int64_t T) {
@@ -589,14 +605,15 @@ using kvevict_test::OpKind;
 using kvevict_test::OpRecorder;
 
 /// The parts of a decode step counted apart.
-enum Part { kUpdate, kObserve, kEvict, kAttention, kParts };
-constexpr const char* kPartNames[kParts] = {"update", "observe", "evict", "attention"};
+enum Part { kUpdate, kObserve, kEvict, kAttention, kRecall, kParts };
+constexpr const char* kPartNames[kParts] = {"update", "observe", "evict", "attention", "recall"};
 
 /// What one decode loop asked of LibTorch over its counted window, per part.
 struct LoopCounts {
   std::string loop;  // "(a) latent + attend_absorbed", ...
   int64_t heads = 0, batch = 1, evict_every = 1, steps = 0, passes = 0;
   bool attention = false;  // attention counted (apart)
+  bool recall = false;     // recall counted (apart)
   OpCounts part[kParts];
   std::vector<std::pair<std::string, int64_t>> kernels[kParts];  // by name, over the window
   std::vector<std::pair<Part, kvevict_test::OpEvent>> events;     // every counted op, in order
@@ -677,17 +694,21 @@ kvevict::EvictionOptions eviction_options(const Config& c, const Args& a, int64_
 
 /// (a), (b), (e): update, attention (apart, observe = false), observe(probs), evict. `lengths`:
 /// each row's tokens before decoding (a ragged batch; empty: one row at capacity).
+/// `tier_tokens` > 0 (g): with a host tier that the passes fill, and a recall before every
+/// step's attention (3 tokens from a pool of 256, pages of 64, scored by the heads' mean: the
+/// README's recall setting), counted apart.
 template <class Layout>
 LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, int64_t evict_every,
-                             const std::vector<int64_t>& lengths) {
+                             const std::vector<int64_t>& lengths, int64_t tier_tokens = 0) {
   LoopCounts out;
   out.loop = name;
   out.heads = c.heads;
   out.evict_every = evict_every;
   out.attention = true;
+  out.recall = tier_tokens > 0;
   c.batch = lengths.empty() ? 1 : static_cast<int64_t>(lengths.size());
   out.batch = c.batch;
-  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every));
+  auto cache = Layout::make_cache(c, a, eviction_options(c, a, evict_every), tier_tokens);
   cache->reserve(c.capacity + evict_every);
   if (lengths.empty()) {
     fill_to_capacity<Layout>(*cache, c, a);
@@ -713,6 +734,14 @@ LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, i
           }
         };
         part(kUpdate, [&] { C.update(0, row[0], row[1]); });
+        if (tier_tokens > 0) {
+          const auto recall = [&] { Layout::recall(C, q, 0.1, 3, 256); };
+          if (on) {
+            n.count(kRecall, recall);
+          } else {
+            recall();
+          }
+        }
         if (on) {
           n.count(kAttention, [&] { attend_apart(C, q, &probs); });
         } else {  // warm-up: random probabilities of the same shape (attention copies the cache per head)
@@ -858,6 +887,7 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
                               per_step(r.part[kEvict].kernels, r.steps);
     print_count_row(r.loop, r, r.bookkeeping(), split);
     if (r.attention) print_count_row(r.loop + ": its attention (apart)", r, r.part[kAttention], "");
+    if (r.recall) print_count_row(r.loop + ": its recall (apart)", r, r.part[kRecall], "");
   }
   std::printf("\nKernels by name, summed over the window (steps / passes counted):\n");
   for (const auto& r : loops) {
@@ -866,7 +896,7 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
                 static_cast<long long>(r.evict_every), static_cast<long long>(r.steps),
                 static_cast<long long>(r.passes), r.passes == 1 ? "" : "es");
     for (int p = 0; p < kParts; ++p) {
-      if (p == kAttention && !r.attention) continue;
+      if ((p == kAttention && !r.attention) || (p == kRecall && !r.recall)) continue;
       std::string names;
       for (const auto& k : r.kernels[p]) {
         names += " " + k.first.substr(k.first.rfind(':') + 1) + (k.second > 1 ? "x" + std::to_string(k.second) : "");
@@ -889,7 +919,7 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
   std::fflush(stdout);
 }
 
-/// --count-ops: the loops (a)-(f) of one layout, heads, dtype and capacity.
+/// --count-ops: the loops (a)-(g) of one layout, heads, dtype and capacity.
 template <class Layout>
 std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   kvevict::detail::force_tensor_path() = true;  // read when a policy is built
@@ -909,6 +939,7 @@ std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 1, ragged));
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 16, ragged));
   loops.push_back(count_own_storage_loop("(f) EvictionPolicy + write_rows + apply_moves", c, a, 1));
+  loops.push_back(count_attend_loop<Layout>("(g) " + layout + " + recall every step", c, a, 16, {}, 4 * c.capacity));
   kvevict::detail::force_tensor_path() = a.tensor_path;
   return loops;
 }
