@@ -397,9 +397,9 @@ class CacheBase {
         keys.head_mean = tier_scoring == TierScoring::kHeadMean;
         for (size_t i = 0; i < specs_.size(); ++i) {
           const auto& spec = specs_[i];
-          groups.push_back(1);
-          for (auto o : spec.outer) groups.back() *= o;
-          row_bytes.push_back(groups.back() * spec.inner * static_cast<int64_t>(c10::elementSize(dtype_)));
+          const RowLayout rows(buffers_[0][i], token_dim(i));  // a token's rows: one per group
+          groups.push_back(rows.groups_per_row);
+          row_bytes.push_back(rows.groups_per_row * rows.row_bytes);
           if (spec.key) {
             keys.buffers.push_back(i);
             keys.shared = spec.outer.empty();  // latent: no head dim, every head meets the key

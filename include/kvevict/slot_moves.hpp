@@ -48,33 +48,35 @@ inline int64_t check_moves_buffer(const SlotMoves& moves, const at::Tensor& buff
   return buffer.size(token_dim);
 }
 
-/// Element offset of slot `slot` of group `g` (g over the dims between batch and token_dim,
-/// batch included) in a contiguous buffer, and the row size in elements.
+/// Where the rows of a contiguous buffer [B, outer..., slots, inner...] (token dim `token_dim`)
+/// lie: per batch row, `groups_per_row` groups (one per outer index), each `slots` rows of
+/// `row` elements (`row_bytes` bytes). The one description of row storage that the host
+/// moves, the caches' appends and the host tier's copies address rows with.
 struct RowLayout {
   int64_t groups_per_row;  // product of dims (0, token_dim) excluding the batch
   int64_t slots;           // size of token_dim
   int64_t row;             // elements per token row: product of dims after token_dim
+  int64_t row_bytes;       // row x the element size
   RowLayout(const at::Tensor& t, int64_t token_dim) : groups_per_row(1), slots(t.size(token_dim)), row(1) {
     for (int64_t d = 1; d < token_dim; ++d) groups_per_row *= t.size(d);
     for (int64_t d = token_dim + 1; d < t.dim(); ++d) row *= t.size(d);
+    row_bytes = row * static_cast<int64_t>(t.element_size());
   }
+  /// Byte offset of slot `slot` of group `g` of batch row `b`.
+  int64_t offset(int64_t b, int64_t g, int64_t slot) const { return ((b * groups_per_row + g) * slots + slot) * row_bytes; }
 };
 
 /// Host moves on a contiguous CPU buffer: per batch row, per group, memcpy each moved row.
 inline void apply_moves_host(const int64_t* src, const int64_t* dst, int64_t batch, int64_t n, int64_t stride,
                              const at::Tensor& buffer, int64_t token_dim) {
   const RowLayout L(buffer, token_dim);
-  const int64_t bytes = L.row * static_cast<int64_t>(buffer.element_size());
   auto* base = static_cast<char*>(buffer.data_ptr());
   if (n > 0) buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = src[b * stride + j], d = dst[b * stride + j];
       if (s == d) continue;
-      for (int64_t g = 0; g < L.groups_per_row; ++g) {
-        char* group = base + ((b * L.groups_per_row + g) * L.slots) * bytes;
-        std::memcpy(group + d * bytes, group + s * bytes, bytes);
-      }
+      for (int64_t g = 0; g < L.groups_per_row; ++g) std::memcpy(base + L.offset(b, g, d), base + L.offset(b, g, s), L.row_bytes);
     }
   }
 }
@@ -113,17 +115,16 @@ inline void scatter_rows(const at::Tensor& buffer, int64_t token_dim, const at::
 inline void write_rows_host(const at::Tensor& buffer, int64_t token_dim, const at::Tensor& rows, const int64_t* map) {
   const RowLayout L(buffer, token_dim);
   const auto src = rows.contiguous();
+  const RowLayout S(src, token_dim);
   const int64_t B = rows.size(0), T = rows.size(token_dim);
-  const int64_t bytes = L.row * static_cast<int64_t>(buffer.element_size());
   const auto* s = static_cast<const char*>(src.data_ptr());
   auto* d = static_cast<char*>(buffer.data_ptr());
   buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < L.groups_per_row; ++g) {
-      const int64_t group = b * L.groups_per_row + g;
       for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = map[b * T + t];
-        if (slot >= 0) std::memcpy(d + (group * L.slots + slot) * bytes, s + (group * T + t) * bytes, bytes);
+        if (slot >= 0) std::memcpy(d + L.offset(b, g, slot), s + S.offset(b, g, t), L.row_bytes);
       }
     }
   }
@@ -139,7 +140,7 @@ void append_rows_host(const at::Tensor& buffer, int64_t token_dim, const at::Ten
   const RowLayout L(buffer, token_dim);
   const auto sizes = src.sizes();
   const auto strides = src.strides();
-  const int64_t T = src.size(token_dim), elem = src.element_size(), row_bytes = L.row * elem;
+  const int64_t T = src.size(token_dim), elem = src.element_size(), row_bytes = L.row_bytes;
   const auto* s = static_cast<const char*>(src.data_ptr());
   buffer.unsafeGetTensorImpl()->bump_version();  // autograd sees the in-place write
   auto* d = static_cast<char*>(buffer.data_ptr());
@@ -154,7 +155,7 @@ void append_rows_host(const at::Tensor& buffer, int64_t token_dim, const at::Ten
         rest /= sizes[dim];
       }
       offset += (T - n) * strides[token_dim];
-      char* dst = d + ((b * L.groups_per_row + g) * L.slots + slot) * row_bytes;
+      char* dst = d + L.offset(b, g, slot);
       if (n == 1 || strides[token_dim] == L.row) {
         std::memcpy(dst, s + offset * elem, n * row_bytes);
       } else {

@@ -14,6 +14,7 @@
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/tensor_path.hpp>
+#include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
 
@@ -410,7 +411,7 @@ class LayerTier {
             const float* top_state, Rank&& rank) {
     for (size_t k = 0; k < tokens.size(); ++k) {
       const int64_t i = tokens[k], s = victims[k];
-      for_each_piece(b, i, buffers, slots, s, [&](uint8_t* t, uint8_t* c, size_t piece) {
+      for_each_piece(b, i, buffers, s, [&](uint8_t* t, uint8_t* c, size_t piece) {
         std::memcpy(swap_.data(), c, piece);
         std::memcpy(c, t, piece);
         std::memcpy(t, swap_.data(), piece);
@@ -435,7 +436,7 @@ class LayerTier {
              int64_t* position) {
     for (size_t k = 0; k < tokens.size(); ++k) {
       const auto s = static_cast<int64_t>(k);
-      for_each_piece(b, tokens[k], buffers, slots, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(c, t, piece); });
+      for_each_piece(b, tokens[k], buffers, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(c, t, piece); });
       position[b * slots + s] = row(b).position[tokens[k]];
     }
   }
@@ -444,7 +445,7 @@ class LayerTier {
              const int64_t* position, const float* state, Rank&& rank) {
     for (size_t k = 0; k < tokens.size(); ++k) {
       const auto s = static_cast<int64_t>(k);
-      for_each_piece(b, tokens[k], buffers, slots, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(t, c, piece); });
+      for_each_piece(b, tokens[k], buffers, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(t, c, piece); });
       replace(b, tokens[k], position[b * slots + s], state + (b * slots + s) * W_, rank);
     }
     refresh(b);
@@ -625,18 +626,17 @@ class LayerTier {
   }
 
  private:
-  /// Calls f(tier, cache, bytes) for each piece (a buffer's row of one key group) of row b's
-  /// tier token i and of slot s of `buffers` [B, outer..., slots, inner] (contiguous).
+  /// Calls f(tier, cache, bytes) for each piece (a buffer's row of one group, RowLayout) of row
+  /// b's tier token i and of slot s of `buffers` [B, outer..., slots, inner] (contiguous; a
+  /// tier token holds its groups' pieces side by side).
   template <class F>
-  void for_each_piece(int64_t b, int64_t i, const std::vector<at::Tensor>& buffers, int64_t slots, int64_t s, F&& f) {
+  void for_each_piece(int64_t b, int64_t i, const std::vector<at::Tensor>& buffers, int64_t s, F&& f) {
     auto& r = row(b);
     for (size_t j = 0; j < row_bytes_.size(); ++j) {
-      const int64_t piece = row_bytes_[j] / groups_[j];
+      const RowLayout R(buffers[j], buffers[j].dim() - 2);
       auto* base = static_cast<uint8_t*>(buffers[j].data_ptr());
       uint8_t* t = r.bytes[j].data() + i * row_bytes_[j];
-      for (int64_t g = 0; g < groups_[j]; ++g) {
-        f(t + g * piece, base + ((b * groups_[j] + g) * slots + s) * piece, static_cast<size_t>(piece));
-      }
+      for (int64_t g = 0; g < R.groups_per_row; ++g) f(t + g * R.row_bytes, base + R.offset(b, g, s), static_cast<size_t>(R.row_bytes));
     }
   }
 
@@ -678,13 +678,13 @@ class LayerTier {
         digests_[b].reserve(row(b).size() + n, max_position);
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
-    for (size_t i = 0; i < row_bytes_.size(); ++i) stride_[i] = slots * (row_bytes_[i] / groups_[i]);
+    for (size_t i = 0; i < row_bytes_.size(); ++i) stride_[i] = RowLayout(buffers[i], buffers[i].dim() - 2).offset(0, 1, 0);
     for (int64_t b = 0; b < B; ++b) {
       for (const int64_t s : evicted_[b]) {
         const float* token_state = st + (b * slots + s) * W_;
         for (size_t i = 0; i < row_bytes_.size(); ++i) {
           const auto* base = static_cast<const uint8_t*>(buffers[i].data_ptr());
-          src_[i] = base + (b * groups_[i] * slots + s) * (row_bytes_[i] / groups_[i]);
+          src_[i] = base + RowLayout(buffers[i], buffers[i].dim() - 2).offset(b, 0, s);
         }
         add(b, pos[b * slots + s], rank(token_state), token_state, src_, groups_, stride_);
       }
