@@ -590,7 +590,11 @@ class CacheBase {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
     settle_tier(layer);
-    const int64_t recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer]);
+    const int64_t recalled =
+        tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer],
+                             [&](const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& states) {
+                               policy_.exchange(layer, slots, positions, states);
+                             });
     if (recalled > 0 && policy_.host_path()) {  // the host path wrote the buffers with memcpy
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }

@@ -616,7 +616,8 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   using Base::append_prepared, Base::at, Base::base_slots_unchecked, Base::begin_observation, Base::check_row,
       Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation, Base::end_observation,
       Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
-      Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current;
+      Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current,
+      Base::exchange;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };
 

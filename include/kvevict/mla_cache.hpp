@@ -153,7 +153,8 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmul, O(H x
   ///       Q x pages x qk_dim), kHeadMean in the latent layout O(Q x pages x width); with
   ///       rescore, one [B, rescore] fp64 tensor, with kHeadMean one [B, Q, rescore] fp64 more, and O(H x Q x
-  ///       rescore x qk_dim) more). CPU host path: syncs nothing. Tensor path (CUDA): the digests'
+  ///       rescore x qk_dim) more), and the swap's [B, tokens] slots and positions and [B, tokens,
+  ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
   ///       asynchronous) and the pages are scored there without a sync; then the host waits
   ///       three times: for the query check, for the scores with the layer's positions and

@@ -92,6 +92,26 @@ class HostPath {
     }
   }
 
+  /// Recall's exchange: slot slots[b, k] of row b (the trash slot where a row has fewer) takes
+  /// the token at positions[b, k] with scorer state states[b, k] ([B, V] int64, [B, V] int64,
+  /// [B, V, W] fp32, CPU, contiguous). Allocates nothing, does not throw.
+  void exchange(const Core& /*c*/, LayerState& L, int64_t /*layer*/, const at::Tensor& slots, const at::Tensor& positions,
+                const at::Tensor& states) {
+    const int64_t B = slots.size(0), V = slots.size(1);
+    const auto* s = slots.template data_ptr<int64_t>();
+    const auto* p = positions.template data_ptr<int64_t>();
+    const auto* st = states.template data_ptr<float>();
+    auto* pos = L.position.template data_ptr<int64_t>();
+    auto* state = L.state.template data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t k = 0; k < V; ++k) {
+        const int64_t slot = s[b * V + k];
+        pos[b * L.slots + slot] = p[b * V + k];
+        std::copy(st + (b * V + k) * W, st + (b * V + k + 1) * W, state + (b * L.slots + slot) * W);
+      }
+    }
+  }
+
   /// The state of the new tokens (before the host counters advance): positions seen.., state 0.
   void append(const Core& c, LayerState& L, int64_t /*layer*/, const int64_t* counts, int64_t /*T*/) {
     auto* pos = L.position.template data_ptr<int64_t>();

@@ -152,6 +152,17 @@ class PolicyState {
   void save(TensorUndo& undo, int64_t layer, bool counters = true) const {
     if (!host_) tensor_path_.save(undo, at(layer), layer, counters);
   }
+  /// Recall's exchange step (the tier's swap calls it): in `layer`, slot slots[b, k] of each
+  /// row b takes the token at positions[b, k] with scorer state states[b, k] ([B, V] int64,
+  /// [B, V] int64, [B, V, W] fp32, on the policy's device, CPU contiguous on the host path; the
+  /// trash slot where a row has fewer). The tier keeps the tokens' rows; the policy keeps
+  /// their positions and states, and only it writes them. Host path: allocates nothing, does
+  /// not throw; tensor path: two scatter_s, under the caller's undo log.
+  void exchange(int64_t layer, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& states) {
+    auto& L = at(layer);
+    on_path([&](auto& p) { p.exchange(core_, L, layer, slots, positions, states); });
+  }
+
   /// Tensor path: what undoes append_prepared() of `map` on `layer` (TensorPath::save_append).
   void save_append(TensorUndo& undo, int64_t layer, const at::Tensor& map) {
     if (!host_) tensor_path_.save_append(undo, core_, at(layer), map);

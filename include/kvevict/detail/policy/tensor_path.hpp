@@ -373,6 +373,16 @@ class TensorPath {
     scratch_[layer].counters.narrow(1, 0, 1).copy_(w.new_len);
   }
 
+  /// Recall's exchange: slot slots[b, k] of row b (the trash slot where a row has fewer) takes
+  /// the token at positions[b, k] with scorer state states[b, k] ([B, V] int64, [B, V] int64,
+  /// [B, V, W] fp32, the policy's device): two scatter_s, no sync. A host-heap failure between
+  /// them is undone by the caller's log.
+  void exchange(const Core& /*c*/, LayerState& L, int64_t /*layer*/, const at::Tensor& slots, const at::Tensor& positions,
+                const at::Tensor& states) {
+    L.position.scatter_(1, slots, positions);
+    L.state.scatter_(1, slots.unsqueeze(2).expand({slots.size(0), slots.size(1), W}), states);
+  }
+
   /// Truncate: seen tokens (and the recent window's start) of `row` go back by `k` (a 0-d int64
   /// on the device, made beforehand: no allocation).
   void rewind(const Core& /*c*/, LayerState& /*L*/, int64_t layer, int64_t row, const at::Tensor& k) {

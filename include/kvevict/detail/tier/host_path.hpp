@@ -155,15 +155,34 @@ class TierHostPath {
   }
 
   /// recall's swap step: LayerTier::swap() of each row's picked tokens with its victims, in
-  /// place (allocates nothing after the plan's reserve_recall(); does not throw).
-  template <class Tier, class Rank>
-  void swap(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers,
-            int64_t /*layer*/, Rank&& rank) {
-    for (size_t b = 0; b < plan.picked.size(); ++b) {
-      if (plan.picked[b].empty()) continue;
-      tier.swap(static_cast<int64_t>(b), plan.picked[b], plan.victims[b], buffers, L.slots,
-                L.position.template data_ptr<int64_t>(), L.state.template data_ptr<float>(), plan.top[b].data(), rank);
+  /// place, then `exchange(slots, positions, states)` gives the victims' slots the recalled
+  /// tokens' positions and the plan's state ([B, V] int64, [B, V] int64, [B, V, W] fp32, CPU;
+  /// the trash slot where a row has fewer). Allocates those three first (a throw there changes
+  /// nothing); nothing after, and does not throw then.
+  template <class Tier, class Rank, class Exchange>
+  void swap(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
+            int64_t /*layer*/, Rank&& rank, Exchange&& exchange) {
+    const auto B = static_cast<int64_t>(plan.picked.size()), W = L.state.size(2);
+    int64_t V = 0;
+    for (const auto& p : plan.picked) V = std::max(V, static_cast<int64_t>(p.size()));
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    const auto slots = at::full({B, V}, L.slots - 1, i64), positions = at::full({B, V}, -1, i64);
+    const auto states = at::zeros({B, V, W}, at::TensorOptions().dtype(at::kFloat));
+    auto* s = slots.template data_ptr<int64_t>();
+    auto* st = states.template data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const auto& picked = plan.picked[static_cast<size_t>(b)];
+      if (picked.empty()) continue;
+      const auto& victims = plan.victims[static_cast<size_t>(b)];
+      const auto& top = plan.top[static_cast<size_t>(b)];
+      tier.swap(b, picked, victims, buffers, L.slots, L.position.template data_ptr<int64_t>(),
+                L.state.template data_ptr<float>(), rank, positions.template data_ptr<int64_t>() + b * V);
+      for (size_t k = 0; k < victims.size(); ++k) {
+        s[b * V + static_cast<int64_t>(k)] = victims[k];
+        std::copy(top.begin(), top.end(), st + (b * V + static_cast<int64_t>(k)) * W);
+      }
     }
+    exchange(slots, positions, states);
   }
 
   /// Device bytes held: none.

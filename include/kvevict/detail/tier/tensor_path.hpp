@@ -252,9 +252,9 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
 /// one host wait, for the victims to arrive; the tokens go up without one.
 /// \throws c10::Error naming recall and `layer` on an allocation failure (before any write) or
 /// a failed write (undone); the cache and the tier are unchanged then.
-template <class Tier, class Rank>
-void swap_on_device(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers,
-                    int64_t layer, Rank&& rank) {
+template <class Tier, class Rank, class Exchange>
+void swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
+                    int64_t layer, Rank&& rank, Exchange&& exchange) {
   const auto& picked = plan.picked;
   const auto& victims = plan.victims;
   const auto& top = plan.top;
@@ -302,18 +302,13 @@ void swap_on_device(Tier& tier, const RecallPlan& plan, LayerState& L, const std
       const auto buf = buffers[i], where = index[i], was = out_dev[i];
       undo.on_failure([buf, where, was] { buf.scatter_(buf.dim() - 2, where, was); });
     }
-    const auto position = L.position, st = L.state;
-    undo.on_failure([position, st, ix, ix_state, pos_dev, state_dev] {
-      position.scatter_(1, ix, pos_dev);
-      st.scatter_(1, ix_state, state_dev);
-    });
+    undo.on_failure([&exchange, ix, pos_dev, state_dev] { exchange(ix, pos_dev, state_dev); });
   }, [&](const std::string& why) {
     KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, " on ", device, ": ", why);
   });
   undo.commit("recall", [&] {
     for (size_t i = 0; i < buffers.size(); ++i) buffers[i].scatter_(buffers[i].dim() - 2, index[i], in_dev[i]);
-    L.position.scatter_(1, ix, in_pos_dev);
-    L.state.scatter_(1, ix_state, in_state_dev);
+    exchange(ix, in_pos_dev, in_state_dev);  // the policy's positions and states
   });
   for (int64_t b = 0; b < B; ++b) {
     if (!picked[b].empty())
@@ -396,10 +391,10 @@ class TierTensorPath {
   }
 
   /// recall's swap step: swap_on_device() (all or nothing).
-  template <class Tier, class Rank>
-  void swap(Tier& tier, const RecallPlan& plan, LayerState& L, const std::vector<at::Tensor>& buffers, int64_t layer,
-            Rank&& rank) {
-    swap_on_device(tier, plan, L, buffers, layer, rank);
+  template <class Tier, class Rank, class Exchange>
+  void swap(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
+            int64_t layer, Rank&& rank, Exchange&& exchange) {
+    swap_on_device(tier, plan, L, buffers, layer, rank, exchange);
   }
 
   /// Device bytes the digests' copy holds (after a recall; else 0).

@@ -226,16 +226,19 @@ class LayerTier {
   /// the host with a host copy of the queries. swap_on_device() gathers the victims' rows,
   /// positions and states to the host (one wait), writes the tier tokens into their slots in
   /// place without a wait (under an undo log), then stores the victims in the tier.
-  template <class Core>
-  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore, LayerState& L,
-                 const Core& core, const std::vector<at::Tensor>& buffers) {
+  ///
+  /// The tier writes rows of `buffers` and its own storage; the policy's positions and states
+  /// change only through `exchange(slots, positions, states)` (PolicyState::exchange()).
+  template <class Core, class Exchange>
+  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
+                 const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers, Exchange&& exchange) {
     const auto scores = on_path([&](auto& p) {
       return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, L, core);
     });
     const auto plan = plan_recall(layer, scores, query, scale, tokens, rescore, L, core);
     if (plan.recalled == 0) return 0;
     const auto rank = [&](const float* state) { return core.scorer.rank(state); };
-    on_path([&](auto& p) { p.swap(*this, plan, L, buffers, layer, rank); });
+    on_path([&](auto& p) { p.swap(*this, plan, L, buffers, layer, rank, exchange); });
     recalled_ += plan.recalled;
     return plan.recalled;
   }
@@ -400,15 +403,17 @@ class LayerTier {
     for (size_t k = 0; k < order.size() && static_cast<int64_t>(k) < limit; ++k) out.push_back(pool[order[k]]);
   }
 
-  /// Exchanges row b's tier tokens `tokens[k]` with the cache slots `victims[k]`: every
-  /// buffer's rows bit for bit (`buffers` [B, outer..., slots, inner], contiguous), the
-  /// positions (`position` [B, slots]) and the scorer states (`state` [B, slots, W]). A
-  /// recalled token's state becomes `top_state`; a victim enters the tier with its own state and
-  /// rank(state) as its rank. The digests follow. Allocates nothing after reserve_recall().
+  /// Exchanges the rows of row b's tier tokens `tokens[k]` with those of the cache slots
+  /// `victims[k]`, bit for bit in every buffer (`buffers` [B, outer..., slots, inner],
+  /// contiguous); each victim enters the tier with its position and scorer state from the
+  /// policy's `position` [B, slots] and `state` [B, slots, W] (read only; rank(state) its rank)
+  /// and `recalled[k]` gets token k's position: the policy then gives the slots their new
+  /// positions and states (PolicyState::exchange()). The digests follow. Allocates nothing
+  /// after reserve_recall().
   template <class Rank>
   void swap(int64_t b, const std::vector<int64_t>& tokens, const std::vector<int64_t>& victims,
-            const std::vector<at::Tensor>& buffers, int64_t slots, int64_t* position, float* state,
-            const float* top_state, Rank&& rank) {
+            const std::vector<at::Tensor>& buffers, int64_t slots, const int64_t* position, const float* state,
+            Rank&& rank, int64_t* recalled) {
     for (size_t k = 0; k < tokens.size(); ++k) {
       const int64_t i = tokens[k], s = victims[k];
       for_each_piece(b, i, buffers, s, [&](uint8_t* t, uint8_t* c, size_t piece) {
@@ -416,11 +421,8 @@ class LayerTier {
         std::memcpy(c, t, piece);
         std::memcpy(t, swap_.data(), piece);
       });
-      float* cs = state + (b * slots + s) * W_;
-      const int64_t recalled = row(b).position[i];
-      replace(b, i, position[b * slots + s], cs, rank);
-      position[b * slots + s] = recalled;
-      std::copy(top_state, top_state + W_, cs);
+      recalled[k] = row(b).position[i];
+      replace(b, i, position[b * slots + s], state + (b * slots + s) * W_, rank);
     }
     refresh(b);
   }
