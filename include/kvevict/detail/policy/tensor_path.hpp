@@ -14,7 +14,7 @@
 // host sync and no host-to-device copy.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/policy/host_path.hpp>
+#include <kvevict/detail/policy/checks.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/policy/slot_plan.hpp>
 #include <kvevict/detail/reduction.hpp>
