@@ -15,6 +15,7 @@
 #include <numeric>
 #include <set>
 #include <utility>
+#include <limits>
 #include <vector>
 
 using Catch::Matchers::Contains;
@@ -1166,6 +1167,44 @@ TEST_CASE("the digests hold only the pages in use, after a long append too; pads
   qa[1][0][0].fill_(NAN);  // row 1's real column
   CHECK_THAT(kvevict_test::message_of([&] { r.recall_absorbed(0, qa, at::randn({2, 1, 2, 2}), 1.0, 4); }),
              Contains("queries of row 1 must be finite"));
+}
+
+TEST_CASE("with observation checks off, recall reads nothing of the queries: a row with a non-finite one recalls nothing",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  const int64_t two_level = GENERATE(0, 4);  // whole pages; a pool of 4 rescored
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path, two_level);
+  at::manual_seed(41);
+  const auto make = [] {
+    return kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(1, 2).batch_size(2).kv_lora_rank(4).qk_rope_dim(2)
+                                       .tier_tokens(16).tier_page_size(2).check_observations(false),
+                                   EvictionOptions(3).n_sink(1).n_recent(1));
+  };
+  auto c = make(), twin = make();
+  const auto ckv = at::randn({2, 12, 4}), kpe = at::randn({2, 12, 2}), scores = at::rand({2, 12});
+  const auto ckv1 = at::randn({2, 1, 4}), kpe1 = at::randn({2, 1, 2});
+  for (auto* x : {&c, &twin}) {
+    x->update(0, ckv, kpe);
+    x->add_scores(0, scores);
+    x->evict(0);              // 7 tokens per row go to the tier
+    x->update(0, ckv1, kpe1);  // one decode token: the heavy hitters below the window are victims
+  }
+  auto qa = at::randn({2, 2, 1, 4});
+  const auto qp = at::randn({2, 2, 1, 2});
+  const auto good = qa.clone();
+  qa[1][1][0][2] = std::numeric_limits<float>::infinity();  // one head of row 1's query
+  kvevict_test::OpRecorder rec;
+  const int64_t n = c.recall_absorbed(0, qa, qp, 1.0, 2, two_level);
+  CHECK(rec.counts().syncs == 0);  // no item(): the queries are not checked
+  // Row 1 recalls nothing; row 0 recalls what it recalls with the same query in a twin whose
+  // row 1 query is finite.
+  CHECK(kvevict_test::to_vec<int64_t>(c.positions(0)[1]) == kvevict_test::to_vec<int64_t>(twin.positions(0)[1]));
+  CHECK(c.tier_positions(0, 1).equal(twin.tier_positions(0, 1)));
+  twin.recall_absorbed(0, good, qp, 1.0, 2, two_level);
+  CHECK(kvevict_test::to_vec<int64_t>(c.positions(0)[0]) == kvevict_test::to_vec<int64_t>(twin.positions(0)[0]));
+  CHECK(n == c.stats().tier_recalled);
+  CHECK(n > 0);  // row 0 did recall
 }
 
 namespace {

@@ -147,8 +147,10 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///               pool per row, in tokens, at least tier_page_size.
   /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
-  ///         real query (pads and free rows may hold anything) or scale, a negative budget or rescore,
-  ///         a two-level rescore smaller than a page, an open observation, or when an
+  ///         real query (pads and free rows may hold anything; checked with observation checks
+  ///         on, the CPU's default: one read of the device; with them off, CUDA's default, a row
+  ///         whose real queries are not finite recalls nothing) or scale, a negative budget or
+  ///         rescore, a two-level rescore smaller than a page, an open observation, or when an
   ///         allocation fails (the scoring's on the device names it); nothing changes then.
   /// \note Allocates its scoring temporaries (one [B, pages] fp64 tensor and the matmul, O(H x
   ///       Q x pages x qk_dim), kHeadMean in the latent layout O(Q x pages x width); with
@@ -157,7 +159,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
   ///       asynchronous) and the pages are scored there without a sync; then the host waits
-  ///       three times: for the query check, for the scores with the layer's positions and
+  ///       three times: for the query check (with observation checks on), for the scores with the layer's positions and
   ///       states, and for the victims' rows (pinned copies); the swapped rows go back without
   ///       a wait (O(pages + capacity) bookkeeping, 2 x tokens rows per row); a two-level pool
   ///       is scored on the host with a copy of the queries (one wait more). The first

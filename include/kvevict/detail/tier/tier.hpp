@@ -164,8 +164,11 @@ class LayerTier {
 
   /// recall()'s input checks past the layout's shapes, naming `call`: no open observation on `L`,
   /// scale finite and > 0, tokens and rescore in [0, 2^40], a two-level rescore (> tokens) of
-  /// at least one page, and every row's real query columns [B, H, Q, D] finite (as in
-  /// observe(), pads and free rows may hold anything). Throws c10::Error.
+  /// at least one page, and, with observation checks on (core.check: the CPU's default), every
+  /// row's real query columns [B, H, Q, D] finite (as in observe(), pads and free rows may hold
+  /// anything): one read of the device. With checks off (CUDA's default) the queries are not
+  /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
+  /// (pick() and pick_tokens() take only scores > 0). Throws c10::Error.
   template <class Core>
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore, const LayerState& L, const Core& core) const {
@@ -179,6 +182,7 @@ class LayerTier {
     KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size(), call, ": rescore must be <= tokens (", tokens,
                         ", whole pages) or hold at least one page (tier_page_size ", page_size(),
                         ") for two-level recall, got ", rescore);
+    if (!core.check) return;
     // One read of the device for every row: per row, whether a real column is not finite.
     const int64_t B = query.size(0), Q = query.size(2);
     bool all_real = true;
