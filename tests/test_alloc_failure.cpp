@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <functional>
 #include <new>
 #include <string>
@@ -29,13 +30,14 @@ using Catch::Matchers::Contains;
 namespace alloc_fault {
 
 // Per thread: only the thread that armed the counter fails (LibTorch's pools go on).
-thread_local int64_t t_fail_at = 0;  // 0: disarmed; else the allocation number that fails
+thread_local int64_t t_fail_at = 0;  // 0: disarmed; else the first allocation number that fails
+thread_local int64_t t_window = 1;   // how many allocations fail from there
 thread_local int64_t t_count = 0;    // allocations counted since armed
-thread_local bool t_fired = false;   // the armed allocation failed
+thread_local bool t_fired = false;   // an armed allocation failed
 
 inline void* allocate(std::size_t n) {
-  if (t_fail_at > 0 && ++t_count == t_fail_at) {
-    t_fail_at = 0;  // one failure per arming
+  if (t_fail_at > 0 && ++t_count >= t_fail_at) {
+    if (t_count - t_fail_at >= t_window - 1) t_fail_at = 0;  // the window's last failure
     t_fired = true;
     throw std::bad_alloc();
   }
@@ -44,11 +46,13 @@ inline void* allocate(std::size_t n) {
   return p;
 }
 
-/// While alive, the k-th operator new on this thread throws std::bad_alloc (once).
+/// While alive, the k-th operator new on this thread throws std::bad_alloc, and so do the
+/// `window` - 1 after it (1: once; a huge window: a heap that stays exhausted).
 struct AllocFault {
-  explicit AllocFault(int64_t k) {
+  explicit AllocFault(int64_t k, int64_t window = 1) {
     t_count = 0;
     t_fired = false;
+    t_window = window;
     t_fail_at = k;
   }
   ~AllocFault() { t_fail_at = 0; }
@@ -383,6 +387,56 @@ void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
 
 }  // namespace
 
+/// The heap stays exhausted: allocations k .. k + window - 1 of the call fail, so restoring
+/// and making the error's message may fail too. The call must leave the cache as it was, or
+/// say that the state is partly changed (in its message, or, when not even that could be
+/// made, through restore_failed() behind a raw std::bad_alloc); reset() then recovers it.
+/// `restores_on_cpu`: every write of the call's commit is put back with memcpy on the CPU,
+/// which cannot fail: the cache must then be unchanged at every k.
+template <class Cache>
+void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window, bool restores_on_cpu) {
+  constexpr int64_t kMaxAllocations = 4000;
+  const auto prepare = [&](Cache& c) {
+    at::manual_seed(29);
+    return s.setup(c);
+  };
+  auto ref = make_cache<Cache>(tensor_path);
+  auto ref_call = prepare(ref);
+  const auto before = full_snapshot(ref);
+  int64_t partly = 0;
+  for (int64_t k = 1; k <= kMaxAllocations; ++k) {
+    auto c = make_cache<Cache>(tensor_path);
+    auto call = prepare(c);
+    std::string what;
+    bool bad_alloc = false, fired = false, restore_failed = false;
+    {
+      AllocFault fault(k, window);
+      try {
+        call();
+      } catch (const c10::Error& e) {
+        what = e.what_without_backtrace();
+      } catch (const std::bad_alloc&) {
+        bad_alloc = true;
+        restore_failed = kvevict::detail::restore_failed();
+      }
+      fired = AllocFault::fired();
+    }
+    if (!fired) return;
+    INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << what << ")");
+    const bool said_partly = what.find("partly changed") != std::string::npos || restore_failed;
+    if (said_partly) {
+      ++partly;
+      CHECK_FALSE(restores_on_cpu);
+      CHECK_NOTHROW(c.reset());
+      CHECK(c.size(0) == 0);
+      continue;
+    }
+    if (!bad_alloc && what.empty()) continue;  // absorbed (a shrink that keeps the larger buffers)
+    CHECK(same(full_snapshot(c), before));
+  }
+  FAIL(s.name << ": no success within " << kMaxAllocations << " allocations");
+}
+
 TEST_CASE("the injected allocation failure fires at the k-th operator new of its thread only",
           "[alloc_failure][cpu]") {
   {
@@ -487,4 +541,26 @@ TEST_CASE("a host-heap failure among EvictionPolicy's tensor-path writes changes
     CHECK(k < 4000);
     CHECK(restored > 0);  // the undo log ran
   }
+}
+
+// A heap that stays exhausted (issue 29's break-it round): restoring must not need the heap
+// where it can be helped (on the CPU the undo log writes back with memcpy), and where it does,
+// the caller is told that the state is partly changed, never that nothing changed.
+TEST_CASE("a host-heap failure that lasts leaves the cache as it was, or says it is partly changed",
+          "[alloc_failure][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  const int64_t window = GENERATE(int64_t{4}, int64_t{1} << 40);
+  CAPTURE(tensor_path, window);
+  const std::vector<std::string> restores_on_cpu = {"update, one token", "evict (a pass that shrinks the buffers)",
+                                                    "evict_now", "truncate", "finish", "reset(row)"};
+  const auto run = [&](auto all) {
+    for (const auto& s : all) {
+      CAPTURE(s.name);
+      const bool memcpy_only =
+          std::find(restores_on_cpu.begin(), restores_on_cpu.end(), s.name) != restores_on_cpu.end();
+      check_exhausted(s, tensor_path, window, memcpy_only);
+    }
+  };
+  SECTION("expanded") { run(scenarios<kvevict::MlaCache>()); }
+  SECTION("latent") { run(scenarios<kvevict::MlaLatentCache>()); }
 }

@@ -107,6 +107,15 @@ void allocating(Allocate&& allocate, Fail&& fail) {
   }
 }
 
+/// Set (on this thread) when a TensorUndo (tensor_undo.hpp) could not restore what its commit
+/// had written; host_heap() clears it when a call starts and reads it when a host-heap failure
+/// escapes, so that a failure to make even the "partly changed" message is not reported as
+/// "nothing changed".
+inline bool& restore_failed() {
+  static thread_local bool failed = false;
+  return failed;
+}
+
 /// Runs the body `f` of the public call `call` (e.g. "update") and returns what it returns; a
 /// host-heap failure that escapes it (std::bad_alloc, std::length_error: a std::vector, a
 /// LibTorch TensorImpl or c10::List) becomes the documented c10::Error, "kvevict: <call>: out
@@ -114,12 +123,16 @@ void allocating(Allocate&& allocate, Fail&& fail) {
 /// inside the body, after kvevict's checks (its indexing reports a failed host allocation as
 /// an IndexError "shape mismatch"), becomes a c10::Error "kvevict: <call>: <its message>". The
 /// body keeps its own all-or-nothing guarantee: this only renames the failure. kvevict's own
-/// errors, LibTorch's other typed errors and everything else pass through unchanged.
+/// errors, LibTorch's other typed errors and everything else pass through unchanged. When the
+/// heap is so exhausted that not even this message can be made, std::bad_alloc escapes.
 template <class F>
 decltype(auto) host_heap(const char* call, F&& f) {
+  restore_failed() = false;
   try {
     return f();
   } catch (const std::bad_alloc& e) {
+    KVEVICT_CHECK(!restore_failed(), call, ": out of host memory (", e.what(), "), and restoring what its commit had "
+                  "written failed too: the state is partly changed; reset() it");
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");
   } catch (const std::length_error& e) {
     KVEVICT_CHECK(false, call, ": out of host memory (", e.what(), ")");

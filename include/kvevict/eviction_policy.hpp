@@ -359,28 +359,30 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \note With checks on, the tensor path syncs with the host twice (the input check, the
   ///       rank check).
   void observe(int64_t layer, const at::Tensor& probs) {
-    auto& L = at(layer);
-    const int64_t S = detail::max_of(L.len);
-    if (!detail::has_shape(probs, {batch_size(), num_heads(), -1, S}) || probs.layout() != at::kStrided) {
-      detail::check_tensor(probs, "attention probs", core_.device);
-      detail::check_shape(probs, "attention probs", {batch_size(), num_heads(), -1, S}, {"B", "H", "Q", "S"},
-                          "[B, H, Q, S] with S = size(layer), the longest row");
-    }
-    detail::check_floating(probs, "attention probs");
-    detail::check_device(probs, "attention probs", core_.device);
-    KVEVICT_CHECK(S >= 1, "attention probs: the layer holds no token (append first)");
-    KVEVICT_CHECK(probs.size(2) >= 1 && probs.size(2) <= detail::max_of(L.seen), "attention probs: Q must be in [1, ",
-                  detail::max_of(L.seen), "], got ", probs.size(2), " (at most the seen tokens)");
-    at::NoGradGuard no_grad;
-    const int64_t Q = probs.size(2);
-    L.open_q = Q;  // one piece: the path's observe() is begin + add + end
-    try {
-      on_path([&](auto& p) { p.observe(core_, L, layer, probs); });
-    } catch (...) {
+    detail::host_heap("observe", [&] {
+      auto& L = at(layer);
+      const int64_t S = detail::max_of(L.len);
+      if (!detail::has_shape(probs, {batch_size(), num_heads(), -1, S}) || probs.layout() != at::kStrided) {
+        detail::check_tensor(probs, "attention probs", core_.device);
+        detail::check_shape(probs, "attention probs", {batch_size(), num_heads(), -1, S}, {"B", "H", "Q", "S"},
+                            "[B, H, Q, S] with S = size(layer), the longest row");
+      }
+      detail::check_floating(probs, "attention probs");
+      detail::check_device(probs, "attention probs", core_.device);
+      KVEVICT_CHECK(S >= 1, "attention probs: the layer holds no token (append first)");
+      KVEVICT_CHECK(probs.size(2) >= 1 && probs.size(2) <= detail::max_of(L.seen), "attention probs: Q must be in [1, ",
+                    detail::max_of(L.seen), "], got ", probs.size(2), " (at most the seen tokens)");
+      at::NoGradGuard no_grad;
+      const int64_t Q = probs.size(2);
+      L.open_q = Q;  // one piece: the path's observe() is begin + add + end
+      try {
+        on_path([&](auto& p) { p.observe(core_, L, layer, probs); });
+      } catch (...) {
+        L.open_q = 0;
+        throw;
+      }
       L.open_q = 0;
-      throw;
-    }
-    L.open_q = 0;
+    });
   }
 
   /// Starts an observation of Q query columns that arrives in pieces: observe_add() each
@@ -397,14 +399,16 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \note An H x Q bit map of the cells added (allocated only when it grows). Tensor path: also
   ///       one [B, S] fp64 buffer until observe_end().
   void observe_begin(int64_t layer, int64_t Q) {
-    auto& L = at(layer);
-    L.open_q = 0;
-    KVEVICT_CHECK(detail::max_of(L.len) >= 1, "observe_begin: the layer holds no token (append first)");
-    KVEVICT_CHECK_VALUE(Q >= 1 && Q <= detail::max_of(L.seen), "observe_begin: Q must be in [1, ", detail::max_of(L.seen), "], got ",
-                        Q, " (at most the seen tokens)");
-    at::NoGradGuard no_grad;
-    L.open_cover.assign(static_cast<size_t>(num_heads() * Q), false);
-    begin_observation(L, layer, Q);
+    detail::host_heap("observe_begin", [&] {
+      auto& L = at(layer);
+      L.open_q = 0;
+      KVEVICT_CHECK(detail::max_of(L.len) >= 1, "observe_begin: the layer holds no token (append first)");
+      KVEVICT_CHECK_VALUE(Q >= 1 && Q <= detail::max_of(L.seen), "observe_begin: Q must be in [1, ", detail::max_of(L.seen), "], got ",
+                          Q, " (at most the seen tokens)");
+      at::NoGradGuard no_grad;
+      L.open_cover.assign(static_cast<size_t>(num_heads() * Q), false);
+      begin_observation(L, layer, Q);
+    });
   }
 
   /// Adds one piece of the observation opened by observe_begin(): the probabilities of query
@@ -418,36 +422,38 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   ///         (head, query column) of the piece was already added (named), or (checks on) as
   ///         observe(); the open observation is discarded then and the state is unchanged.
   void observe_add(int64_t layer, const at::Tensor& probs, int64_t q_begin, int64_t h_begin) {
-    auto& L = at(layer);
-    KVEVICT_CHECK(L.open_q > 0, "observe_add: no observation is open on layer ", layer,
-                  " (observe_begin() first; an append, pass or reset in between discards it)");
-    try {
-      const int64_t S = detail::max_of(L.len), Q = L.open_q;
-      detail::check_tensor(probs, "attention probs", core_.device);
-      detail::check_shape(probs, "attention probs", {batch_size(), -1, -1, S}, {"B", "Hc", "Qc", "S"},
-                          "[B, Hc, Qc, S] with S = size(layer)");
-      detail::check_floating(probs, "attention probs");
-      detail::check_device(probs, "attention probs", core_.device);
-      const int64_t Hc = probs.size(1), Qc = probs.size(2);
-      KVEVICT_CHECK_VALUE(h_begin >= 0 && Hc >= 1 && h_begin + Hc <= num_heads(), "observe_add: heads [", h_begin,
-                          ", ", h_begin + Hc, ") must lie in [0, H = ", num_heads(), ")");
-      KVEVICT_CHECK_VALUE(q_begin >= 0 && Qc >= 1 && q_begin + Qc <= Q, "observe_add: query columns [", q_begin, ", ",
-                          q_begin + Qc, ") must lie in [0, Q = ", Q, ")");
-      for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
-        for (int64_t q = q_begin; q < q_begin + Qc; ++q) {
-          KVEVICT_CHECK(!L.open_cover[h * Q + q], "observe_add: (head ", h, ", query column ", q,
-                        ") was already added to this observation; each (head, query column) must come once");
+    detail::host_heap("observe_add", [&] {
+      auto& L = at(layer);
+      KVEVICT_CHECK(L.open_q > 0, "observe_add: no observation is open on layer ", layer,
+                    " (observe_begin() first; an append, pass or reset in between discards it)");
+      try {
+        const int64_t S = detail::max_of(L.len), Q = L.open_q;
+        detail::check_tensor(probs, "attention probs", core_.device);
+        detail::check_shape(probs, "attention probs", {batch_size(), -1, -1, S}, {"B", "Hc", "Qc", "S"},
+                            "[B, Hc, Qc, S] with S = size(layer)");
+        detail::check_floating(probs, "attention probs");
+        detail::check_device(probs, "attention probs", core_.device);
+        const int64_t Hc = probs.size(1), Qc = probs.size(2);
+        KVEVICT_CHECK_VALUE(h_begin >= 0 && Hc >= 1 && h_begin + Hc <= num_heads(), "observe_add: heads [", h_begin,
+                            ", ", h_begin + Hc, ") must lie in [0, H = ", num_heads(), ")");
+        KVEVICT_CHECK_VALUE(q_begin >= 0 && Qc >= 1 && q_begin + Qc <= Q, "observe_add: query columns [", q_begin, ", ",
+                            q_begin + Qc, ") must lie in [0, Q = ", Q, ")");
+        for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
+          for (int64_t q = q_begin; q < q_begin + Qc; ++q) {
+            KVEVICT_CHECK(!L.open_cover[h * Q + q], "observe_add: (head ", h, ", query column ", q,
+                          ") was already added to this observation; each (head, query column) must come once");
+          }
         }
+        at::NoGradGuard no_grad;
+        add_observation(L, layer, probs, q_begin, h_begin);
+        for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
+          for (int64_t q = q_begin; q < q_begin + Qc; ++q) L.open_cover[h * Q + q] = true;
+        }
+      } catch (...) {
+        L.open_q = 0;
+        throw;
       }
-      at::NoGradGuard no_grad;
-      add_observation(L, layer, probs, q_begin, h_begin);
-      for (int64_t h = h_begin; h < h_begin + Hc; ++h) {
-        for (int64_t q = q_begin; q < q_begin + Qc; ++q) L.open_cover[h * Q + q] = true;
-      }
-    } catch (...) {
-      L.open_q = 0;
-      throw;
-    }
+    });
   }
 
   /// Applies the observation opened by observe_begin() to the scorer, as observe() does.
@@ -455,31 +461,33 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   ///         (named), or (checks on) as observe(); the observation is closed and the state
   ///         unchanged then.
   void observe_end(int64_t layer) {
-    auto& L = at(layer);
-    KVEVICT_CHECK(L.open_q > 0, "observe_end: no observation is open on layer ", layer,
-                  " (observe_begin() first; an append, pass or reset in between discards it)");
-    try {
-      const int64_t Q = L.open_q, from = Q - detail::counted_queries(core_.scorer, Q);
-      int64_t covered = 0, missing = -1;  // counted cells added; the first missing one (h * Q + q)
-      for (int64_t h = 0; h < num_heads(); ++h) {
-        for (int64_t q = from; q < Q; ++q) {
-          if (L.open_cover[h * Q + q]) {
-            ++covered;
-          } else if (missing < 0) {
-            missing = h * Q + q;
+    detail::host_heap("observe_end", [&] {
+      auto& L = at(layer);
+      KVEVICT_CHECK(L.open_q > 0, "observe_end: no observation is open on layer ", layer,
+                    " (observe_begin() first; an append, pass or reset in between discards it)");
+      try {
+        const int64_t Q = L.open_q, from = Q - detail::counted_queries(core_.scorer, Q);
+        int64_t covered = 0, missing = -1;  // counted cells added; the first missing one (h * Q + q)
+        for (int64_t h = 0; h < num_heads(); ++h) {
+          for (int64_t q = from; q < Q; ++q) {
+            if (L.open_cover[h * Q + q]) {
+              ++covered;
+            } else if (missing < 0) {
+              missing = h * Q + q;
+            }
           }
         }
+        KVEVICT_CHECK(missing < 0, "observe_end: (head ", missing / Q, ", query column ", missing % Q,
+                      ") was never added: the pieces covered ", covered,
+                      " (head, counted query column) cells, expected H x counted columns = ", num_heads() * (Q - from),
+                      "; the state is unchanged");
+        at::NoGradGuard no_grad;
+        end_observation(L, layer);
+      } catch (...) {
+        L.open_q = 0;
+        throw;
       }
-      KVEVICT_CHECK(missing < 0, "observe_end: (head ", missing / Q, ", query column ", missing % Q,
-                    ") was never added: the pieces covered ", covered,
-                    " (head, counted query column) cells, expected H x counted columns = ", num_heads() * (Q - from),
-                    "; the state is unchanged");
-      at::NoGradGuard no_grad;
-      end_observation(L, layer);
-    } catch (...) {
-      L.open_q = 0;
-      throw;
-    }
+    });
   }
 
   /// True while an observation opened by observe_begin() on `layer` waits for observe_end().
@@ -497,16 +505,18 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::Error on a bad layer, shape, dtype or device, or (checks on) a non-finite
   ///         resulting rank; nothing changes then.
   void add_scores(int64_t layer, const at::Tensor& scores) {
-    auto& L = at(layer);
-    const int64_t S = detail::max_of(L.len);
-    if (!detail::has_shape(scores, {batch_size(), S}) || scores.layout() != at::kStrided) {
-      detail::check_tensor(scores, "scores", core_.device);
-      detail::check_shape(scores, "scores", {batch_size(), S}, {"B", "S"}, "[B, S] with S = size(layer)");
-    }
-    detail::check_floating(scores, "scores");
-    detail::check_device(scores, "scores", core_.device);
-    at::NoGradGuard no_grad;
-    on_path([&](auto& p) { p.add_scores(core_, L, layer, scores); });
+    detail::host_heap("add_scores", [&] {
+      auto& L = at(layer);
+      const int64_t S = detail::max_of(L.len);
+      if (!detail::has_shape(scores, {batch_size(), S}) || scores.layout() != at::kStrided) {
+        detail::check_tensor(scores, "scores", core_.device);
+        detail::check_shape(scores, "scores", {batch_size(), S}, {"B", "S"}, "[B, S] with S = size(layer)");
+      }
+      detail::check_floating(scores, "scores");
+      detail::check_device(scores, "scores", core_.device);
+      at::NoGradGuard no_grad;
+      on_path([&](auto& p) { p.add_scores(core_, L, layer, scores); });
+    });
   }
 
   /// lazy_reduction: reduces the observations of `layer` not yet applied (reduce_contributions,
@@ -517,7 +527,9 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::IndexError for a bad layer; what the reducer throws; with checks on,
   ///         c10::Error on a non-finite resulting rank. The state and the pending sums are then
   ///         unchanged.
-  void flush(int64_t layer) { flush_layer(at(layer), layer); }
+  void flush(int64_t layer) {
+    detail::host_heap("flush", [&] { flush_layer(at(layer), layer); });
+  }
 
   /// lazy_reduction: true while `layer` holds observations that flush() has yet to apply.
   bool pending(int64_t layer) const { return at(layer).pending_terms > 0; }
@@ -584,17 +596,19 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
   ///         the sizes if the state cannot be allocated. Nothing changes then.
   void reserve(int64_t tokens) {
-    KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
-                        tokens);
-    const int64_t slots = tokens + 1;
-    std::vector<Grown> grown(layers_.size());  // every allocation first: all layers or none
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      if (layers_[l].slots < slots) grown[l] = resized(layers_[l], static_cast<int64_t>(l), slots, "reserve");
-    }
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      if (layers_[l].slots < slots) swap_in(layers_[l], static_cast<int64_t>(l), grown[l]);
-    }
-    reserved_ = std::max(reserved_, tokens);
+    detail::host_heap("reserve", [&] {
+      KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
+                          tokens);
+      const int64_t slots = tokens + 1;
+      std::vector<Grown> grown(layers_.size());  // every allocation first: all layers or none
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        if (layers_[l].slots < slots) grown[l] = resized(layers_[l], static_cast<int64_t>(l), slots, "reserve");
+      }
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        if (layers_[l].slots < slots) swap_in(layers_[l], static_cast<int64_t>(l), grown[l]);
+      }
+      reserved_ = std::max(reserved_, tokens);
+    });
   }
 
   /// Bytes of the state of `layer` on the device (positions, scorer state, seen counters).

@@ -9,15 +9,19 @@
 // the slots a pass overwrites, or steps that put a known value back. When a write throws, the
 // log runs its steps, newest first, and the call throws a c10::Error naming it: the state is as
 // it was before the call. The last write of a commit needs no step (it either happened whole or
-// not at all, and then nothing after it runs). Restoring writes in place too; should a
-// restoring write fail as well (the heap still exhausted), the error says that the state could
-// not be restored.
+// not at all, and then nothing after it runs). On the CPU, copies of contiguous tensors are
+// written back with memcpy, which cannot fail; elsewhere restoring writes in place through
+// LibTorch too, and should a restoring write fail as well (the heap still exhausted), the error
+// says that the state is partly changed (restore_failed() keeps that known to host_heap() when
+// even that message cannot be made).
 
 #include <kvevict/check.hpp>
+#include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
@@ -29,11 +33,16 @@ namespace detail {
 
 class TensorUndo {
  public:
-  /// Keeps a copy of `t` (allocates: a clone), written back on failure. Undefined: nothing.
+  /// Keeps a copy of `t` (allocates: a clone), written back on failure (a contiguous CPU
+  /// tensor: with memcpy, which allocates nothing). Undefined: nothing.
   void save(const at::Tensor& t) {
     if (!t.defined()) return;
-    auto copy = t.clone();
-    steps_.emplace_back([t, copy] { t.copy_(copy); });
+    auto copy = t.clone(at::MemoryFormat::Contiguous);
+    if (t.is_cpu() && t.is_contiguous()) {
+      steps_.emplace_back([t, copy] { std::memcpy(t.data_ptr(), copy.data_ptr(), t.nbytes()); });
+    } else {
+      steps_.emplace_back([t, copy] { t.copy_(copy); });
+    }
   }
 
   /// Keeps a copy of the slots `slots` [B, n] (int64, t's device) of `t` [B, ..., slots, ...]
@@ -42,8 +51,28 @@ class TensorUndo {
   void save_slots(const at::Tensor& t, int64_t token_dim, const at::Tensor& slots, const at::Tensor& rows) {
     if (!slots.defined() || slots.size(1) == 0) return;
     auto view = t.transpose(1, token_dim);
-    auto copy = view.index({rows, slots});
-    steps_.emplace_back([view, rows, slots, copy]() mutable { view.index_put_({rows, slots}, copy); });
+    auto copy = view.index({rows, slots}).contiguous();  // [B, n, groups..., inner...]
+    if (t.is_cpu() && t.is_contiguous() && token_dim <= 2 && slots.is_cpu() && slots.is_contiguous()) {
+      // memcpy back, row by row (RowLayout); with token_dim <= 2 the gathered copy holds each
+      // (b, k)'s groups in the buffer's order.
+      steps_.emplace_back([t, token_dim, slots, copy] {
+        const RowLayout R(t, token_dim);
+        const int64_t B = slots.size(0), n = slots.size(1);
+        const auto* s = slots.data_ptr<int64_t>();
+        auto* dst = static_cast<char*>(t.data_ptr());
+        const auto* src = static_cast<const char*>(copy.data_ptr());
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t k = 0; k < n; ++k) {
+            for (int64_t g = 0; g < R.groups_per_row; ++g) {
+              std::memcpy(dst + R.offset(b, g, s[b * n + k]), src + ((b * n + k) * R.groups_per_row + g) * R.row_bytes,
+                          static_cast<size_t>(R.row_bytes));
+            }
+          }
+        }
+      });
+    } else {
+      steps_.emplace_back([view, rows, slots, copy]() mutable { view.index_put_({rows, slots}, copy); });
+    }
   }
 
   /// A step of its own, run on failure (after the steps added later): writes back what it
@@ -71,6 +100,7 @@ class TensorUndo {
         if (!lost) lost = std::current_exception();
       }
     }
+    if (lost) restore_failed() = true;  // before any message is made: that may fail too
     KVEVICT_CHECK(!lost, call, ": a write of its commit failed (", message(failure), ") and so did restoring what it "
                   "had written (", message(lost), "): the state is partly changed; reset() it");
     KVEVICT_CHECK(false, call, ": a write of its commit failed (", message(failure), "); what it had written was "

@@ -137,6 +137,16 @@ class TensorPath {
   /// append()'s last write, so it never needs undoing. Allocates a step, no tensor.
   void save_append(TensorUndo& undo, const Core& c, const LayerState& L, const at::Tensor& map) {
     auto position = L.position;
+    if (position.is_cpu() && position.is_contiguous() && map.is_cpu()) {  // a loop: allocates nothing
+      undo.on_failure([position, map] {
+        auto* p = position.template data_ptr<int64_t>();
+        const auto m = map.template accessor<int64_t, 2>();  // map may be a view of the counters
+        for (int64_t b = 0; b < m.size(0); ++b) {
+          for (int64_t t = 0; t < m.size(1); ++t) p[b * position.size(1) + m[b][t]] = -1;
+        }
+      });
+      return;
+    }
     const auto& r = rows_index(c);
     undo.on_failure([position, r, map]() mutable { position.index_put_({r, map}, -1); });
   }
