@@ -305,6 +305,28 @@ std::vector<Scenario<Cache>> compress_scenarios() {
           }}};
 }
 
+/// What a call did under an AllocFault(k, window): the c10::Error's message, a raw
+/// std::bad_alloc (and whether restore_failed() was set then), whether any allocation failed.
+struct Outcome {
+  bool error = false, bad_alloc = false, restore_failed = false, fired = false;
+  std::string what;
+};
+inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int64_t window = 1) {
+  Outcome o;
+  AllocFault fault(k, window);
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    o.error = true;
+    o.what = e.what_without_backtrace();
+  } catch (const std::bad_alloc&) {
+    o.bad_alloc = true;
+    o.restore_failed = kvevict::detail::restore_failed();
+  }
+  o.fired = AllocFault::fired();
+  return o;
+}
+
 /// For k = 1, 2, ... until the call succeeds: the k-th host allocation of the call fails; the
 /// call must throw c10::Error and leave the cache as it was, and then succeed, giving what the
 /// uninterrupted call gives. Returns the allocations the call makes (k where it first succeeded).
@@ -322,21 +344,10 @@ int64_t check_scenario(const Scenario<Cache>& s, bool tensor_path, int64_t& rest
   const auto after = full_snapshot(ref);
   for (int64_t k = 1; k <= kMaxAllocations; ++k) {
     auto c = make_cache<Cache>(tensor_path);
-    auto call = prepare(c);
-    bool error = false, bad_alloc = false, fired = false;
-    std::string what;
-    {
-      AllocFault fault(k);
-      try {
-        call();
-      } catch (const c10::Error& e) {
-        error = true;
-        what = e.what_without_backtrace();
-      } catch (const std::bad_alloc&) {
-        bad_alloc = true;
-      }
-      fired = AllocFault::fired();
-    }
+    const auto call = prepare(c);
+    const auto o = run_with_fault(call, k);
+    const bool error = o.error, bad_alloc = o.bad_alloc, fired = o.fired;
+    const std::string& what = o.what;
     if (!fired) {
       INFO(s.name << ": succeeded at allocation " << k);
       CHECK_FALSE(error);
@@ -406,24 +417,10 @@ void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window,
   int64_t partly = 0;
   for (int64_t k = 1; k <= kMaxAllocations; ++k) {
     auto c = make_cache<Cache>(tensor_path);
-    auto call = prepare(c);
-    std::string what;
-    bool bad_alloc = false, fired = false, restore_failed = false;
-    {
-      AllocFault fault(k, window);
-      try {
-        call();
-      } catch (const c10::Error& e) {
-        what = e.what_without_backtrace();
-      } catch (const std::bad_alloc&) {
-        bad_alloc = true;
-        restore_failed = kvevict::detail::restore_failed();
-      }
-      fired = AllocFault::fired();
-    }
-    if (!fired) return;
-    INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << what << ")");
-    const bool said_partly = what.find("partly changed") != std::string::npos || restore_failed;
+    const auto o = run_with_fault(prepare(c), k, window);
+    if (!o.fired) return;
+    INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << o.what << ")");
+    const bool said_partly = o.what.find("partly changed") != std::string::npos || o.restore_failed;
     if (said_partly) {
       ++partly;
       CHECK_FALSE(restores_on_cpu);
@@ -431,7 +428,7 @@ void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window,
       CHECK(c.size(0) == 0);
       continue;
     }
-    if (!bad_alloc && what.empty()) continue;  // absorbed (a shrink that keeps the larger buffers)
+    if (!o.bad_alloc && o.what.empty()) continue;  // absorbed (a shrink that keeps the larger buffers)
     CHECK(same(full_snapshot(c), before));
   }
   FAIL(s.name << ": no success within " << kMaxAllocations << " allocations");

@@ -165,19 +165,14 @@ class CacheBase {
       }
       policy_.commit(layer, pass);
     } else {
-      const auto moves = pass.to_moves(device());
-      std::vector<at::Tensor> gathered;
-      at::Tensor rows;
-      if (!moves.empty()) {
-        if (!move_rows_.defined()) move_rows_ = move_rows(moves);  // made once: no kernel per pass
-        rows = move_rows_;
-        for (size_t i = 0; i < specs_.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], token_dim(i), rows));
-      }
+      LayerMoves moves;
+      moves.gather(pass.to_moves(device()), specs_, bufs, move_rows_);
+      if (!moves.moves.empty()) move_rows_ = moves.rows;  // made once: no kernel per pass
       TensorUndo undo;  // what the writes below change, put back if one of them throws
-      if (!moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
-      for (size_t i = 0; i < gathered.size(); ++i) undo.save_slots(bufs[i], token_dim(i), moves.dst, rows);
+      if (!moves.moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
+      moves.save(undo, specs_, bufs);
       undo.commit(now ? "evict_now" : "evict", [&] {
-        for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], token_dim(i), gathered[i], rows);
+        moves.scatter(specs_, bufs);
         policy_.commit(layer, pass);  // its device writes, then the host counters
       });
     }
@@ -323,41 +318,27 @@ class CacheBase {
       }
     }
     auto t = policy_.plan_truncate(row, k, in_tier);  // every check, every allocation of the state
-    // The rows a buffer moves, gathered before anything changes where the moves allocate (not a
-    // contiguous CPU buffer: that one moves with memcpy).
-    std::vector<std::vector<at::Tensor>> gathered(static_cast<size_t>(num_layers()), std::vector<at::Tensor>(specs_.size()));
-    std::vector<at::Tensor> move_rows_of(static_cast<size_t>(num_layers()));
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      const auto& m = t.moves[l];
-      for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
-        const auto& buf = buffers_[l][i];
-        if (buf.is_cpu() && buf.is_contiguous()) continue;
-        if (!move_rows_of[l].defined()) move_rows_of[l] = move_rows(m);
-        gathered[l][i] = gather_moves(m, buf, token_dim(i), move_rows_of[l]);
-      }
-    }
+    // The host path moves with memcpy; the tensor path gathers every layer's moved rows first.
+    const bool host = policy_.host_path();
+    std::vector<LayerMoves> moves(static_cast<size_t>(num_layers()));
+    for (int64_t l = 0; l < num_layers() && !host; ++l) moves[l].gather(t.moves[l], specs_, buffers_[l], at::Tensor());
     std::vector<int64_t> tier_from(static_cast<size_t>(num_layers()));
     for (int64_t l = 0; l < num_layers(); ++l) tier_from[l] = policy_.seen_tokens(l, row) - k;
     // The tensor path's writes (the moves, then every layer's state) under an undo log, then
     // the host counters and the tier, which allocate nothing.
     TensorUndo undo;
-    for (int64_t l = 0; l < num_layers() && !policy_.host_path(); ++l) {
+    for (int64_t l = 0; l < num_layers() && !host; ++l) {
       policy_.save(undo, l);
-      if (t.moves[l].empty()) continue;
-      if (!move_rows_of[l].defined()) move_rows_of[l] = move_rows(t.moves[l]);
-      for (size_t i = 0; i < specs_.size(); ++i) undo.save_slots(buffers_[l][i], token_dim(i), t.moves[l].dst, move_rows_of[l]);
+      moves[l].save(undo, specs_, buffers_[l]);
     }
     undo.commit("truncate", [&] {
       for (int64_t l = 0; l < num_layers(); ++l) {
         const auto& m = t.moves[l];
-        for (size_t i = 0; i < specs_.size() && !m.empty(); ++i) {
-          if (gathered[l][i].defined()) {
-            scatter_moves(m, buffers_[l][i], token_dim(i), gathered[l][i], move_rows_of[l]);
-          } else {
-            apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(),
-                             m.size(), buffers_[l][i], token_dim(i));
-          }
+        for (size_t i = 0; i < specs_.size() && host && !m.empty(); ++i) {
+          apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(),
+                           m.size(), buffers_[l][i], token_dim(i));
         }
+        moves[l].scatter(specs_, buffers_[l]);
       }
       policy_.commit_truncate(t);
     });

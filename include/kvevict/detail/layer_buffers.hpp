@@ -1,11 +1,13 @@
 #pragma once
 // A cache layer's per-token buffers, as a layout describes them: the specs (BufferSpec), the
 // check of a chunk's new rows against them, new buffers of a given slot count, their bytes per
-// slot, and the views over their live slots
-// (LiveViews, handed out again while the buffers and the width stay). The cache (cache_base.hpp)
-// owns the buffers; this file only knows their shape.
+// slot, the views over their live slots (LiveViews, handed out again while the buffers and the
+// width stay), and a layer's slot moves applied to every buffer under an undo log
+// (LayerMoves). The cache (cache_base.hpp) owns the buffers; this file only knows their shape.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/tensor_undo.hpp>
+#include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>  // at::NoGradGuard (<ATen/ATen.h> lacks it in LibTorch 2.6)
@@ -135,6 +137,30 @@ struct LiveViews {
     fresh.width = w;
     fresh.base = bufs[0].unsafeGetTensorImpl();
     return fresh;
+  }
+};
+
+/// One layer's slot moves applied to every buffer of it with tensor ops (the tensor path; a
+/// host-path cache moves with apply_moves_host()), in the halves a commit needs: gather()
+/// first (allocates: each buffer's source rows), then, under the commit's undo log, save() the
+/// destinations (allocates) and scatter() (in-place writes). Empty moves do nothing.
+struct LayerMoves {
+  SlotMoves moves;
+  at::Tensor rows;                  // [B, 1] int64 0 .. B - 1 (move_rows())
+  std::vector<at::Tensor> gathered;  // per buffer: the rows each move reads
+
+  /// `rows`: a cached move_rows() of the same batch, or undefined (then made here).
+  void gather(SlotMoves m, const std::vector<BufferSpec>& specs, const std::vector<at::Tensor>& bufs, at::Tensor rows_index) {
+    moves = std::move(m);
+    if (moves.empty()) return;
+    rows = rows_index.defined() ? std::move(rows_index) : move_rows(moves);
+    for (size_t i = 0; i < specs.size(); ++i) gathered.push_back(gather_moves(moves, bufs[i], specs[i].token_dim(), rows));
+  }
+  void save(TensorUndo& undo, const std::vector<BufferSpec>& specs, const std::vector<at::Tensor>& bufs) const {
+    for (size_t i = 0; i < gathered.size(); ++i) undo.save_slots(bufs[i], specs[i].token_dim(), moves.dst, rows);
+  }
+  void scatter(const std::vector<BufferSpec>& specs, const std::vector<at::Tensor>& bufs) const {
+    for (size_t i = 0; i < gathered.size(); ++i) scatter_moves(moves, bufs[i], specs[i].token_dim(), gathered[i], rows);
   }
 };
 
