@@ -1425,3 +1425,44 @@ TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens out wit
   CHECK(cache.tier_size(0, 0) == 4);  // a read takes the last hand-over
   CHECK(cache.stats().tier_tokens == 4);
 }
+
+TEST_CASE("on the tensor path a recall waits for the device once; its victims reach the tier at the tier's next use",
+          "[tier][recall][steady_state][cpu]") {
+  // On CUDA the host waits for the device: once per recall, for the scores (copied with the
+  // positions, states and, for a two-level pool, the queries); the victims' rows are copied
+  // out without a wait and the tier takes them at its next use, with the pass's evicted tokens.
+  // host_waits() counts those waits on the CPU too. What is recalled and kept is checked
+  // against the host path above.
+  const bool two_level = GENERATE(false, true);
+  CAPTURE(two_level);
+  const int64_t H = 2;
+  kvevict_test::ForceTensorPath tensor_path(true);
+  kvevict::MlaLatentCache cache(kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(4).qk_rope_dim(2)
+                                    .tier_tokens(32).tier_page_size(2).check_observations(false),
+                                EvictionOptions(6).n_sink(1).n_recent(1));
+  cache.update(0, at::randn({1, 16, 4}), at::randn({1, 16, 2}));
+  cache.add_scores(0, at::rand({1, 16}));
+  cache.evict(0);  // capacity 8: 8 tokens go to the tier
+  const auto& waits = kvevict::detail::host_waits();
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
+    CHECK(cache.stats().tier_tokens > 0);  // a read: takes in what is on its way
+    const int64_t before = waits;
+    const auto qa = at::randn({1, H, 1, 4}).mul(4), qp = at::randn({1, H, 1, 2});
+    kvevict_test::OpRecorder rec;
+    const int64_t n = cache.recall_absorbed(0, qa, qp, 1.0, 2, two_level ? 6 : 0);
+    REQUIRE(rec.ok());
+    CHECK(rec.counts().syncs == 0);
+    CHECK(waits - before == 1);  // the scores
+    CHECK(n > 0);
+    const auto p = at::softmax(at::randn({1, H, 1, cache.size(0)}), -1);
+    const int64_t pass = waits;
+    cache.observe(0, p);
+    cache.evict(0);  // the recall's victims are still on their way: nothing to wait for
+    CHECK(waits - pass == 0);
+    const int64_t read = waits;
+    CHECK(cache.tier_size(0, 0) == 8 + step + 1);
+    CHECK(waits - read == 2);  // the victims, then the pass's evicted token, in that order
+  }
+}

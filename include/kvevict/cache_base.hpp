@@ -126,9 +126,9 @@ class CacheBase {
   ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
   ///       shapes in the steady state. With a host tier the pass also gathers its evicted
   ///       tokens and copies them to pinned host memory asynchronously; first the host takes
-  ///       the previous pass's copies into the tier (it waits on their event, which a steady
-  ///       decode has long passed). That host work runs at every pass, so a step with a tier
-  ///       cannot be replayed as a CUDA graph.
+  ///       into the tier what is on its way from before the latest pass or recall (it waits on
+  ///       their events, which a steady decode has long passed). That host work runs at every
+  ///       pass, so a step with a tier cannot be replayed as a CUDA graph.
   int64_t evict(int64_t layer) {
     return host_heap("evict", [&] { return run_pass(layer, false); });
   }
@@ -181,9 +181,9 @@ class CacheBase {
     return evicted;
   }
 
-  /// LayerTier::settle() of `layer`'s tier: takes the tensor path's held hand-over in (waits for
-  /// its copies on CUDA); a no-op on the host path or without a tier. Every tier read, recall,
-  /// truncate and release calls it first.
+  /// LayerTier::settle() of `layer`'s tier: takes in what the tensor path has on its way (passes'
+  /// evicted tokens, a recall's victims; waits for their copies on CUDA); a no-op on the host
+  /// path or without a tier. Every tier read, recall, truncate and release calls it first.
   void settle_tier(int64_t layer) const {
     if (tier_tokens_ > 0) tiers_[layer].settle([&](const float* state) { return policy_.scorer().rank(state); });
   }
@@ -209,8 +209,8 @@ class CacheBase {
 
   // -------------------------------------------------------------------------------------------
   // The host tier (cache options' tier_tokens > 0): evicted tokens kept in host memory. On the
-  // tensor path every read below first takes the latest pass's hand-over into the tier
-  // (settle_tier(): on CUDA it waits for that pass's copies).
+  // tensor path every read below first takes what is on its way into the tier (settle_tier():
+  // on CUDA it waits for those copies).
 
   /// Tokens a row keeps in its tier per layer (0: no tier; the cache options' tier_tokens).
   int64_t tier_tokens() const noexcept { return tier_tokens_; }

@@ -159,10 +159,11 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
   ///       asynchronous) and the pages are scored there without a sync; then the host waits
-  ///       three times: for the query check (with observation checks on), for the scores with the layer's positions and
-  ///       states, and for the victims' rows (pinned copies); the swapped rows go back without
-  ///       a wait (O(pages + capacity) bookkeeping, 2 x tokens rows per row); a two-level pool
-  ///       is scored on the host with a copy of the queries (one wait more). The first
+  ///       once, for the scores with the layer's positions and states (and, two-level, the
+  ///       queries: the pool is scored on the host), plus a read of the device for the query
+  ///       check with observation checks on; the recalled rows go up and the victims' rows
+  ///       come down without a wait, through pinned memory (the tier takes the victims at its
+  ///       next use; O(pages + capacity) bookkeeping, 2 x tokens rows per row). The first
   ///       recall allocates the device copy (CacheStats::tier_device_bytes). Keys views stay
   ///       valid: rows change in place.
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {

@@ -145,13 +145,15 @@ class TierHostPath {
   /// Before every read of the tier: nothing is held here.
   template <class Tier, class Rank>
   void settle(Tier& /*tier*/, Rank&& /*rank*/) {}
-  bool holding() const noexcept { return false; }
 
-  /// recall's score step: score_on_host(); the plan reads L's own positions and states.
+  /// recall's score step: score_on_host(); the plan reads L's own positions and states and,
+  /// for a two-level `pool`, the query itself.
   template <class Core>
   RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t /*groups*/, int64_t /*width*/,
-                     int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
-    return {score_on_host(digests, keys.shared, keys.head_mean, layer, query, scale, L, core), L.position, L.state};
+                     int64_t layer, const at::Tensor& query, double scale, bool pool, const LayerState& L,
+                     const Core& core) {
+    return {score_on_host(digests, keys.shared, keys.head_mean, layer, query, scale, L, core), L.position, L.state,
+            pool ? query.contiguous() : at::Tensor()};
   }
 
   /// recall's swap step: LayerTier::swap() of each row's picked tokens with its victims, in

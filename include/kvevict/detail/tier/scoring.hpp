@@ -27,11 +27,13 @@ struct TierKeys {
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
-/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64
-/// and L's `position` [B, slots] int64 and `state` [B, slots, W] fp32 (the host path: L's own
-/// tensors; the tensor path: host copies of them, made with the scores' copy: one wait).
+/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64,
+/// L's `position` [B, slots] int64 and `state` [B, slots, W] fp32, and, for a two-level pool,
+/// the queries `query` [B, H, Q, D] fp32 (else undefined). The host path: L's own tensors and
+/// the query itself; the tensor path: host copies of them, made with the scores' copy (one
+/// wait for all).
 struct RecallScores {
-  at::Tensor sums, position, state;
+  at::Tensor sums, position, state, query;
 };
 
 /// What recall's plan step gives its swap step: per row b the tier tokens to recall

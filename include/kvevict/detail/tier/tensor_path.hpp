@@ -42,20 +42,33 @@ inline at::Tensor to_host_async(const at::Tensor& t) {
   return h;
 }
 
+/// Test hook: the host waits for a device so far on this thread (DeviceWait::wait() of a
+/// recorded point, counted on the CPU too, where it waits for nothing), so that a CPU test
+/// counts the waits a CUDA run makes.
+inline int64_t& host_waits() {
+  static thread_local int64_t n = 0;
+  return n;
+}
+
 /// An event on a device's current stream that the host can wait for: after asynchronous copies
 /// to pinned host memory, the point from which the host may read them. Nothing on the CPU.
 struct DeviceWait {
   std::unique_ptr<c10::Event> done;
+  bool recorded = false;
 
-  /// Records the event after the work enqueued so far on `device`'s current stream (not on the CPU).
+  /// Records the event after the work enqueued so far on `device`'s current stream (on the CPU
+  /// only the point, for host_waits()). Allocates.
   void record(const at::Device& device) {
+    recorded = true;
     if (device.is_cpu()) return;
     done = std::make_unique<c10::Event>(device.type());
     done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
   /// Waits until that work is complete (a host wait on CUDA: a query() loop, since LibTorch
-  /// 1.13's c10::Event has no synchronize(); nothing on the CPU).
+  /// 1.13's c10::Event has no synchronize(); nothing on the CPU). Counted in host_waits().
   void wait() const {
+    if (!recorded) return;
+    ++host_waits();
     if (!done) return;
     while (!done->query()) std::this_thread::yield();
   }
@@ -199,12 +212,16 @@ class DeviceDigests {
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
 
-/// A tensor-path pass's evicted tokens on their way to the tier (TierTensorPath::take()): row b's
-/// first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
-/// `rows` [B, outer..., C, inner] (host tensors, contiguous), in the order the host path takes
-/// them (ascending slots). `done`: on CUDA, recorded on the stream after the copies.
+/// Tokens on their way from the device into the tier, in host copies made without a wait: row
+/// b's first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
+/// `rows` [B, outer..., C, inner] (host tensors, contiguous). A pass's evicted tokens
+/// (TierTensorPath::take(); `into` empty), in the order the host path takes them (ascending
+/// slots), join the tier; a recall's victims (TierTensorPath::swap(); n[b] = into[b].size())
+/// take the places of the tier tokens `into[b]` that came back. `done`: recorded after the
+/// copies (on CUDA, on the stream).
 struct HandOver {
   std::vector<int64_t> n;
+  std::vector<std::vector<int64_t>> into;
   at::Tensor position, state;
   std::vector<at::Tensor> rows;
   DeviceWait done;
@@ -243,18 +260,19 @@ inline HandOver hand_over(const at::Tensor& idx, const std::vector<int64_t>& n, 
 
 /// recall's swap step on the tensor path: gathers every row's victims (`victims[b]`, padded with the
 /// trash slot to the longest row's count V) from `buffers` [B, outer..., slots, inner], L's
-/// positions and states into [.., V, ..] device tensors and copies them to the host; fetches
-/// the tier tokens `picked[b]` into host copies of the same shape (tier.fetch(), token k of
-/// row b in column k; recalled tokens get the state `top[b]`) and sends them up; then writes
-/// them into the victims' slots (in place, under an undo log whose copies are the victims'
-/// gathered rows: a throw among the writes puts those back) and, last, stores the victims in
-/// the tier (tier.store(), which does not throw). On CUDA the copies go through pinned memory:
-/// one host wait, for the victims to arrive; the tokens go up without one.
+/// positions and states into [.., V, ..] device tensors and starts their copy to the host;
+/// fetches the tier tokens `picked[b]` into host tensors of the same shape (tier.fetch(), token
+/// k of row b in column k; recalled tokens get the state `top[b]`) and sends them up; then
+/// writes them into the victims' slots (in place, under an undo log whose copies are the
+/// victims' gathered rows: a throw among the writes puts those back; a padding column writes
+/// the trash slot's own rows back). Returns the victims' copies as a HandOver `into` the picked
+/// tier tokens' places: the tier takes them at its next use (settle()), when they have long
+/// arrived. No host wait: on CUDA the copies go through pinned memory, both ways.
 /// \throws c10::Error naming recall and `layer` on an allocation failure (before any write) or
 /// a failed write (undone); the cache and the tier are unchanged then.
-template <class Tier, class Rank, class Exchange>
-void swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
-                    int64_t layer, Rank&& rank, Exchange&& exchange) {
+template <class Tier, class Exchange>
+HandOver swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
+                        int64_t layer, Exchange&& exchange) {
   const auto& picked = plan.picked;
   const auto& victims = plan.victims;
   const auto& top = plan.top;
@@ -262,41 +280,50 @@ void swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, con
   int64_t V = 0;
   for (const auto& p : picked) V = std::max(V, static_cast<int64_t>(p.size()));
   const auto device = L.position.device();
-  std::vector<at::Tensor> index, out_dev, out, in, in_dev;  // per buffer: its index; the victims' rows, the tokens' rows
-  at::Tensor ix, ix_state, pos_dev, state_dev, pos, state, in_pos_dev, in_state_dev;
+  std::vector<at::Tensor> index, out_dev, in, in_dev;  // per buffer: its index; the victims' rows, the tokens' rows
+  at::Tensor ix, ix_state, pos_dev, state_dev, in_pos_dev, in_state_dev;
+  HandOver out;  // the victims, on their way to the tier
   TensorUndo undo;
   allocating([&] {
     std::vector<int64_t> idx(static_cast<size_t>(B * V), L.slots - 1);  // the trash slot: no token
     for (int64_t b = 0; b < B; ++b) std::copy(victims[b].begin(), victims[b].end(), idx.begin() + b * V);
     ix = to_device_async(at::tensor(idx, at::TensorOptions().dtype(at::kLong)).view({B, V}), device);
     ix_state = ix.unsqueeze(2).expand({B, V, W});
+    const auto pad_dev = ix.eq(L.slots - 1);  // padding columns
     for (const auto& buf : buffers) {
       index.push_back(token_index(ix, buf));
       out_dev.push_back(buf.gather(buf.dim() - 2, index.back()));
-      out.push_back(to_host_async(out_dev.back()));
+      out.rows.push_back(to_host_async(out_dev.back()));
     }
     pos_dev = L.position.gather(1, ix);
     state_dev = L.state.gather(1, ix_state);
-    pos = to_host_async(pos_dev);
-    state = to_host_async(state_dev);
-    DeviceWait arrived;
-    arrived.record(device);
-    arrived.wait();
-    // The tokens coming back: the victims' copies (the trash slot's own rows in padding
-    // columns), their columns replaced by the tier's rows, positions and the best state.
-    const auto host_copy = [&](const at::Tensor& t) {  // pinned like t: the upload needs no other copy
-      return at::empty(t.sizes(), t.options().pinned_memory(!device.is_cpu())).copy_(t);
+    out.position = to_host_async(pos_dev);
+    out.state = to_host_async(state_dev);
+    out.done.record(device);
+    out.n.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) out.n[b] = static_cast<int64_t>(picked[b].size());
+    out.into = picked;
+    // The tokens coming back: the tier's rows, positions and the best state, in host tensors
+    // (pinned: the upload needs no other copy); a padding column keeps the trash slot's own.
+    const auto host_like = [&](const at::Tensor& t) {
+      return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(!device.is_cpu()));
     };
-    for (const auto& o : out) in.push_back(host_copy(o));
-    auto in_pos = host_copy(pos), in_state = host_copy(state);
+    for (const auto& o : out_dev) in.push_back(host_like(o));
+    auto in_pos = host_like(pos_dev), in_state = host_like(state_dev);
     for (int64_t b = 0; b < B; ++b) {
       tier.fetch(b, picked[b], in, V, in_pos.template data_ptr<int64_t>());
       float* st = in_state.template data_ptr<float>() + b * V * W;
       for (size_t k = 0; k < picked[b].size(); ++k) std::copy(top[b].begin(), top[b].end(), st + k * W);
     }
-    for (const auto& t : in) in_dev.push_back(to_device_async(t, device));
-    in_pos_dev = to_device_async(in_pos, device);
-    in_state_dev = to_device_async(in_state, device);
+    for (size_t i = 0; i < in.size(); ++i) {
+      const auto& buf = buffers[i];
+      std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1);
+      shape[0] = B;
+      shape[buf.dim() - 2] = V;
+      in_dev.push_back(at::where(pad_dev.view(shape), out_dev[i], to_device_async(in[i], device)));
+    }
+    in_pos_dev = at::where(pad_dev, pos_dev, to_device_async(in_pos, device));
+    in_state_dev = at::where(pad_dev.unsqueeze(2), state_dev, to_device_async(in_state, device));
     // The undo: the victims' rows, positions and states, gathered above, back into their slots.
     for (size_t i = 0; i < buffers.size(); ++i) {
       const auto buf = buffers[i], where = index[i], was = out_dev[i];
@@ -310,10 +337,7 @@ void swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, con
     for (size_t i = 0; i < buffers.size(); ++i) buffers[i].scatter_(buffers[i].dim() - 2, index[i], in_dev[i]);
     exchange(ix, in_pos_dev, in_state_dev);  // the policy's positions and states
   });
-  for (int64_t b = 0; b < B; ++b) {
-    if (!picked[b].empty())
-      tier.store(b, picked[b], out, V, pos.template data_ptr<int64_t>(), state.template data_ptr<float>(), rank);
-  }
+  return out;
 }
 
 /// recall's score step on the tensor path: `device` takes what changed in `digests`
@@ -322,12 +346,14 @@ void swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L, con
 /// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
 /// the mean query's bound when `shared_key`, the latent layout; the mean of the heads' bounds
 /// otherwise, also when this process holds one head; reduced before the softmax), and copies
-/// them with L's positions and states to the host: one wait, after every copy is enqueued. An allocation failure in the upload or the scoring throws c10::Error
-/// naming `layer`; nothing but the device copy (then sent whole next time) changes.
+/// them with L's positions and states and, for a two-level `pool`, the queries to the host: one
+/// wait, after every copy is enqueued (recall's only host wait). An allocation failure in the
+/// upload or the scoring throws c10::Error naming `layer`; nothing but the device copy (then
+/// sent whole next time) changes.
 template <class Core>
 RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
                              bool shared_key, bool head_mean_scoring, int64_t layer, const at::Tensor& query,
-                             double scale, const LayerState& L, const Core& core) {
+                             double scale, bool pool, const LayerState& L, const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
     KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
@@ -345,56 +371,79 @@ RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
       [&](const at::Tensor& mean) {
         return shared_key ? device.score(mean, real, scale, P) : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
       });
-  RecallScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state)};
+  RecallScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state),
+                   pool ? to_host_async(query) : at::Tensor()};
   DeviceWait copied;
   copied.record(core.device);
   copied.wait();
   return out;
 }
 
-/// The tier's tensor path: a pass's hand-over between take() and settle(), and the digests'
-/// copy on the device (DeviceDigests), are its own state.
+/// The tier's tensor path: the tokens on their way into the tier (HandOver: a pass's evicted
+/// tokens, a recall's victims), taken in at the tier's next use, and the digests' copy on the
+/// device (DeviceDigests) are its own state. The host waits for the device once per recall
+/// (its scores); the copies on their way are waited for a step after they were started.
 class TierTensorPath {
  public:
   /// A pass's evicted tokens (the first pass.n[b] columns of its `evicted_t`), before the moves
-  /// overwrite their rows: the previous hand-over is settled first (one at a time), then these
+  /// overwrite their rows: what is on its way, but for the newest, is settled first, then these
   /// are gathered on the device and copied to host memory without a sync (hand_over()), pending
-  /// until keep(). Allocates; a throw leaves the tier as it was (but settled).
+  /// until keep(). Allocates; a throw leaves the tier as it was (settled as far as it got).
   template <class Tier, class Pass, class Rank>
   void take(Tier& tier, const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
-    settle(tier, rank);
+    settle(tier, rank, 1);
+    allocating([&] { held_.reserve(held_.size() + 1); },
+               [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
     pending_ = hand_over(pass.evicted_t, pass.n, L, buffers);
   }
-  /// After the pass's commit: holds the pending hand-over until settle(). Does not throw.
+  /// After the pass's commit: the pending hand-over joins those on their way (room was made by
+  /// take()). Does not throw.
   void keep() noexcept {
-    held_ = std::move(pending_);
+    if (pending_.held()) held_.push_back(std::move(pending_));
     pending_ = HandOver{};
   }
-  /// Takes the held hand-over, if any, into the tier (LayerTier::take_copies(); waits for its
-  /// copies first: a host wait on CUDA). A throw (an allocation failure, c10::Error naming the
-  /// tier) changes nothing and keeps it held; otherwise nothing is held afterwards.
+  /// Takes what is on its way into the tier, oldest first, until at most `leave` remain
+  /// (LayerTier::take_copies() for a pass's tokens, LayerTier::store() for a recall's victims;
+  /// each waits for its copies first: a host wait on CUDA). A throw (an allocation failure,
+  /// c10::Error naming the tier) keeps that one and the newer ones on their way.
   template <class Tier, class Rank>
-  void settle(Tier& tier, Rank&& rank) {
-    if (!held_.held()) return;
-    held_.wait();
-    tier.take_copies(held_.n, held_.position, held_.state, held_.rows, rank);
-    held_ = HandOver{};
+  void settle(Tier& tier, Rank&& rank, size_t leave = 0) {
+    while (held_.size() > leave) {
+      const auto& h = held_.front();
+      h.wait();
+      if (h.into.empty()) {
+        tier.take_copies(h.n, h.position, h.state, h.rows, rank);
+      } else {
+        const int64_t V = h.position.size(1);
+        for (size_t b = 0; b < h.into.size(); ++b) {
+          if (!h.into[b].empty())
+            tier.store(static_cast<int64_t>(b), h.into[b], h.rows, V, h.position.template data_ptr<int64_t>(),
+                       h.state.template data_ptr<float>(), rank);
+        }
+      }
+      held_.erase(held_.begin());
+    }
   }
-  bool holding() const noexcept { return held_.held(); }
 
   /// recall's score step: score_on_device(); the plan reads host copies of L's positions and
-  /// states, made with the scores' copy (one wait).
+  /// states (and of the queries, for a two-level `pool`), made with the scores' copy (one wait).
   template <class Core>
   RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t groups, int64_t width,
-                     int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
-    return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, L, core);
+                     int64_t layer, const at::Tensor& query, double scale, bool pool, const LayerState& L,
+                     const Core& core) {
+    return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, pool, L,
+                           core);
   }
 
-  /// recall's swap step: swap_on_device() (all or nothing).
+  /// recall's swap step: swap_on_device() (all or nothing); the victims' copies then join what
+  /// is on its way to the tier (after the plan's reserve_recall(): store() allocates nothing).
   template <class Tier, class Rank, class Exchange>
   void swap(Tier& tier, const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers,
-            int64_t layer, Rank&& rank, Exchange&& exchange) {
-    swap_on_device(tier, plan, L, buffers, layer, rank, exchange);
+            int64_t layer, Rank&& /*rank*/, Exchange&& exchange) {
+    allocating([&] { held_.reserve(held_.size() + 1); }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why);
+    });
+    held_.push_back(swap_on_device(tier, plan, L, buffers, layer, exchange));
   }
 
   /// Device bytes the digests' copy holds (after a recall; else 0).
@@ -404,8 +453,8 @@ class TierTensorPath {
 
  private:
   DeviceDigests device_;
-  HandOver pending_;  // take() -> keep()
-  HandOver held_;     // keep() -> settle()
+  HandOver pending_;            // take() -> keep()
+  std::vector<HandOver> held_;  // on the way into the tier, oldest first: keep()/swap() -> settle()
 };
 
 }  // namespace detail

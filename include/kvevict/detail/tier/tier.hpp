@@ -35,7 +35,7 @@ namespace detail {
 /// policy's: per batch row a TierRow (its tokens, within a token budget per row) and that row's
 /// PageDigests; the byte size of one token's row in each buffer; and the path the cache's
 /// policy takes, TierHostPath (tier/host_path.hpp) or TierTensorPath (tier/tensor_path.hpp:
-/// the digests' copy on the device, the latest pass's hand-over), which have the same steps
+/// the digests' copy on the device, the tokens on their way in), which have the same steps
 /// under the same names. Each step is one call into the path: take() and keep() around a
 /// pass's commit, settle() before a read; recall() scores the pages (the path), plans what
 /// comes back and the slots it replaces (plan_recall(), the same on both: pick(), or
@@ -153,19 +153,21 @@ class LayerTier {
   /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages and
   /// swap() exchanges the tokens with the slots in place. Tensor path (TierTensorPath; the
   /// cache's tensors and `query` on its device): the pages are scored on the device
-  /// (DeviceDigests: upload() then score(), no sync), and the scores and L's positions and
-  /// states come to the host together (one wait) for the plan; a two-level pool is scored on
-  /// the host with a host copy of the queries. swap_on_device() gathers the victims' rows,
-  /// positions and states to the host (one wait), writes the tier tokens into their slots in
-  /// place without a wait (under an undo log), then stores the victims in the tier.
+  /// (DeviceDigests: upload() then score(), no sync), and the scores, L's positions and states
+  /// and, for a two-level pool, the queries come to the host together (one wait, recall's only
+  /// one) for the plan; a two-level pool is scored on the host. swap_on_device() writes the
+  /// tier tokens into the victims' slots in place without a wait (under an undo log) and copies
+  /// the victims' rows, positions and states out without one: settle() stores them in the
+  /// tier at its next use.
   ///
   /// The tier writes rows of `buffers` and its own storage; the policy's positions and states
   /// change only through `exchange(slots, positions, states)` (PolicyState::exchange()).
   template <class Core, class Exchange>
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
                  const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers, Exchange&& exchange) {
+    const bool pool = tokens > 0 && rescore > tokens;  // two-level: the plan reads the queries
     const auto scores = on_path([&](auto& p) {
-      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, L, core);
+      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, pool, L, core);
     });
     const auto plan = plan_recall(layer, scores, query, scale, tokens, rescore, L, core);
     if (plan.recalled == 0) return 0;
@@ -185,11 +187,7 @@ class LayerTier {
   RecallPlan plan_recall(int64_t layer, const RecallScores& scores, const at::Tensor& query, double scale,
                          int64_t tokens, int64_t rescore, const LayerState& L, const Core& core) {
     const int64_t B = static_cast<int64_t>(rows_.size());
-    at::Tensor host_query;  // copied when a two-level pool needs it (a no-op for a CPU query)
-    const auto row_queries = [&](int64_t b) {
-      if (!host_query.defined()) host_query = query.to(at::kCPU).contiguous();
-      return real_queries(core, L, host_query, b, keys_.shared);
-    };
+    const auto row_queries = [&](int64_t b) { return real_queries(core, L, scores.query, b, keys_.shared); };
     const at::Tensor& sums = scores.sums;
     const int64_t P = sums.size(1);
     const double* sum = sums.template data_ptr<double>();
@@ -413,15 +411,13 @@ class LayerTier {
   void keep() noexcept {
     on_path([](auto& p) noexcept { p.keep(); });
   }
-  /// Takes what the tensor path holds into the tier (a host wait on CUDA); nothing on the host
-  /// path. Every read of the tier, recall, truncate and release calls it first. A throw
-  /// (c10::Error naming the tier) changes nothing.
+  /// Takes what the tensor path has on its way into the tier (a host wait on CUDA for each),
+  /// oldest first; nothing on the host path. Every read of the tier, recall, truncate and
+  /// release calls it first. A throw (c10::Error naming the tier) keeps what it had not taken
+  /// in on its way.
   template <class Rank>
   void settle(Rank&& rank) {
     on_path([&](auto& p) { p.settle(*this, rank); });
-  }
-  bool holding() const noexcept {
-    return host_ ? host_path_.holding() : tensor_path_.holding();
   }
 
   /// The host path's take(): adds each evicted token of `pass` (its
