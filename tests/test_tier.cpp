@@ -1211,10 +1211,13 @@ namespace {
 
 /// Two caches fed the same inputs: one on the tensor path on `device` (the CPU: forced), one on
 /// the CPU host path. A ragged batch, a tier that drops, passes every 2 steps, recall every 3
-/// steps (whole pages, then two-level), a truncate. After every step the caches (positions,
-/// scores, rows) and the tiers (positions, ranks, rows) must be equal. The host path is the one
-/// the oracles above check.
+/// steps (whole pages, then two-level) scored per head or by the heads' mean, a truncate within
+/// the latest append, and one that takes a token back out of the tier. After every step the caches
+/// (positions, scores, rows) and the tiers (positions, ranks, rows) must be equal. The host path
+/// is the one the oracles above check.
 void check_tensor_path_matches_host(const at::Device& device) {
+  const auto scoring = GENERATE(kvevict::TierScoring::kPerHead, kvevict::TierScoring::kHeadMean);
+  CAPTURE(scoring == kvevict::TierScoring::kHeadMean);
   at::manual_seed(21);
   const int64_t B = 2, H = 2, W = 4, R = 2, T = 2, steps = 36;
   const auto options = kvevict::MlaLatentCacheOptions(1, H)
@@ -1223,7 +1226,8 @@ void check_tensor_path_matches_host(const at::Device& device) {
                            .qk_rope_dim(R)
                            .check_observations(false)
                            .tier_tokens(10)
-                           .tier_page_size(2);
+                           .tier_page_size(2)
+                           .tier_scoring(scoring);
   const auto e = EvictionOptions(5).n_sink(1).n_recent(2).evict_every(2);
   kvevict_test::ForceTensorPath to_tensor(true);
   kvevict::MlaLatentCache tensor(kvevict::MlaLatentCacheOptions(options).device(device), e);
@@ -1258,6 +1262,22 @@ void check_tensor_path_matches_host(const at::Device& device) {
     if (step == 20) {  // roll back row 1's latest append (its two tokens)
       host.truncate(1, 2);
       tensor.truncate(1, 2);
+    }
+    if (step == 29) {  // roll back row 0's latest 4 tokens: one of them sits in the tier
+      const auto rolled_back = [](kvevict::MlaLatentCache& c) {
+        try {
+          c.truncate(0, 4);
+          return true;
+        } catch (const c10::Error&) {
+          return false;  // a token already dropped from the tier (not with this seed)
+        }
+      };
+      const int64_t in_tier = host.tier_positions(0, 0).ge(host.seen_tokens(0, 0) - 4).sum().item<int64_t>();
+      const int64_t tier_before = host.tier_size(0, 0);
+      CHECK(in_tier > 0);
+      REQUIRE(rolled_back(host));
+      CHECK(rolled_back(tensor));
+      CHECK(host.tier_size(0, 0) == tier_before - in_tier);
     }
     REQUIRE(at::equal(cpu(tensor.positions(0)), host.positions(0)));
     CHECK(at::equal(cpu(tensor.scores(0)), host.scores(0)));

@@ -159,7 +159,7 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): the digests'
   ///       copy on the device takes the page slots changed since the last recall (pinned,
   ///       asynchronous) and the pages are scored there without a sync; then the host waits
-  ///       once, for the scores with the layer's positions and states (and, two-level, the
+  ///       once, for the scores with the victim candidates found there (and, two-level, the
   ///       queries: the pool is scored on the host), plus a read of the device for the query
   ///       check with observation checks on; the recalled rows go up and the victims' rows
   ///       come down without a wait, through pinned memory (the tier takes the victims at its

@@ -12,6 +12,7 @@
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 
 #include <ATen/ATen.h>
@@ -95,27 +96,35 @@ inline void score_pool(const at::Tensor& keys, const at::Tensor& q, double scale
 /// (fp32, CPU; tier token j of the pool at j), then one softmax over the pool, summed over the
 /// columns as fixed-point terms (fixed_terms): [B, N] fp64 (0 past a row's pool and for a row
 /// without real queries). `row_queries(b)`: row b's real queries (real_queries()) of `H` heads
-/// and `Q` columns. The heads' fp64 sums of the logits are reduced across processes before the
-/// softmax (head_sum() / head_mean()), as the pages' are. Allocates its temporaries; syncs
-/// nothing; throws as the reducer does.
+/// and `Q` columns. With one key shared by every head (`shared_key`, the latent layout) the
+/// heads' mean logit is the logit of the heads' mean query, as the pages are scored: the
+/// queries' fp64 sum over the heads is reduced across processes, then one product per column
+/// (H times fewer than per head). Otherwise (one key per head) the heads' fp64 sums of the
+/// logits are reduced before the softmax (head_sum() / head_mean()), as the pages' bounds are.
+/// Allocates its temporaries; syncs nothing; throws as the reducer does.
 template <class RowQueries, class Core>
 at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& keys, RowQueries&& row_queries,
-                                 int64_t H, int64_t Q, int64_t N, double scale, const Core& core) {
+                                 bool shared_key, int64_t H, int64_t Q, int64_t N, double scale, const Core& core) {
   const auto B = static_cast<int64_t>(keys.size());
-  auto sums = at::zeros({B, Q, N}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
+  const int64_t width = shared_key ? keys.empty() ? 0 : keys[0].size(2) : N;  // what the sums are over, per column
+  auto sums = at::zeros({B, Q, width}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
   std::vector<int64_t> columns(static_cast<size_t>(B), 0);
   for (int64_t b = 0; b < B; ++b) {
     const auto& k = keys[static_cast<size_t>(b)];
     const auto q = row_queries(b);
     if (!q.defined() || k.size(0) == 0) continue;
     const int64_t n = k.size(0), G = k.size(1), W = k.size(2), qr = q.numel() / (H * W);
-    // [H, Qr, n]. One key group (latent, or a process holding one head): one plain matmul, not
-    // a broadcast over heads, which would copy the pool's keys once per head.
-    const auto logits = (G == 1 ? at::matmul(q.view({H * qr, W}), k.view({n, W}).t())
-                                : at::matmul(q.view({H, qr, W}), k.permute({1, 2, 0})))
-                            .view({H, qr, n})
-                            .mul_(scale);
-    sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
+    auto column_sums = sums.select(0, b).narrow(0, Q - qr, qr);
+    if (shared_key) {  // the queries' sum over the heads: [Qr, W]
+      column_sums.copy_(head_sum(q.view({1, H, qr, W})).view({qr, W}));
+    } else {  // the logits' sum over the heads: [H, Qr, n] summed. One key group (a process
+              // holding one head): one plain matmul, not a broadcast over heads.
+      const auto logits = (G == 1 ? at::matmul(q.view({H * qr, W}), k.view({n, W}).t())
+                                  : at::matmul(q.view({H, qr, W}), k.permute({1, 2, 0})))
+                              .view({H, qr, n})
+                              .mul_(scale);
+      column_sums.narrow(1, 0, n).copy_(head_sum(logits.unsqueeze(0)).view({qr, n}));
+    }
     columns[static_cast<size_t>(b)] = qr;
   }
   reduce_scores(layer, core, sums);  // the sums over every process's heads, then the softmax
@@ -123,10 +132,56 @@ at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& k
   for (int64_t b = 0; b < B; ++b) {
     const int64_t qr = columns[static_cast<size_t>(b)], n = keys[static_cast<size_t>(b)].size(0);
     if (qr == 0) continue;
-    const auto mean = head_mean(sums.select(0, b).narrow(0, Q - qr, qr).narrow(1, 0, n).unsqueeze(0), core)[0];
+    const auto column_sums = sums.select(0, b).narrow(0, Q - qr, qr).unsqueeze(0);
+    const auto& k = keys[static_cast<size_t>(b)];
+    const auto mean = shared_key
+                          ? at::matmul(head_mean(column_sums, core)[0], k.view({n, k.size(2)}).t()).mul_(scale)  // [Qr, n]
+                          : head_mean(column_sums.narrow(2, 0, n), core)[0];
     exact.select(0, b).narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(mean, -1)), at::IntArrayRef{0}, false, at::kDouble));
   }
   return exact;
+}
+
+/// recall's victim candidates on the host, into `out` (RecallScores: candidates, victims,
+/// victim_position, top, CPU): per active row a loop over L's live slots (positions, scorer
+/// ranks) and a partial sort of the `K` lowest in eviction order (drops_before()),
+/// O(capacity + K log K); nothing found for K = 0. Allocates.
+template <class Core>
+void victims_on_host(RecallScores& out, const LayerState& L, const Core& core, int64_t layer, int64_t K) {
+  const int64_t B = L.position.size(0), W = L.state.size(2);
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  out.candidates = at::zeros({B}, longs);
+  out.victims = at::zeros({B, K}, longs);
+  out.victim_position = at::zeros({B, K}, longs);
+  out.top = at::zeros({B, W}, at::TensorOptions().dtype(at::kFloat));
+  if (K == 0) return;  // nothing to replace (a budget of 0)
+  const int64_t* pos = L.position.template data_ptr<int64_t>();
+  const float* st = L.state.template data_ptr<float>();
+  struct Cand {
+    float rank;
+    int64_t position, slot;
+  };
+  std::vector<Cand> cands;
+  for (int64_t b = 0; b < B; ++b) {
+    if (!core.active[b]) continue;
+    const auto [from, to] = victim_range(core, L, layer, b);
+    cands.clear();
+    for (int64_t s = 0; s < L.len[b]; ++s) {
+      const int64_t p = pos[b * L.slots + s];
+      if (p >= from && p < to) cands.push_back({core.scorer.rank(st + (b * L.slots + s) * W), p, s});
+    }
+    out.candidates.template data_ptr<int64_t>()[b] = static_cast<int64_t>(cands.size());
+    if (cands.empty()) continue;
+    const auto before = [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); };
+    const int64_t best = std::max_element(cands.begin(), cands.end(), before)->slot;
+    std::copy(st + (b * L.slots + best) * W, st + (b * L.slots + best + 1) * W, out.top.template data_ptr<float>() + b * W);
+    const auto k = std::min<std::ptrdiff_t>(K, static_cast<std::ptrdiff_t>(cands.size()));
+    std::partial_sort(cands.begin(), cands.begin() + k, cands.end(), before);
+    for (std::ptrdiff_t j = 0; j < k; ++j) {
+      out.victims.template data_ptr<int64_t>()[b * K + j] = cands[j].slot;
+      out.victim_position.template data_ptr<int64_t>()[b * K + j] = cands[j].position;
+    }
+  }
 }
 
 /// The tier's host path: each step runs at once, in place, on the CPU (LayerTier's storage and
@@ -146,14 +201,19 @@ class TierHostPath {
   template <class Tier, class Rank>
   void settle(Tier& /*tier*/, Rank&& /*rank*/) {}
 
-  /// recall's score step: score_on_host(); the plan reads L's own positions and states and,
-  /// for a two-level `pool`, the query itself.
+  /// recall's score step: score_on_host(), and victims_on_host() of the `K` lowest-ranked
+  /// candidates; for a two-level `pool` the plan reads the query itself.
   template <class Core>
   RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t /*groups*/, int64_t /*width*/,
-                     int64_t layer, const at::Tensor& query, double scale, bool pool, const LayerState& L,
+                     int64_t layer, const at::Tensor& query, double scale, int64_t K, bool pool, const LayerState& L,
                      const Core& core) {
-    return {score_on_host(digests, keys.shared, keys.head_mean, layer, query, scale, L, core), L.position, L.state,
-            pool ? query.contiguous() : at::Tensor()};
+    RecallScores out;
+    out.sums = score_on_host(digests, keys.shared, keys.head_mean, layer, query, scale, L, core);
+    allocating([&] {
+      if (pool) out.query = query.contiguous();
+      victims_on_host(out, L, core, layer, K);
+    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
+    return out;
   }
 
   /// recall's swap step: LayerTier::swap() of each row's picked tokens with its victims, in

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace kvevict {
@@ -27,14 +28,28 @@ struct TierKeys {
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
-/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64,
-/// L's `position` [B, slots] int64 and `state` [B, slots, W] fp32, and, for a two-level pool,
-/// the queries `query` [B, H, Q, D] fp32 (else undefined). The host path: L's own tensors and
-/// the query itself; the tensor path: host copies of them, made with the scores' copy (one
-/// wait for all).
+/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64;
+/// for a two-level pool, the queries `query` [B, H, Q, D] fp32 (else undefined); and each
+/// row's victim candidates (neither sinks nor in the recent window as it was before the latest
+/// append): their number `candidates` [B] int64, the slots `victims` [B, K] int64 of the K
+/// lowest-ranked in eviction order (drops_before(); a row's columns past its candidates hold
+/// anything) with their positions `victim_position` [B, K] int64, and `top` [B, W] fp32, the
+/// best-ranked candidate's scorer state (anything for a row without). The host path finds them
+/// with loops over L's own tensors; the tensor path on the device, and its host copies come
+/// with the scores' (one wait for all).
 struct RecallScores {
-  at::Tensor sums, position, state, query;
+  at::Tensor sums, query;
+  at::Tensor candidates, victims, victim_position, top;
 };
+
+/// The candidates' first position and the first of the recent window as it was before the
+/// latest append, of row b of `L` at `layer`: victims lie in [from, to). A truncate of that
+/// append (rejected drafts) then never finds a tier token inside its window.
+template <class Core>
+std::pair<int64_t, int64_t> victim_range(const Core& core, const LayerState& L, int64_t layer, int64_t b) {
+  const auto& e = core.layer_eviction[layer];
+  return {e.n_sink(), L.seen[b] - L.last_new[b] - e.n_recent()};
+}
 
 /// What recall's plan step gives its swap step: per row b the tier tokens to recall
 /// (`picked[b]`, token indices), the cache slots they replace (`victims[b]`, in the same

@@ -10,10 +10,12 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/policy/tensor_path.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
+#include <kvevict/selection.hpp>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -340,20 +342,69 @@ HandOver swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L,
   return out;
 }
 
+/// recall's victim candidates on the device, without a sync, into `out` (RecallScores:
+/// candidates, victims, victim_position, top; device tensors, which the caller copies to the
+/// host): the candidates' mask from L's positions and each row's first position past them
+/// (`window`, a mirror of victim_range()'s, uploaded only when it changes; a free row's is its
+/// first, so it has none), and of one key per slot (eviction_keys(), as a pass's selection) a
+/// top-k of the `K` lowest in eviction order and an argmax for the best-ranked candidate (past
+/// 2^32 positions, the order of lowest_candidates()'s two stable sorts). As victims_on_host(),
+/// slot for slot; nothing found for K = 0 (host tensors then). Allocates.
+template <class Core>
+void victims_on_device(RecallScores& out, const LayerState& L, const Core& core, int64_t layer, int64_t K,
+                       DeviceMirror& window) {
+  const int64_t B = L.position.size(0), W = L.state.size(2);
+  if (K == 0) {  // nothing to replace (a budget of 0): no candidates, no kernel
+    const auto longs = at::TensorOptions().dtype(at::kLong);
+    out.candidates = at::zeros({B}, longs);
+    out.victims = out.victim_position = at::zeros({B, 0}, longs);
+    out.top = at::zeros({B, W}, at::TensorOptions().dtype(at::kFloat));
+    return;
+  }
+  std::vector<int64_t> to(static_cast<size_t>(B));
+  int64_t max_seen = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto range = victim_range(core, L, layer, b);
+    to[b] = core.active[b] ? range.second : range.first;
+    max_seen = std::max(max_seen, L.seen[b]);
+  }
+  const int64_t n_sink = core.layer_eviction[layer].n_sink();
+  const auto& recent_from = window.get(to, L.position.device(), {B, 1});
+  const auto& pos = L.position;
+  const auto ranks = core.scorer.rank(L.state);
+  const auto other = pos.lt(n_sink).logical_or_(pos.ge(recent_from));  // sinks, recent, dead
+  out.candidates = other.logical_not().sum(1);
+  at::Tensor best;  // [B, 1]: the best-ranked candidate's slot
+  if (max_seen <= kKeyPositions) {  // one key per slot, as a pass's selection (lowest_candidates())
+    const auto key = eviction_keys(ranks, pos);
+    out.victims = std::get<1>(at::topk(key.masked_fill(other, std::numeric_limits<int64_t>::max()), K, /*dim=*/1,
+                                       /*largest=*/false, /*sorted=*/true));
+    best = key.masked_fill_(other, std::numeric_limits<int64_t>::min()).argmax(1, /*keepdim=*/true);
+  } else {
+    const auto order = lowest_candidates(ranks, pos, n_sink, recent_from, L.slots, max_seen, /*ordered=*/true);
+    out.victims = order.narrow(1, 0, K);
+    best = order.gather(1, out.candidates.sub(1).clamp_min_(0).unsqueeze(1));
+  }
+  out.victim_position = pos.gather(1, out.victims);
+  out.top = L.state.gather(1, best.unsqueeze(2).expand({B, 1, W})).squeeze(1);
+}
+
 /// recall's score step on the tensor path: `device` takes what changed in `digests`
 /// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
 /// (fp32, on core.device) where they are, per head (reducing the scores across processes,
 /// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
 /// the mean query's bound when `shared_key`, the latent layout; the mean of the heads' bounds
-/// otherwise, also when this process holds one head; reduced before the softmax), and copies
-/// them with L's positions and states and, for a two-level `pool`, the queries to the host: one
-/// wait, after every copy is enqueued (recall's only host wait). An allocation failure in the
-/// upload or the scoring throws c10::Error naming `layer`; nothing but the device copy (then
-/// sent whole next time) changes.
+/// otherwise, also when this process holds one head; reduced before the softmax), finds the
+/// `K` lowest-ranked victim candidates there (victims_on_device(), `window` its mirror), and
+/// copies both and, for a two-level `pool`, the queries to the host: one wait, after every
+/// copy is enqueued (recall's only host wait). An allocation failure in the upload or the
+/// scoring throws c10::Error naming `layer`; nothing but the device copy (then sent whole next
+/// time) and the mirror change.
 template <class Core>
 RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
                              bool shared_key, bool head_mean_scoring, int64_t layer, const at::Tensor& query,
-                             double scale, bool pool, const LayerState& L, const Core& core) {
+                             double scale, int64_t K, bool pool, DeviceMirror& window, const LayerState& L,
+                             const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
     KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device,
@@ -371,8 +422,13 @@ RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
       [&](const at::Tensor& mean) {
         return shared_key ? device.score(mean, real, scale, P) : device.scores_of(mean, DeviceDigests::columns(real, 1, 1), P);
       });
-  RecallScores out{to_host_async(on_device), to_host_async(L.position), to_host_async(L.state),
-                   pool ? to_host_async(query) : at::Tensor()};
+  RecallScores out;
+  allocating([&] {
+    victims_on_device(out, L, core, layer, K, window);
+    out.sums = to_host_async(on_device);
+    if (pool) out.query = to_host_async(query);
+    for (auto* t : {&out.candidates, &out.victims, &out.victim_position, &out.top}) *t = to_host_async(*t);
+  }, fail);
   DeviceWait copied;
   copied.record(core.device);
   copied.wait();
@@ -425,14 +481,15 @@ class TierTensorPath {
     }
   }
 
-  /// recall's score step: score_on_device(); the plan reads host copies of L's positions and
-  /// states (and of the queries, for a two-level `pool`), made with the scores' copy (one wait).
+  /// recall's score step: score_on_device(); the plan reads host copies of the `K` lowest
+  /// victim candidates (and of the queries, for a two-level `pool`), made with the scores'
+  /// copy (one wait).
   template <class Core>
   RecallScores score(std::vector<PageDigests>& digests, const TierKeys& keys, int64_t groups, int64_t width,
-                     int64_t layer, const at::Tensor& query, double scale, bool pool, const LayerState& L,
+                     int64_t layer, const at::Tensor& query, double scale, int64_t K, bool pool, const LayerState& L,
                      const Core& core) {
-    return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, pool, L,
-                           core);
+    return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, K, pool,
+                           window_, L, core);
   }
 
   /// recall's swap step: swap_on_device() (all or nothing); the victims' copies then join what
@@ -449,10 +506,14 @@ class TierTensorPath {
   /// Device bytes the digests' copy holds (after a recall; else 0).
   int64_t device_bytes() const { return device_.bytes(); }
   /// Frees the digests' copy (reset(): the next recall sends every page again).
-  void release_device() { device_ = DeviceDigests{}; }
+  void release_device() {
+    device_ = DeviceDigests{};
+    window_ = DeviceMirror{};
+  }
 
  private:
   DeviceDigests device_;
+  DeviceMirror window_;         // victims_on_device(): each row's first position past the candidates
   HandOver pending_;            // take() -> keep()
   std::vector<HandOver> held_;  // on the way into the tier, oldest first: keep()/swap() -> settle()
 };

@@ -115,7 +115,9 @@ class LayerTier {
     const int64_t B = query.size(0), Q = query.size(2);
     bool all_real = true;
     for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
-    if (all_real && at::isfinite(query).all().template item<bool>()) return;  // the common case: no mask
+    // The common case: every column real, and a finite sum (a NaN or an infinity anywhere makes
+    // the sum non-finite; an overflow of finite values only sends it to the exact check below).
+    if (all_real && std::isfinite(query.sum(at::kDouble).template item<double>())) return;
     const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
     const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
     for (int64_t b = 0; b < B; ++b) {
@@ -150,12 +152,13 @@ class LayerTier {
   /// `tokens` of the pool come back one by one (higher score first, equal scores the older
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
-  /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages and
-  /// swap() exchanges the tokens with the slots in place. Tensor path (TierTensorPath; the
-  /// cache's tensors and `query` on its device): the pages are scored on the device
-  /// (DeviceDigests: upload() then score(), no sync), and the scores, L's positions and states
-  /// and, for a two-level pool, the queries come to the host together (one wait, recall's only
-  /// one) for the plan; a two-level pool is scored on the host. swap_on_device() writes the
+  /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages,
+  /// victims_on_host() finds the victim candidates, and swap() exchanges the tokens with the
+  /// slots in place. Tensor path (TierTensorPath; the cache's tensors and `query` on its
+  /// device): the pages are scored on the device (DeviceDigests: upload() then score(), no
+  /// sync), victims_on_device() finds the candidates there, and the scores, the candidates and,
+  /// for a two-level pool, the queries come to the host together (one wait, recall's only one)
+  /// for the plan; a two-level pool is scored on the host. swap_on_device() writes the
   /// tier tokens into the victims' slots in place without a wait (under an undo log) and copies
   /// the victims' rows, positions and states out without one: settle() stores them in the
   /// tier at its next use.
@@ -166,8 +169,9 @@ class LayerTier {
   int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
                  const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers, Exchange&& exchange) {
     const bool pool = tokens > 0 && rescore > tokens;  // two-level: the plan reads the queries
+    const int64_t K = std::min(tokens, L.slots);  // victims a row may need
     const auto scores = on_path([&](auto& p) {
-      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, pool, L, core);
+      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, K, pool, L, core);
     });
     const auto plan = plan_recall(layer, scores, query, scale, tokens, rescore, L, core);
     if (plan.recalled == 0) return 0;
@@ -179,9 +183,10 @@ class LayerTier {
 
   /// recall()'s plan, the same on both paths, from the score step's `scores` (host tensors):
   /// per active row with pages, the tier tokens to recall (the best whole pages, or two-level
-  /// recall's best pool tokens) and as many victims (candidates: neither sinks nor in the
-  /// recent window as it was before the latest append, lowest-ranked first), the state the
-  /// recalled tokens get (the best-ranked candidate's), and the room their swap needs
+  /// recall's best pool tokens, at most the row's victim candidates) and as many victims (the
+  /// first of the score step's lowest-ranked candidates: neither sinks nor in the recent window
+  /// as it was before the latest append, victim_range()), the state the recalled tokens get
+  /// (the score step's best-ranked candidate's), and the room their swap needs
   /// (reserve_recall()). Allocates; changes nothing the caller sees.
   template <class Core>
   RecallPlan plan_recall(int64_t layer, const RecallScores& scores, const at::Tensor& query, double scale,
@@ -209,7 +214,8 @@ class LayerTier {
       if (keys_.head_mean) {
         std::vector<at::Tensor> keys;  // per row: its pool's keys
         for (int64_t b = 0; b < B; ++b) keys.push_back(pool_keys(b, pool[static_cast<size_t>(b)]));
-        exact = score_pools_head_mean(layer, keys, row_queries, query.size(1), query.size(2), N, scale, core);
+        exact = score_pools_head_mean(layer, keys, row_queries, keys_.shared, query.size(1), query.size(2), N, scale,
+                                      core);
       } else {
         exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
         for (int64_t b = 0; b < B; ++b) {
@@ -221,9 +227,11 @@ class LayerTier {
       }
     }
     // Plan every row, then swap: per row the tier tokens to recall and the victims.
-    const auto& e = core.layer_eviction[layer];
-    const int64_t* pos = scores.position.template data_ptr<int64_t>();
-    const float* st = scores.state.template data_ptr<float>();
+    const int64_t K = scores.victims.size(1);
+    const int64_t* n_cand = scores.candidates.template data_ptr<int64_t>();
+    const int64_t* victim = scores.victims.template data_ptr<int64_t>();
+    const int64_t* victim_position = scores.victim_position.template data_ptr<int64_t>();
+    const float* best = scores.top.template data_ptr<float>();
     RecallPlan plan;
     auto& picked = plan.picked;
     auto& victims = plan.victims;
@@ -231,46 +239,22 @@ class LayerTier {
     picked.resize(static_cast<size_t>(B));
     victims.resize(static_cast<size_t>(B));
     top.resize(static_cast<size_t>(B));
-    struct Cand {
-      float rank;
-      int64_t position, slot;
-    };
-    std::vector<Cand> cands;
     allocating([&] {
       for (int64_t b = 0; b < B; ++b) {
         if (!core.active[b] || digests(b).pages() == 0) continue;
-        // Victims lie below the recent window as it was before the latest append: a truncate of
-        // that append (rejected drafts) then never finds a tier token inside its window.
-        const int64_t recent_from = L.seen[b] - L.last_new[b] - e.n_recent();
-        const auto candidate = [&](int64_t p) { return p >= e.n_sink() && p < recent_from; };
-        int64_t n_cand = 0;
-        for (int64_t s = 0; s < L.len[b]; ++s) n_cand += candidate(pos[b * L.slots + s]);
-        const int64_t limit = std::min(tokens, n_cand);
+        const int64_t limit = std::min({tokens, n_cand[b], K});
         if (limit == 0) continue;
         if (two_level)
           pick_tokens(pool[static_cast<size_t>(b)], exact.template data_ptr<double>() + b * exact.size(1), limit, picked[b]);
         else
           pick(b, sum + b * P, limit, picked[b]);
         if (picked[b].empty()) continue;
-        // The victims: the first picked[b].size() candidates in eviction order (a partial sort,
-        // O(capacity + k log k)); the state recalled tokens get: the best-ranked candidate's.
-        cands.clear();
-        for (int64_t s = 0; s < L.len[b]; ++s) {
-          const int64_t p = pos[b * L.slots + s];
-          if (candidate(p)) cands.push_back({core.scorer.rank(st + (b * L.slots + s) * W_), p, s});
-        }
-        const auto before = [](const Cand& x, const Cand& y) { return drops_before(x.rank, x.position, y.rank, y.position); };
-        const int64_t best_slot = std::max_element(cands.begin(), cands.end(), before)->slot;
-        const auto k = static_cast<std::ptrdiff_t>(picked[b].size());
-        std::partial_sort(cands.begin(), cands.begin() + k, cands.end(), before);
-        int64_t max_position = 0;
-        for (std::ptrdiff_t j = 0; j < k; ++j) {
-          victims[b].push_back(cands[j].slot);
-          max_position = std::max(max_position, cands[j].position);
-        }
-        const float* best = st + (b * L.slots + best_slot) * W_;
-        top[b].assign(best, best + W_);
-        reserve_recall(b, max_position);
+        // The victims: the first picked[b].size() candidates in eviction order; the state
+        // recalled tokens get: the best-ranked candidate's.
+        const auto k = static_cast<int64_t>(picked[b].size());
+        victims[b].assign(victim + b * K, victim + b * K + k);
+        top[b].assign(best + b * W_, best + (b + 1) * W_);
+        reserve_recall(b, *std::max_element(victim_position + b * K, victim_position + b * K + k));
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
     for (int64_t b = 0; b < B; ++b) plan.recalled += static_cast<int64_t>(picked[b].size());
@@ -290,14 +274,16 @@ class LayerTier {
     const auto better = [&](int64_t x, int64_t y) {
       return scores[x] != scores[y] ? scores[x] > scores[y] : dg.page_of_slot(x) < dg.page_of_slot(y);
     };
-    // Only the pages the fill reaches need their order: a sorted prefix, grown geometrically
-    // (O(pages log pages) at worst) when pages too large to fit are skipped. `better` is a
-    // strict total order (page ids differ), so each prefix is the full sort's.
+    // Only the pages the fill reaches need their order: a sorted prefix, first the pages that
+    // `limit` tokens fill when full, grown geometrically (O(pages log pages) at worst) when
+    // pages are partly full or too large to fit are skipped. `better` is a strict total order
+    // (page ids differ), so each prefix is the full sort's.
     int64_t left = limit;
     size_t sorted = 0;
     for (size_t i = 0; i < order_.size() && left > 0; ++i) {
       if (i == sorted) {
-        const size_t grow_by = std::max<size_t>({static_cast<size_t>(left), sorted, size_t{16}});
+        const auto full_pages = static_cast<size_t>(left / dg.page_size() + 1);
+        const size_t grow_by = std::max<size_t>({full_pages, sorted, size_t{16}});
         const size_t upto = std::min(order_.size(), sorted + grow_by);
         std::partial_sort(order_.begin() + static_cast<std::ptrdiff_t>(sorted),
                           order_.begin() + static_cast<std::ptrdiff_t>(upto), order_.end(), better);
