@@ -557,6 +557,8 @@ class CacheBase {
                     int64_t rescore) const {
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
+    KVEVICT_CHECK(policy_.at(layer).open_q == 0, call, ": layer ", layer,
+                  " has an open observation (observe_begin without observe_end); end or discard it first");
     tiers_[layer].check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
   }
 

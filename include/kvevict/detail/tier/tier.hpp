@@ -90,9 +90,9 @@ class LayerTier {
     }
   }
 
-  /// recall()'s input checks past the layout's shapes, naming `call`: no open observation on `L`,
-  /// scale finite and > 0, tokens and rescore in [0, 2^40], a two-level rescore (> tokens) of
-  /// at least one page, and, with observation checks on (core.check: the CPU's default), every
+  /// recall()'s input checks past the layout's shapes and the policy's (CacheBase::check_recall():
+  /// no open observation), naming `call`: scale finite and > 0, tokens and rescore in [0, 2^40],
+  /// a two-level rescore (> tokens) of at least one page, and, with observation checks on (core.check: the CPU's default), every
   /// row's real query columns [B, H, Q, D] finite (as in observe(), pads and free rows may hold
   /// anything): one read of the device. With checks off (CUDA's default) the queries are not
   /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
@@ -100,8 +100,6 @@ class LayerTier {
   template <class Core>
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore, const LayerState& L, const Core& core) const {
-    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
-                  " has an open observation (observe_begin without observe_end); end or discard it first");
     KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
     KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
                         ": tokens must be in [0, 2^40], got ", tokens);
