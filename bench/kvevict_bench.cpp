@@ -876,8 +876,9 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
               "and a warm-up; observation checks %s; LibTorch %s.\n"
               "kernels: outermost ATen ops that are not views, allocations or copies; views: ops that launch "
               "nothing and return a view; no-ops: calls that returned their input (a to() of its own dtype); "
-              "copies: to() naming a device (host<->device on CUDA, each a sync there); syncs: item, nonzero and "
-              "other reads of device data; allocs: CPU allocations of at least 1 byte (tests/op_counter.hpp).\n\n",
+              "copies: to() naming a device (host<->device on CUDA: a sync there unless asynchronous through pinned "
+              "memory, as the tier's are); syncs: item, nonzero and other reads of device data, and the tier's waits "
+              "for the device (kvevict::host_wait); allocs: CPU allocations of at least 1 byte (tests/op_counter.hpp).\n\n",
               a.check_observations ? "on" : "off", TORCH_VERSION);
   std::printf("| loop | H | B | evict_every | kernels | update / observe / evict | views | no-ops | copies | syncs | "
               "allocs | alloc MiB |\n| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");

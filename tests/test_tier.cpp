@@ -1194,9 +1194,10 @@ TEST_CASE("with observation checks off, recall reads nothing of the queries: a r
   const auto qp = at::randn({2, 2, 1, 2});
   const auto good = qa.clone();
   qa[1][1][0][2] = std::numeric_limits<float>::infinity();  // one head of row 1's query
+  CHECK(c.stats().tier_tokens > 0);  // a read: the pass's evicted tokens go into the tier first
   kvevict_test::OpRecorder rec;
   const int64_t n = c.recall_absorbed(0, qa, qp, 1.0, 2, two_level);
-  CHECK(rec.counts().syncs == 0);  // no item(): the queries are not checked
+  CHECK(rec.counts().syncs == (tensor_path ? 1 : 0));  // the wait for the scores; no item(): the queries are not checked
   // Row 1 recalls nothing; row 0 recalls what it recalls with the same query in a twin whose
   // row 1 query is finite.
   CHECK(kvevict_test::to_vec<int64_t>(c.positions(0)[1]) == kvevict_test::to_vec<int64_t>(twin.positions(0)[1]));
@@ -1393,7 +1394,7 @@ TEST_CASE("the digests' device copy scores as an oracle, follows changes by send
     incremental = device.score(query, real, scale, P);
     REQUIRE(rec.ok());
     CHECK(rec.counts().syncs == 0);  // on CUDA: pinned memory, asynchronous copies, no host read
-    CHECK(rec.counts().transfers == 0);
+    CHECK(rec.counts().transfers == 3);  // up: the changed slots' indices and digests, the slot counts
   }
   CHECK(P == 5);
   check_oracle(incremental, P);
@@ -1415,11 +1416,15 @@ TEST_CASE("with a tier on CUDA (pinned memory, asynchronous copies), the tensor 
   check_tensor_path_matches_host(at::Device("cuda:0"));
 }
 
-TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens out without a sync", "[tier][steady_state][cpu]") {
-  // The pass gathers the evicted tokens on the device and copies them out asynchronously (on
-  // CUDA: to pinned memory); the tier takes them at its next use. So a decode step (update,
-  // observe, evict) reads nothing on the host and transfers nothing: on the CPU, what the tensor
-  // path would launch. The tier's contents once read are checked against the host path above.
+TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens down and waits only for a pass before",
+          "[tier][steady_state][cpu]") {
+  // The pass gathers the evicted tokens on the device and copies them down asynchronously (on
+  // CUDA: to pinned memory); the tier takes them at its next use, at the latest the pass after
+  // next. So a decode step (update, observe, evict) reads nothing of the device, copies the
+  // evicted token down (its position, state, ckv and kpe rows: 4 copies) and waits once, for
+  // the copies of the pass before the last one, which a decode has long passed. On the CPU the
+  // op counter sees every copy and wait a CUDA run makes. The tier's contents once read are
+  // checked against the host path above.
   const int64_t H = 4;
   const auto options = kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(8).qk_rope_dim(4).check_observations(false)
                            .tier_tokens(64);
@@ -1437,22 +1442,23 @@ TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens out wit
   };
   for (int i = 0; i < 8; ++i) cache.update(0, at::randn({1, 1, 8}), at::randn({1, 1, 4}));
   step();  // the first pass uploads its mirrors (once)
+  step();  // the second has no pass before the last one to take in
   for (int i = 0; i < 3; ++i) {
-    const auto c = step();  // each pass also takes the previous pass's hand-over into the tier
-    CHECK(c.syncs == 0);
-    CHECK(c.transfers == 0);
+    const auto c = step();  // each pass takes the hand-over of the pass before the last one into the tier
+    CHECK(c.syncs == 1);
+    CHECK(c.transfers == 4);
   }
-  CHECK(cache.tier_size(0, 0) == 4);  // a read takes the last hand-over
-  CHECK(cache.stats().tier_tokens == 4);
+  CHECK(cache.tier_size(0, 0) == 5);  // a read takes the last two hand-overs
+  CHECK(cache.stats().tier_tokens == 5);
 }
 
 TEST_CASE("on the tensor path a recall waits for the device once; its victims reach the tier at the tier's next use",
           "[tier][recall][steady_state][cpu]") {
-  // On CUDA the host waits for the device: once per recall, for the scores (copied with the
-  // positions, states and, for a two-level pool, the queries); the victims' rows are copied
-  // out without a wait and the tier takes them at its next use, with the pass's evicted tokens.
-  // host_waits() counts those waits on the CPU too. What is recalled and kept is checked
-  // against the host path above.
+  // On CUDA the host waits for the device once per recall, for the scores (copied down with the
+  // victim candidates and, for a two-level pool, the queries); the victims' rows are copied down
+  // without a wait and the tier takes them at its next use, with the pass's evicted tokens. On
+  // the CPU the op counter sees every such copy (a transfer) and every wait (a sync:
+  // "kvevict::host_wait"). What is recalled and kept is checked against the host path above.
   const bool two_level = GENERATE(false, true);
   CAPTURE(two_level);
   const int64_t H = 2;
@@ -1463,26 +1469,37 @@ TEST_CASE("on the tensor path a recall waits for the device once; its victims re
   cache.update(0, at::randn({1, 16, 4}), at::randn({1, 16, 2}));
   cache.add_scores(0, at::rand({1, 16}));
   cache.evict(0);  // capacity 8: 8 tokens go to the tier
-  const auto& waits = kvevict::detail::host_waits();
+  const auto counted = [](auto&& call) {
+    kvevict_test::OpRecorder rec;
+    call();
+    REQUIRE(rec.ok());
+    return rec.counts();
+  };
   for (int step = 0; step < 3; ++step) {
     CAPTURE(step);
     cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
     CHECK(cache.stats().tier_tokens > 0);  // a read: takes in what is on its way
-    const int64_t before = waits;
     const auto qa = at::randn({1, H, 1, 4}).mul(4), qp = at::randn({1, H, 1, 2});
-    kvevict_test::OpRecorder rec;
-    const int64_t n = cache.recall_absorbed(0, qa, qp, 1.0, 2, two_level ? 6 : 0);
-    REQUIRE(rec.ok());
-    CHECK(rec.counts().syncs == 0);
-    CHECK(waits - before == 1);  // the scores
+    int64_t n = 0;
+    const auto recall = counted([&] { n = cache.recall_absorbed(0, qa, qp, 1.0, 2, two_level ? 6 : 0); });
     CHECK(n > 0);
+    CHECK(recall.syncs == 1);  // the wait for the scores; no read of the queries
+    // Up: the changed digest slots' indices and digests, the slot counts, each row's recent-window
+    // start; down: the page scores, the candidates (count, slots, positions, best state) and,
+    // two-level, the queries; up: the victims' slots; down: their positions, states, ckv and
+    // kpe rows; up: the recalled tokens' positions, states and rows.
+    CHECK(recall.transfers == (step == 0 ? 19 : 18) + (two_level ? 1 : 0));  // + the real columns, once
     const auto p = at::softmax(at::randn({1, H, 1, cache.size(0)}), -1);
-    const int64_t pass = waits;
-    cache.observe(0, p);
-    cache.evict(0);  // the recall's victims are still on their way: nothing to wait for
-    CHECK(waits - pass == 0);
-    const int64_t read = waits;
-    CHECK(cache.tier_size(0, 0) == 8 + step + 1);
-    CHECK(waits - read == 2);  // the victims, then the pass's evicted token, in that order
+    const auto pass = counted([&] {
+      cache.observe(0, p);
+      cache.evict(0);  // the recall's victims are still on their way: nothing to wait for
+    });
+    CHECK(pass.syncs == 0);
+    if (step > 0) CHECK(pass.transfers == 4);  // the evicted token's position, state, ckv and kpe rows
+    int64_t tier = 0;
+    const auto read = counted([&] { tier = cache.tier_size(0, 0); });
+    CHECK(tier == 8 + step + 1);
+    CHECK(read.syncs == 2);  // the victims, then the pass's evicted token, in that order
+    CHECK(read.transfers == 0);
   }
 }

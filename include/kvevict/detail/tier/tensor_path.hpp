@@ -18,6 +18,7 @@
 #include <kvevict/selection.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -34,53 +35,50 @@
 namespace kvevict {
 namespace detail {
 
-/// A copy of `t` in host memory: `t` itself (contiguous) on the CPU; from another device, a
-/// pinned host tensor filled by an asynchronous copy on the current stream (complete once an
-/// event recorded after it has been reached).
+/// A copy of `t` in host memory, contiguous: from a device, a pinned host tensor filled by an
+/// asynchronous copy on the current stream (complete once an event recorded after it has been
+/// reached); on the CPU (the tensor path in tests) a plain copy, made by a to() that names the
+/// CPU, so that an op counter sees every copy a CUDA run makes, and the copy is a snapshot as
+/// there.
 inline at::Tensor to_host_async(const at::Tensor& t) {
-  if (t.is_cpu()) return t.contiguous();
+  if (t.is_cpu()) return t.to(at::kCPU, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
   auto h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
   h.copy_(t, /*non_blocking=*/true);
   return h;
 }
 
-/// Test hook: the host waits for a device so far on this thread (DeviceWait::wait() of a
-/// recorded point, counted on the CPU too, where it waits for nothing), so that a CPU test
-/// counts the waits a CUDA run makes.
-inline int64_t& host_waits() {
-  static thread_local int64_t n = 0;
-  return n;
-}
-
 /// An event on a device's current stream that the host can wait for: after asynchronous copies
-/// to pinned host memory, the point from which the host may read them. Nothing on the CPU.
+/// to pinned host memory, the point from which the host may read them.
 struct DeviceWait {
   std::unique_ptr<c10::Event> done;
   bool recorded = false;
 
   /// Records the event after the work enqueued so far on `device`'s current stream (on the CPU
-  /// only the point, for host_waits()). Allocates.
+  /// only the point). Allocates.
   void record(const at::Device& device) {
     recorded = true;
     if (device.is_cpu()) return;
     done = std::make_unique<c10::Event>(device.type());
     done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
-  /// Waits until that work is complete (a host wait on CUDA: a query() loop, since LibTorch
-  /// 1.13's c10::Event has no synchronize(); nothing on the CPU). Counted in host_waits().
+  /// Waits until that work is complete: a host wait on CUDA (a query() loop, since LibTorch
+  /// 1.13's c10::Event has no synchronize()), nothing on the CPU. Either way it is recorded as
+  /// the function "kvevict::host_wait" (at::RecordFunction), which profilers and the tests'
+  /// op counter see, on the CPU too.
   void wait() const {
     if (!recorded) return;
-    ++host_waits();
+    RECORD_FUNCTION("kvevict::host_wait", std::vector<c10::IValue>());
     if (!done) return;
     while (!done->query()) std::this_thread::yield();
   }
 };
 
-/// A copy of host tensor `t` on `device`: `t` itself for the CPU; else a pinned copy of it
-/// sent by an asynchronous copy on the current stream (no sync; the pinned block is not reused
-/// before the copy is done: the caching host allocator records the copy).
+/// A copy of host tensor `t` on `device`: a pinned copy of it sent by an asynchronous copy on
+/// the current stream (no sync; the pinned block is not reused before the copy is done: the
+/// caching host allocator records the copy); for the CPU (the tensor path in tests) a plain
+/// copy, made by a to() that names the CPU, so that an op counter sees it.
 inline at::Tensor to_device_async(const at::Tensor& t, const at::Device& device) {
-  if (device.is_cpu()) return t;
+  if (device.is_cpu()) return t.to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   return t.pin_memory().to(device, /*non_blocking=*/true);
 }
 
@@ -389,21 +387,28 @@ void victims_on_device(RecallScores& out, const LayerState& L, const Core& core,
   out.top = L.state.gather(1, best.unsqueeze(2).expand({B, 1, W})).squeeze(1);
 }
 
+/// Host facts recall's score step needs on the device, uploaded only when they change: which
+/// query columns are real ([B, Q] bool; the same in a steady decode) and each row's first
+/// position past its victim candidates ([B, 1]; it moves with every appended token).
+struct RecallMirrors {
+  DeviceMirror real, window;
+};
+
 /// recall's score step on the tensor path: `device` takes what changed in `digests`
 /// (one PageDigests per row, G key groups of width D), scores the pages with `query` [B, H, Q, D]
 /// (fp32, on core.device) where they are, per head (reducing the scores across processes,
 /// reduce_scores) or, `head_mean_scoring`, by the heads' mean logit (TierScoring::kHeadMean:
 /// the mean query's bound when `shared_key`, the latent layout; the mean of the heads' bounds
 /// otherwise, also when this process holds one head; reduced before the softmax), finds the
-/// `K` lowest-ranked victim candidates there (victims_on_device(), `window` its mirror), and
-/// copies both and, for a two-level `pool`, the queries to the host: one wait, after every
-/// copy is enqueued (recall's only host wait). An allocation failure in the upload or the
-/// scoring throws c10::Error naming `layer`; nothing but the device copy (then sent whole next
-/// time) and the mirror change.
+/// `K` lowest-ranked victim candidates there (victims_on_device()), the host facts both need
+/// coming through `mirrors`, and copies both and, for a two-level `pool`, the queries to the
+/// host: one wait, after every copy is enqueued (recall's only host wait for fresh work). An
+/// allocation failure in the upload or the scoring throws c10::Error naming `layer`; nothing
+/// but the device copy (then sent whole next time) and the mirrors change.
 template <class Core>
 RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& digests, int64_t G, int64_t D,
                              bool shared_key, bool head_mean_scoring, int64_t layer, const at::Tensor& query,
-                             double scale, int64_t K, bool pool, DeviceMirror& window, const LayerState& L,
+                             double scale, int64_t K, bool pool, RecallMirrors& mirrors, const LayerState& L,
                              const Core& core) {
   const int64_t B = query.size(0), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
@@ -414,7 +419,9 @@ RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
   int64_t P = 1;
   allocating([&] {
     P = std::max<int64_t>(device.upload(digests, G, D, core.device), 1);
-    real = to_device_async(real_columns(core, L, B, Q), core.device);
+    const auto columns = real_columns(core, L, B, Q);  // a mirror: the same in a steady decode
+    const std::vector<int64_t> flags(columns.template data_ptr<bool>(), columns.template data_ptr<bool>() + B * Q);
+    real = mirrors.real.get(flags, core.device, {B, Q}, at::kBool);
   }, fail);
   const auto on_device = score_pages(
       head_mean_scoring, layer, core, fail, [&] { return device.score(query, real, scale, P); },
@@ -424,7 +431,7 @@ RecallScores score_on_device(DeviceDigests& device, std::vector<PageDigests>& di
       });
   RecallScores out;
   allocating([&] {
-    victims_on_device(out, L, core, layer, K, window);
+    victims_on_device(out, L, core, layer, K, mirrors.window);
     out.sums = to_host_async(on_device);
     if (pool) out.query = to_host_async(query);
     for (auto* t : {&out.candidates, &out.victims, &out.victim_position, &out.top}) *t = to_host_async(*t);
@@ -489,7 +496,7 @@ class TierTensorPath {
                      int64_t layer, const at::Tensor& query, double scale, int64_t K, bool pool, const LayerState& L,
                      const Core& core) {
     return score_on_device(device_, digests, groups, width, keys.shared, keys.head_mean, layer, query, scale, K, pool,
-                           window_, L, core);
+                           mirrors_, L, core);
   }
 
   /// recall's swap step: swap_on_device() (all or nothing); the victims' copies then join what
@@ -508,12 +515,12 @@ class TierTensorPath {
   /// Frees the digests' copy (reset(): the next recall sends every page again).
   void release_device() {
     device_ = DeviceDigests{};
-    window_ = DeviceMirror{};
+    mirrors_ = RecallMirrors{};
   }
 
  private:
   DeviceDigests device_;
-  DeviceMirror window_;         // victims_on_device(): each row's first position past the candidates
+  RecallMirrors mirrors_;
   HandOver pending_;            // take() -> keep()
   std::vector<HandOver> held_;  // on the way into the tier, oldest first: keep()/swap() -> settle()
 };
