@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -84,6 +85,8 @@ struct Args {
   int64_t iters = 0;      // steps per repetition; 0: from --min-time
   bool naive = true;
   bool tensor_path = false;  // CPU: time the tensor-op path CUDA takes instead of the host loops
+  int64_t evict_every = 1;   // timing: passes every N steps
+  bool recall = false;       // timing: also a step with a host tier and a recall every step
   bool count_ops = false;    // count the ATen ops of the decode loops instead of timing
   bool list_ops = false;     // with count_ops: also print every counted op
   std::string out_csv, out_json;
@@ -114,6 +117,11 @@ Options (default in brackets):
   --min-time SEC       seconds per repetition, > 0 (sets the steps per repetition) [0.2]
   --iters N            steps per repetition (overrides --min-time) [from --min-time]
   --no-naive           skip the naive gather (it needs 3x the cache's memory); its columns print '-'
+  --evict-every N      timing: a pass every N steps (EvictionOptions::evict_every) [1]
+  --recall             timing: also time update + observe + evict with a recall before each
+                       step ("u+o+e+recall"), on a cache with a host tier of 4 x capacity tokens
+                       per row, filled first, and the README's recall setting (3 tokens, a pool
+                       of 256, pages of 64 scored by the heads' mean)
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
   --count-ops          instead of timing: count what the decode loops (a)-(g) ask of LibTorch per
@@ -168,6 +176,7 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--reps", [&](auto& f, auto& v) { a.reps = parse_int(f, v, 1); }},
           {"--iters", [&](auto& f, auto& v) { a.iters = parse_int(f, v, 1); }},
           {"--min-time", [&](auto& f, auto& v) { a.min_time = kvevict_cli::parse_seconds(f, v); }},
+          {"--evict-every", [&](auto& f, auto& v) { a.evict_every = parse_int(f, v, 1); }},
           {"--out-csv", writable(a.out_csv)},
           {"--out-json", writable(a.out_json)},
       },
@@ -176,9 +185,13 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--tensor-path", [&] { a.tensor_path = true; }},
           {"--count-ops", [&] { a.count_ops = true; }},
           {"--list-ops", [&] { a.list_ops = true; }},
+          {"--recall", [&] { a.recall = true; }},
       });
   if (!run) return false;
   if (a.list_ops && !a.count_ops) throw UsageError("--list-ops needs --count-ops");
+  if (a.count_ops && (a.recall || a.evict_every != 1)) {
+    throw UsageError("--count-ops sets its own evict_every and recall loops (a)-(g): drop --evict-every and --recall");
+  }
   if (a.count_ops && a.batches != std::vector<int64_t>{1}) {
     throw UsageError("--count-ops sets its own batches (1, and a ragged batch of 8): drop --batch");
   }
@@ -303,7 +316,11 @@ class NaiveCache {
     score_ = at::rand({B, S}, buffers_[0].options().dtype(at::kFloat));
   }
 
-  /// One decode step: rows as the cache's update() takes them, probs [B, H, 1, S + 1].
+  /// Tokens held per row (S).
+  int64_t size() const { return score_.size(1); }
+
+  /// One decode step, a pass at every one: rows as the cache's update() takes them, probs
+  /// [B, H, 1, S + 1].
   void step(const std::vector<at::Tensor>& rows, const at::Tensor& probs) {
     for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i] = at::cat({buffers_[i], rows[i]}, token_dim_);
     const int64_t B = score_.size(0), S = buffers_[0].size(token_dim_);
@@ -386,6 +403,7 @@ struct Result {
   Config config;
   std::string dims;
   double update_evict = 0, observe = 0, uoe = 0, attend = 0, naive = NAN, uoe_graph = NAN;  // us per step
+  double uoe_recall = NAN;  // us per step: update + observe + evict with a recall (--recall)
   int64_t bytes_held = 0;
 };
 
@@ -417,32 +435,68 @@ void bookkeeping_step(Cache& cache, const std::vector<at::Tensor>& row, const at
 }
 
 #if KVEVICT_CUDA_GRAPHS
-/// Microseconds per replay of a CUDA graph of one steady-state step, on a second cache built
-/// with observation checks off (a capture cannot wait for the host). The replay reads `row` and
-/// `probs` where they are; it shows the step's GPU time without the per-op launch cost.
+/// Microseconds per step of a CUDA graph of one evict_every window of steady-state steps (one
+/// step at evict_every 1), on a second cache built with observation checks off (a capture
+/// cannot wait for the host): a replay's time over the window's steps. The replay reads `row`
+/// and `probs` (narrowed to each step's tokens: views) where they are; it shows the steps' GPU
+/// time without the per-op launch cost.
 template <class Layout>
 double graph_step_us(const Config& c, Args a, const kvevict::EvictionOptions& e, const std::vector<at::Tensor>& row,
                      const at::Tensor& probs, const DeviceSync& sync) {
   a.check_observations = false;
   auto cache = Layout::make_cache(c, a, e);
   fill_to_capacity<Layout>(*cache, c, a);
+  cache->reserve(c.capacity + e.evict_every());
+  const auto window = [&] {
+    for (int64_t j = 0; j < e.evict_every(); ++j) bookkeeping_step(*cache, row, probs.narrow(3, 0, cache->size(0) + 1));
+  };
   at::cuda::CUDAGraph graph;
   auto stream = c10::cuda::getStreamFromPool();
   {
     c10::cuda::CUDAStreamGuard guard(stream);  // capture is illegal on the default stream
-    for (int i = 0; i < 3; ++i) bookkeeping_step(*cache, row, probs);  // warm-up on the capture stream
+    for (int i = 0; i < 3; ++i) window();      // warm-up on the capture stream
     graph.capture_begin();
-    bookkeeping_step(*cache, row, probs);
+    window();
     graph.capture_end();
   }
   stream.synchronize();
-  return measure([&](int64_t) { graph.replay(); }, a, sync);
+  return measure([&](int64_t) { graph.replay(); }, a, sync) / static_cast<double>(e.evict_every());
 }
 #endif
 
+/// Microseconds per step of update + observe + evict with a recall before it (the README's
+/// setting: 3 tokens, a pool of 256, pages of 64 by the heads' mean), on a cache whose host
+/// tier (4 x capacity tokens per row) earlier passes filled. Eager: a step with a tier is not
+/// replayable as a CUDA graph.
+template <class Layout>
+double recall_step_us(const Config& c, const Args& a, const kvevict::EvictionOptions& e,
+                      const std::vector<std::vector<at::Tensor>>& rows, const std::vector<at::Tensor>& probs,
+                      const std::vector<at::Tensor>& queries, const DeviceSync& sync) {
+  const int64_t tier = 4 * c.capacity;
+  auto cache = Layout::make_cache(c, a, e, tier);
+  const int64_t chunk = std::min<int64_t>(c.capacity, 256);
+  std::vector<at::Tensor> block;
+  for (const auto& shape : Layout::row_shapes(c, a, chunk)) block.push_back(random(shape, c.dtype, c.device));
+  for (int64_t filled = 0; filled < c.capacity + tier; filled += chunk) {  // the passes fill the tier
+    cache->update(0, block[0], block[1]);
+    cache->observe(0, at::softmax(at::randn({c.batch, c.heads, 1, cache->size(0)}, at::TensorOptions().device(c.device)), -1));
+    cache->evict_now(0);
+  }
+  const int64_t kPool = static_cast<int64_t>(rows.size());
+  return measure(
+      [&](int64_t i) {
+        Layout::recall(*cache, queries, 0.1, 3, 256);
+        bookkeeping_step(*cache, rows[i % kPool], probs[i % kPool].narrow(3, 0, cache->size(0) + 1));
+      },
+      a, sync);
+}
+
 template <class Layout>
 Result run_config(const Config& c, const Args& a) {
-  const auto e = kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent).n_sink(a.n_sink).n_recent(a.n_recent);
+  const auto e = kvevict::EvictionOptions(c.capacity - a.n_sink - a.n_recent)
+                     .n_sink(a.n_sink)
+                     .n_recent(a.n_recent)
+                     .evict_every(a.evict_every);
   const DeviceSync sync(c.device);
   auto cache = Layout::make_cache(c, a, e);
   fill_to_capacity<Layout>(*cache, c, a);
@@ -453,7 +507,9 @@ Result run_config(const Config& c, const Args& a) {
   std::vector<at::Tensor> probs(kPool);
   for (int64_t i = 0; i < kPool; ++i) {
     for (const auto& shape : Layout::row_shapes(c, a, 1)) rows[i].push_back(random(shape, c.dtype, c.device));
-    probs[i] = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + 1}, at::TensorOptions().device(c.device)), -1);
+    // Wide enough for the most tokens a layer holds between passes; each step observes the
+    // columns of the tokens it holds (a view).
+    probs[i] = at::softmax(at::randn({c.batch, c.heads, 1, c.capacity + a.evict_every}, at::TensorOptions().device(c.device)), -1);
   }
   std::vector<at::Tensor> queries;
   for (const auto& shape : Layout::query_shapes(c, a)) queries.push_back(random(shape, c.dtype, c.device));
@@ -467,10 +523,11 @@ Result run_config(const Config& c, const Args& a) {
         C.evict(0);
       },
       a, sync);
-  r.uoe = measure([&](int64_t i) { bookkeeping_step(C, rows[i % kPool], probs[i % kPool]); }, a, sync);
-  // observe and attend are repeatable on a layer holding capacity + 1 tokens.
+  r.uoe = measure(
+      [&](int64_t i) { bookkeeping_step(C, rows[i % kPool], probs[i % kPool].narrow(3, 0, C.size(0) + 1)); }, a, sync);
+  // observe and attend are repeatable on a layer holding one token more than after a pass.
   C.update(0, rows[0][0], rows[0][1]);
-  r.observe = measure([&](int64_t i) { C.observe(0, probs[i % kPool]); }, a, sync);
+  r.observe = measure([&](int64_t i) { C.observe(0, probs[i % kPool].narrow(3, 0, C.size(0))); }, a, sync);
   r.attend = measure([&](int64_t) { Layout::attend(C, queries); }, a, sync);
   C.evict(0);
   r.bytes_held = C.stats().bytes_allocated;
@@ -478,10 +535,11 @@ Result run_config(const Config& c, const Args& a) {
 #if KVEVICT_CUDA_GRAPHS
   if (c.device.is_cuda()) r.uoe_graph = graph_step_us<Layout>(c, a, e, rows[0], probs[0], sync);
 #endif
+  if (a.recall) r.uoe_recall = recall_step_us<Layout>(c, a, e, rows, probs, queries, sync);
   if (a.naive) {
     // The naive cache starts from the same tokens, copied into position order.
     NaiveCache naive(Layout::ordered(C), Layout::kTokenDim, e);
-    r.naive = measure([&](int64_t i) { naive.step(rows[i % kPool], probs[i % kPool]); }, a, sync);
+    r.naive = measure([&](int64_t i) { naive.step(rows[i % kPool], probs[i % kPool].narrow(3, 0, naive.size() + 1)); }, a, sync);
   }
   return r;
 }
@@ -511,8 +569,12 @@ std::string cell(const char* format, double x, int width) {
 }
 
 void print_line(const Result& r) {
-  char graph[64] = "";
+  char graph[128] = "";
   if (std::isfinite(r.uoe_graph)) std::snprintf(graph, sizeof graph, " | u+o+e graph %9.2f us", r.uoe_graph);
+  if (std::isfinite(r.uoe_recall)) {
+    const auto n = std::strlen(graph);
+    std::snprintf(graph + n, sizeof graph - n, " | u+o+e+recall %9.2f us", r.uoe_recall);
+  }
   std::printf("%s | update+evict %9.2f us | observe %9.2f us | u+o+e %9.2f us%s | attend %11.1f us | naive %s"
               " | ue/attend %7.4f%% | uoe/attend %7.4f%% | naive/attend %s | naive/ue %s\n",
               config_label(r).c_str(), r.update_evict, r.observe, r.uoe, graph, r.attend,
@@ -526,14 +588,15 @@ void write_csv(const std::string& path, const std::vector<Result>& results, cons
   if (!f) throw std::runtime_error("cannot write " + path);
   std::fprintf(f,
                "layout,heads,dims,dtype,device,batch,capacity,threads,check_observations,update_evict_us,observe_us,"
-               "uoe_us,uoe_graph_us,attend_us,naive_us,ue_over_attend,uoe_over_attend,naive_over_attend,naive_over_ue,bytes_held\n");
+               "uoe_us,uoe_graph_us,uoe_recall_us,evict_every,attend_us,naive_us,ue_over_attend,uoe_over_attend,naive_over_attend,"
+               "naive_over_ue,bytes_held\n");
   for (const auto& r : results) {
     const auto& c = r.config;
-    std::fprintf(f, "%s,%lld,%s,%s,%s,%lld,%lld,%lld,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.6g,%.6g,%.6g,%.6g,%lld\n",
+    std::fprintf(f, "%s,%lld,%s,%s,%s,%lld,%lld,%lld,%d,%.3f,%.3f,%.3f,%.3f,%.3f,%lld,%.3f,%.3f,%.6g,%.6g,%.6g,%.6g,%lld\n",
                  c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
                  c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
                  static_cast<long long>(a.threads), a.check_observations ? 1 : 0, r.update_evict, r.observe, r.uoe,
-                 r.uoe_graph, r.attend, r.naive, r.update_evict / r.attend, r.uoe / r.attend, r.naive / r.attend,
+                 r.uoe_graph, r.uoe_recall, static_cast<long long>(a.evict_every), r.attend, r.naive, r.update_evict / r.attend, r.uoe / r.attend, r.naive / r.attend,
                  r.naive / r.update_evict, static_cast<long long>(r.bytes_held));
   }
   std::fclose(f);
@@ -556,14 +619,16 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
     std::fprintf(f,
                  "  {\"layout\": \"%s\", \"heads\": %lld, \"dims\": \"%s\", \"dtype\": \"%s\", \"device\": \"%s\", "
                  "\"batch\": %lld, \"capacity\": %lld, \"threads\": %lld, \"check_observations\": %s, "
-                 "\"update_evict_us\": %s, \"observe_us\": %s, \"uoe_us\": %s, \"uoe_graph_us\": %s, \"attend_us\": %s, \"naive_us\": %s, "
+                 "\"update_evict_us\": %s, \"observe_us\": %s, \"uoe_us\": %s, \"uoe_graph_us\": %s, \"uoe_recall_us\": %s, "
+                 "\"evict_every\": %lld, \"attend_us\": %s, \"naive_us\": %s, "
                  "\"ue_over_attend\": %s, \"uoe_over_attend\": %s, \"naive_over_attend\": %s, \"naive_over_ue\": %s, "
                  "\"bytes_held\": %lld}%s\n",
                  c.layout.c_str(), static_cast<long long>(c.heads), r.dims.c_str(), c.dtype_name.c_str(),
                  c.device.str().c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.capacity),
                  static_cast<long long>(a.threads), a.check_observations ? "true" : "false",
                  json_number(r.update_evict).c_str(), json_number(r.observe).c_str(), json_number(r.uoe).c_str(),
-                 json_number(r.uoe_graph).c_str(), json_number(r.attend).c_str(), json_number(r.naive).c_str(),
+                 json_number(r.uoe_graph).c_str(), json_number(r.uoe_recall).c_str(),
+                 static_cast<long long>(a.evict_every), json_number(r.attend).c_str(), json_number(r.naive).c_str(),
                  json_number(r.update_evict / r.attend).c_str(), json_number(r.uoe / r.attend).c_str(),
                  json_number(r.naive / r.attend).c_str(), json_number(r.naive / r.update_evict).c_str(),
                  static_cast<long long>(r.bytes_held), i + 1 < results.size() ? "," : "");
@@ -956,12 +1021,13 @@ int run(const Args& a) {
   } else {
     std::snprintf(reps, sizeof reps, "~%.2f s each", a.min_time);
   }
-  std::printf("kvevict_bench: one layer, per decode step in the steady state (capacity + 1 -> capacity), median of "
-              "%lld reps (%s); %lld intra-op thread(s), %u hardware threads; check_observations %s; n_sink %lld, "
-              "n_recent %lld%s\n",
-              static_cast<long long>(a.reps), reps, static_cast<long long>(a.threads),
-              std::thread::hardware_concurrency(), a.check_observations ? "on" : "off", static_cast<long long>(a.n_sink),
-              static_cast<long long>(a.n_recent), a.tensor_path ? "; tensor-op path" : "");
+  std::printf("kvevict_bench: one layer, per decode step in the steady state (a pass every %lld step(s) back to "
+              "capacity), median of %lld reps (%s); %lld intra-op thread(s), %u hardware threads; check_observations "
+              "%s; n_sink %lld, n_recent %lld%s\n",
+              static_cast<long long>(a.evict_every), static_cast<long long>(a.reps), reps,
+              static_cast<long long>(a.threads), std::thread::hardware_concurrency(), a.check_observations ? "on" : "off",
+              static_cast<long long>(a.n_sink), static_cast<long long>(a.n_recent),
+              a.tensor_path ? "; tensor-op path" : "");
   std::vector<Result> results;
   std::vector<LoopCounts> counted;
   for (const auto& layout : a.layouts) {

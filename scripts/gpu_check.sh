@@ -4,7 +4,8 @@
 #   1. configure (examples off: they need fmt; tests use third_party/catch2; bench has no deps),
 #   2. build the tests and the benchmark,
 #   3. run the tests tagged [cuda], then the full suite (kvevict_tests, then ctest),
-#   4. run the benchmark's CUDA configurations (CUDA graph replay timing included).
+#   4. run the benchmark's CUDA configurations (CUDA graph replay timing included), and the
+#      layer-step with a recall every step at evict_every 1 and 16 (issue 28's figures).
 # Never calls apt or the network. Logs and results go to $OUT (default: $BUILD_DIR/gpu_check).
 #
 # Usage: scripts/gpu_check.sh [--cpu-dry-run]
@@ -122,6 +123,8 @@ fi
 if [ "$dry_run" = 1 ]; then
   step "bench (CPU, dry run)" bench_cpu.txt "$bench" --device cpu --heads 4 --capacity 84,1024 --layout expanded,latent \
     --min-time 0.05 --reps 3 --out-csv "$out/bench_cpu.csv" --out-json "$out/bench_cpu.json"
+  step "bench recall (CPU tensor path, dry run)" bench_cpu_recall.txt "$bench" --device cpu --heads 4 --capacity 84 \
+    --layout latent --evict-every 16 --recall --tensor-path --check-observations off --no-naive --min-time 0.05 --reps 3
 else
   # DeepSeek-V3's layer at 64 and 128 heads, both layouts, bf16, sync-free (observation checks
   # off, the CUDA default, as a CUDA graph needs); then fp32, and checks on for comparison.
@@ -134,6 +137,14 @@ else
   step "bench CUDA checks on" bench_cuda_checks.txt "$bench" --device cuda --layout expanded --heads 64 \
     --dtype bf16 --capacity 4612 --check-observations on --min-time 0.1 --no-naive \
     --out-csv "$out/bench_cuda_checks.csv" --out-json "$out/bench_cuda_checks.json"
+  # Issue 28's figures: one latent layer-step at capacity 4,612, 128 heads, bf16, evict_every 1
+  # and 16, graphed without a tier ("u+o+e graph", per step of a replayed window) and eager with
+  # a recall every step ("u+o+e+recall": a step with a tier does not replay as a graph yet).
+  for ee in 1 16; do
+    step "bench CUDA recall, evict_every $ee" "bench_cuda_recall_ee$ee.txt" "$bench" --device cuda --layout latent \
+      --heads 128 --dtype bf16 --capacity 4612 --check-observations off --evict-every "$ee" --recall --no-naive \
+      --min-time 0.1 --out-csv "$out/bench_cuda_recall_ee$ee.csv" --out-json "$out/bench_cuda_recall_ee$ee.json"
+  done
 fi
 
 echo "== summary ($summary)"
