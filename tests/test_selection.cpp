@@ -316,6 +316,60 @@ TEST_CASE("evict_slots and evict_slots_row agree slot for slot on cache rows", "
   }
 }
 
+TEST_CASE("recall_candidates (recall's victims on the device) matches the oracle, with one key or two sorts",
+          "[selection][cpu]") {
+  // Per row: random scores (ties, NaN, +-inf), distinct positions in a random slot order, some
+  // slots dead (-1), a window start. The oracle sorts the candidates (n_sink <= position <
+  // recent_from) by the contract's order: non-finite lowest, then score, then the older position.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t B = 3, S = 6 + trial % 11, n_sink = trial % 3, k = 1 + trial % S;
+    std::vector<float> ranks;
+    std::vector<int64_t> positions, recent_from;
+    std::vector<std::vector<int64_t>> want(B);  // per row: candidate slots, lowest first
+    for (int64_t b = 0; b < B; ++b) {
+      const auto scores = random_scores(rng, S, trial % 2 ? 0.3 : 0.0);
+      std::vector<int64_t> pos(static_cast<size_t>(S));
+      std::iota(pos.begin(), pos.end(), int64_t{0});
+      std::shuffle(pos.begin(), pos.end(), rng);
+      for (int64_t s = 0; s < S; ++s) {
+        if (std::uniform_int_distribution<int>(0, 5)(rng) == 0) pos[s] = -1;  // a dead slot
+        ranks.push_back(static_cast<float>(scores[s]));
+        positions.push_back(pos[s]);
+      }
+      const int64_t from = std::uniform_int_distribution<int64_t>(0, S)(rng);
+      recent_from.push_back(from);
+      for (int64_t s = 0; s < S; ++s) {
+        if (pos[s] >= n_sink && pos[s] < from) want[b].push_back(s);
+      }
+      const auto lower = [&](int64_t x, int64_t y) {
+        const double sx = scores[x], sy = scores[y];
+        const bool fx = std::isfinite(sx), fy = std::isfinite(sy);
+        if (fx != fy) return !fx;
+        if (fx && sx != sy) return sx < sy;
+        return pos[x] < pos[y];
+      };
+      std::sort(want[b].begin(), want[b].end(), lower);
+    }
+    const auto r = at::tensor(ranks).view({B, S});
+    const auto p = at::tensor(positions).view({B, S});
+    const auto w = at::tensor(recent_from).view({B, 1});
+    CAPTURE(trial, S, n_sink, k);
+    for (const int64_t max_seen : {S, kvevict::detail::kKeyPositions + 1}) {  // one key; two stable sorts
+      CAPTURE(max_seen);
+      const auto c = kvevict::detail::recall_candidates(r, p, n_sink, w, k, max_seen);
+      REQUIRE(c.lowest.sizes() == at::IntArrayRef({B, k}));
+      for (int64_t b = 0; b < B; ++b) {
+        CAPTURE(b);
+        const auto n = static_cast<int64_t>(want[b].size());
+        CHECK(c.count[b].item<int64_t>() == n);
+        for (int64_t j = 0; j < std::min(k, n); ++j) CHECK(c.lowest[b][j].item<int64_t>() == want[b][j]);
+        if (n > 0) CHECK(c.best[b][0].item<int64_t>() == want[b].back());
+      }
+    }
+  }
+}
+
 TEST_CASE("evict_slots returns [B, 0] while S <= capacity", "[selection][cpu]") {
   const Policy policy(EvictionOptions(2).n_sink(1).n_recent(1));  // capacity 4
   for (int64_t S : {1, 3, 4}) {

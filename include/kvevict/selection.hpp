@@ -120,6 +120,34 @@ inline at::Tensor lowest_candidates(const at::Tensor& ranks, const at::Tensor& p
   return by_position.gather(1, order);
 }
 
+/// Recall's victims in tensor form (tier/tensor_path.hpp): of each row's candidates (n_sink <=
+/// position < recent_from), their number `count` [B] int64, the `k` lowest in eviction order
+/// `lowest` [B, k] int64 slots (a row with fewer candidates fills its columns with
+/// non-candidates) and the best-ranked candidate's slot `best` [B, 1] int64 (anything for a row
+/// without candidates). Arguments as lowest_candidates(); k <= S. Below 2^32 positions one key
+/// per slot (eviction_keys()): one top-k and one argmax; past, lowest_candidates()'s two stable
+/// sorts of every slot. No host sync.
+struct RecallCandidates {
+  at::Tensor count, lowest, best;
+};
+inline RecallCandidates recall_candidates(const at::Tensor& ranks, const at::Tensor& positions, int64_t n_sink,
+                                          const at::Tensor& recent_from, int64_t k, int64_t max_seen) {
+  RecallCandidates out;
+  const auto other = positions.lt(n_sink).logical_or_(positions.ge(recent_from));  // sinks, recent, dead
+  out.count = other.logical_not().sum(1);
+  if (max_seen <= kKeyPositions) {
+    const auto key = eviction_keys(ranks, positions);
+    out.lowest = std::get<1>(at::topk(key.masked_fill(other, std::numeric_limits<int64_t>::max()), k, /*dim=*/1,
+                                      /*largest=*/false, /*sorted=*/true));
+    out.best = key.masked_fill_(other, std::numeric_limits<int64_t>::min()).argmax(1, /*keepdim=*/true);
+  } else {
+    const auto order = lowest_candidates(ranks, positions, n_sink, recent_from, positions.size(1), max_seen, true);
+    out.lowest = order.narrow(1, 0, k);
+    out.best = order.gather(1, out.count.sub(1).clamp_min_(0).unsqueeze(1));
+  }
+  return out;
+}
+
 }  // namespace detail
 
 /// Chooses which tokens an eviction pass removes: per batch row, keep every sink (the first

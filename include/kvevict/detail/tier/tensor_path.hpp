@@ -344,10 +344,9 @@ HandOver swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L,
 /// candidates, victims, victim_position, top; device tensors, which the caller copies to the
 /// host): the candidates' mask from L's positions and each row's first position past them
 /// (`window`, a mirror of victim_range()'s, uploaded only when it changes; a free row's is its
-/// first, so it has none), and of one key per slot (eviction_keys(), as a pass's selection) a
-/// top-k of the `K` lowest in eviction order and an argmax for the best-ranked candidate (past
-/// 2^32 positions, the order of lowest_candidates()'s two stable sorts). As victims_on_host(),
-/// slot for slot; nothing found for K = 0 (host tensors then). Allocates.
+/// first, so it has none), and recall_candidates() (selection.hpp: one top-k of the `K` lowest
+/// in eviction order and an argmax for the best-ranked candidate, as a pass selects). As
+/// victims_on_host(), slot for slot; nothing found for K = 0 (host tensors then). Allocates.
 template <class Core>
 void victims_on_device(RecallScores& out, const LayerState& L, const Core& core, int64_t layer, int64_t K,
                        DeviceMirror& window) {
@@ -366,25 +365,13 @@ void victims_on_device(RecallScores& out, const LayerState& L, const Core& core,
     to[b] = core.active[b] ? range.second : range.first;
     max_seen = std::max(max_seen, L.seen[b]);
   }
-  const int64_t n_sink = core.layer_eviction[layer].n_sink();
   const auto& recent_from = window.get(to, L.position.device(), {B, 1});
-  const auto& pos = L.position;
-  const auto ranks = core.scorer.rank(L.state);
-  const auto other = pos.lt(n_sink).logical_or_(pos.ge(recent_from));  // sinks, recent, dead
-  out.candidates = other.logical_not().sum(1);
-  at::Tensor best;  // [B, 1]: the best-ranked candidate's slot
-  if (max_seen <= kKeyPositions) {  // one key per slot, as a pass's selection (lowest_candidates())
-    const auto key = eviction_keys(ranks, pos);
-    out.victims = std::get<1>(at::topk(key.masked_fill(other, std::numeric_limits<int64_t>::max()), K, /*dim=*/1,
-                                       /*largest=*/false, /*sorted=*/true));
-    best = key.masked_fill_(other, std::numeric_limits<int64_t>::min()).argmax(1, /*keepdim=*/true);
-  } else {
-    const auto order = lowest_candidates(ranks, pos, n_sink, recent_from, L.slots, max_seen, /*ordered=*/true);
-    out.victims = order.narrow(1, 0, K);
-    best = order.gather(1, out.candidates.sub(1).clamp_min_(0).unsqueeze(1));
-  }
-  out.victim_position = pos.gather(1, out.victims);
-  out.top = L.state.gather(1, best.unsqueeze(2).expand({B, 1, W})).squeeze(1);
+  auto c = recall_candidates(core.scorer.rank(L.state), L.position, core.layer_eviction[layer].n_sink(), recent_from,
+                             K, max_seen);
+  out.candidates = c.count;
+  out.victims = c.lowest;
+  out.victim_position = L.position.gather(1, out.victims);
+  out.top = L.state.gather(1, c.best.unsqueeze(2).expand({B, 1, W})).squeeze(1);
 }
 
 /// Host facts recall's score step needs on the device, uploaded only when they change: which
