@@ -176,7 +176,7 @@ class CacheBase {
         policy_.commit(layer, pass);  // its device writes, then the host counters
       });
     }
-    if (tier_tokens_ > 0) tiers_[layer].keep();  // after the commit: the tensor path holds its hand-over
+    if (tier_tokens_ > 0) tiers_[layer].keep();  // after the commit: the tensor path queues its hand-over
     shrink_if_fits(layer);
     return evicted;
   }

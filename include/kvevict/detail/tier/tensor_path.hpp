@@ -1,10 +1,11 @@
 #pragma once
 // The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the steps of its twin
-// TierHostPath (tier/host_path.hpp) under the same names in the same order. How a pass's
-// evicted tokens reach the host without a sync (take: gathered on the device and copied to
-// pinned host memory asynchronously; keep: held after the pass's commit; settle: taken into
-// the tier at its next use), how recall scores the pages on the device (DeviceDigests,
-// score_on_device()), and how it swaps tokens with slots that live on the device
+// TierHostPath (tier/host_path.hpp) under the same names in the same order. How tokens reach
+// the host tier without a sync (HandOver: a pass's evicted tokens, gathered on the device by
+// take(), and a recall's victims, copied to pinned host memory asynchronously, queued by keep()
+// and swap(), taken into the tier by settle() at its next use), how recall scores the pages and
+// finds its victim candidates on the device (DeviceDigests, score_on_device(),
+// victims_on_device()), and how it swaps tokens with slots that live on the device
 // (swap_on_device()). The tier itself is tier/tier.hpp; the steps both paths share,
 // tier/scoring.hpp.
 
