@@ -335,6 +335,13 @@ std::vector<Scenario<Cache>> compress_scenarios() {
           }}};
 }
 
+/// Scenario `s` brought about in cache `c` from the same seed every time; returns its call.
+template <class Cache>
+std::function<void()> prepared(const Scenario<Cache>& s, Cache& c) {
+  at::manual_seed(29);
+  return s.setup(c);
+}
+
 /// What a call did under an AllocFault(k, window): the c10::Error's message, a raw
 /// std::bad_alloc (and whether restore_failed() was set then), whether any allocation failed.
 struct Outcome {
@@ -363,18 +370,14 @@ inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int6
 template <class Cache>
 int64_t check_scenario(const Scenario<Cache>& s, bool tensor_path, int64_t& restored) {
   constexpr int64_t kMaxAllocations = 4000;  // a bound on the loop, far above what any call makes
-  const auto prepare = [&](Cache& c) {
-    at::manual_seed(29);
-    return s.setup(c);
-  };
   auto ref = make_cache<Cache>(tensor_path);
-  auto ref_call = prepare(ref);
+  auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
   ref_call();
   const auto after = full_snapshot(ref);
   for (int64_t k = 1; k <= kMaxAllocations; ++k) {
     auto c = make_cache<Cache>(tensor_path);
-    const auto call = prepare(c);
+    const auto call = prepared(s, c);
     const auto o = run_with_fault(call, k);
     const bool error = o.error, bad_alloc = o.bad_alloc, fired = o.fired;
     const std::string& what = o.what;
@@ -437,17 +440,13 @@ void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
 template <class Cache>
 void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window, bool restores_on_cpu) {
   constexpr int64_t kMaxAllocations = 4000;
-  const auto prepare = [&](Cache& c) {
-    at::manual_seed(29);
-    return s.setup(c);
-  };
   auto ref = make_cache<Cache>(tensor_path);
-  auto ref_call = prepare(ref);
+  auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
   int64_t partly = 0;
   for (int64_t k = 1; k <= kMaxAllocations; ++k) {
     auto c = make_cache<Cache>(tensor_path);
-    const auto o = run_with_fault(prepare(c), k, window);
+    const auto o = run_with_fault(prepared(s, c), k, window);
     if (!o.fired) return;
     INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << o.what << ")");
     const bool said_partly = o.what.find("partly changed") != std::string::npos || o.restore_failed;

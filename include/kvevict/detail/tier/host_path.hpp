@@ -106,7 +106,7 @@ template <class RowQueries, class Core>
 at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& keys, RowQueries&& row_queries,
                                  bool shared_key, int64_t H, int64_t Q, int64_t N, double scale, const Core& core) {
   const auto B = static_cast<int64_t>(keys.size());
-  const int64_t width = shared_key ? keys.empty() ? 0 : keys[0].size(2) : N;  // what the sums are over, per column
+  const int64_t width = shared_key ? keys.at(0).size(2) : N;  // per column: key channels, or pool tokens
   auto sums = at::zeros({B, Q, width}, at::TensorOptions().dtype(at::kDouble));  // per column: the heads' sum
   std::vector<int64_t> columns(static_cast<size_t>(B), 0);
   for (int64_t b = 0; b < B; ++b) {

@@ -213,12 +213,13 @@ class DeviceDigests {
   bool stale_ = true;   // the copy is not current: the next upload sends every slot
 };
 
-/// Tokens on their way from the device into the tier, in host copies made without a wait: row
-/// b's first n[b] columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer,
-/// `rows` [B, outer..., C, inner] (host tensors, contiguous). A pass's evicted tokens
-/// (TierTensorPath::take(); `into` empty), in the order the host path takes them (ascending
-/// slots), join the tier; a recall's victims (TierTensorPath::swap(); n[b] = into[b].size())
-/// take the places of the tier tokens `into[b]` that came back. `done`: recorded after the
+/// Tokens on their way from the device into the tier, in host copies made without a wait:
+/// columns of `position` [B, C] int64, `state` [B, C, W] fp32 and, per buffer, `rows` [B,
+/// outer..., C, inner] (host tensors, contiguous). A pass's evicted tokens
+/// (TierTensorPath::take(); `into` empty), row b's first n[b] columns in the order the host
+/// path takes them (ascending slots), join the tier; a recall's victims
+/// (TierTensorPath::swap(); `n` empty), row b's first into[b].size() columns, take the places
+/// of the tier tokens `into[b]` that came back. `done`: recorded after the
 /// copies (on CUDA, on the stream).
 struct HandOver {
   std::vector<int64_t> n;
@@ -301,8 +302,6 @@ HandOver swap_on_device(Tier& tier, const RecallPlan& plan, const LayerState& L,
     out.position = to_host_async(pos_dev);
     out.state = to_host_async(state_dev);
     out.done.record(device);
-    out.n.resize(static_cast<size_t>(B));
-    for (int64_t b = 0; b < B; ++b) out.n[b] = static_cast<int64_t>(picked[b].size());
     out.into = picked;
     // The tokens coming back: the tier's rows, positions and the best state, in host tensors
     // (pinned: the upload needs no other copy); a padding column keeps the trash slot's own.

@@ -92,9 +92,9 @@ class LayerTier {
 
   /// recall()'s input checks past the layout's shapes and the policy's (CacheBase::check_recall():
   /// no open observation), naming `call`: scale finite and > 0, tokens and rescore in [0, 2^40],
-  /// a two-level rescore (> tokens) of at least one page, and, with observation checks on (core.check: the CPU's default), every
-  /// row's real query columns [B, H, Q, D] finite (as in observe(), pads and free rows may hold
-  /// anything): one read of the device. With checks off (CUDA's default) the queries are not
+  /// a two-level rescore (> tokens) of at least one page, and, with observation checks on
+  /// (core.check: the CPU's default), every row's real query columns [B, H, Q, D] finite (as in
+  /// observe(), pads and free rows may hold anything): one read of the device. With checks off (CUDA's default) the queries are not
   /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
   /// (pick() and pick_tokens() take only scores > 0). Throws c10::Error.
   template <class Core>
