@@ -316,7 +316,7 @@ TEST_CASE("evict_slots and evict_slots_row agree slot for slot on cache rows", "
   }
 }
 
-TEST_CASE("recall_candidates (recall's victims on the device) matches the oracle, with one key or two sorts",
+TEST_CASE("recall_candidates (recall's victims on the device) and eviction_order match the oracle, with one key or two sorts",
           "[selection][cpu]") {
   // Per row: random scores (ties, NaN, +-inf), distinct positions in a random slot order, some
   // slots dead (-1), a window start. The oracle sorts the candidates (n_sink <= position <
@@ -365,6 +365,25 @@ TEST_CASE("recall_candidates (recall's victims on the device) matches the oracle
         CHECK(c.count[b].item<int64_t>() == n);
         for (int64_t j = 0; j < std::min(k, n); ++j) CHECK(c.lowest[b][j].item<int64_t>() == want[b][j]);
         if (n > 0) CHECK(c.best[b][0].item<int64_t>() == want[b].back());
+      }
+      // eviction_order(): every slot, the dead first, then the live ones as the oracle sorts them.
+      const auto order = kvevict::detail::eviction_order(r, p, max_seen);
+      for (int64_t b = 0; b < B; ++b) {
+        std::vector<int64_t> live;
+        for (int64_t s = 0; s < S; ++s) {
+          if (positions[b * S + s] >= 0) live.push_back(s);
+        }
+        std::sort(live.begin(), live.end(), [&](int64_t x, int64_t y) {
+          const float sx = ranks[b * S + x], sy = ranks[b * S + y];
+          const bool fx = std::isfinite(sx), fy = std::isfinite(sy);
+          if (fx != fy) return !fx;
+          if (fx && sx != sy) return sx < sy;
+          return positions[b * S + x] < positions[b * S + y];
+        });
+        const auto dead = S - static_cast<int64_t>(live.size());
+        CAPTURE(b);
+        for (int64_t j = 0; j < dead; ++j) CHECK(positions[b * S + order[b][j].item<int64_t>()] < 0);
+        for (size_t j = 0; j < live.size(); ++j) CHECK(order[b][dead + static_cast<int64_t>(j)].item<int64_t>() == live[j]);
       }
     }
   }

@@ -5,14 +5,17 @@
 #include "support.hpp"
 
 #include <kvevict/kvevict.hpp>
+#include <kvevict/detail/tier/store.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <numeric>
+#include <random>
 #include <set>
 #include <utility>
 #include <limits>
@@ -1502,4 +1505,194 @@ TEST_CASE("on the tensor path a recall waits for the device once; its victims re
     CHECK(read.syncs == 2);  // the victims, then the pass's evicted token, in that order
     CHECK(read.transfers == 0);
   }
+}
+
+TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order",
+          "[tier][store][cpu]") {
+  using kvevict::detail::LayerTier;
+  using kvevict::detail::TierKeys;
+  using kvevict::detail::TierStore;
+  const bool latent = GENERATE(true, false);
+  const at::ScalarType dtype = GENERATE(at::kFloat, at::kBFloat16);
+  CAPTURE(latent, dtype);
+  struct Pass {
+    std::vector<int64_t> n, evicted;
+    int64_t columns = 0;
+  };
+  const int64_t S = 10;
+  std::mt19937_64 rng(7);
+  const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  int64_t checked_pages = 0, checked_tokens = 0, drops = 0;
+  for (int config = 0; config < 24; ++config) {
+    const int64_t B = uniform(1, 3), W = uniform(1, 2), ps = std::vector<int64_t>{1, 2, 3, 5}[uniform(0, 3)];
+    const int64_t budget = std::vector<int64_t>{0, 1, 3, 7, 20, 1000}[uniform(0, 5)];
+    CAPTURE(config, B, W, ps, budget);
+    // Latent: two key buffers [B, S, 5] and [B, S, 3], one group; expanded: keys [B, 2, S, 4],
+    // values [B, 2, S, 3], two groups.
+    const std::vector<std::vector<int64_t>> shapes = latent ? std::vector<std::vector<int64_t>>{{5}, {3}}
+                                                            : std::vector<std::vector<int64_t>>{{2, 4}, {2, 3}};
+    std::vector<int64_t> row_bytes, groups;
+    for (const auto& s : shapes) {
+      row_bytes.push_back(std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>()) *
+                          static_cast<int64_t>(c10::elementSize(dtype)));
+      groups.push_back(s.size() == 2 ? s[0] : 1);
+    }
+    TierKeys keys;
+    keys.buffers = latent ? std::vector<size_t>{0, 1} : std::vector<size_t>{0};
+    keys.dtype = dtype;
+    keys.page_size = ps;
+    keys.shared = latent;
+    LayerTier host(B, budget, W, row_bytes, groups, keys, /*host=*/true);
+    TierStore store(B, budget, W, shapes, dtype, keys, at::kCPU);
+    std::vector<int64_t> next(static_cast<size_t>(B), 0);
+    for (int step = 0; step < 30; ++step) {
+      CAPTURE(step);
+      const int64_t op = uniform(0, 19);
+      if (op < 16) {  // a pass's evicted tokens
+        auto position = at::full({B, S}, -1, at::kLong);
+        const float values[] = {0.f, 0.5f, 1.f, 2.f, INFINITY, -INFINITY, NAN};
+        auto state = at::empty({B, S, W});
+        for (int64_t i = 0; i < state.numel(); ++i) state.data_ptr<float>()[i] = values[uniform(0, uniform(0, 9) == 0 ? 6 : 3)];
+        std::vector<at::Tensor> buffers;
+        for (const auto& s : shapes) {
+          std::vector<int64_t> shape{B};
+          shape.insert(shape.end(), s.begin(), s.end() - 1);
+          shape.push_back(S);
+          shape.push_back(s.back());
+          buffers.push_back(at::randn(shape).to(dtype));
+        }
+        Pass pass;
+        std::vector<std::vector<int64_t>> slots(static_cast<size_t>(B));
+        int64_t max_position = 1;
+        for (int64_t b = 0; b < B; ++b) {
+          std::vector<int64_t> all(S);
+          std::iota(all.begin(), all.end(), int64_t{0});
+          std::shuffle(all.begin(), all.end(), rng);
+          auto& sl = slots[static_cast<size_t>(b)];
+          sl.assign(all.begin(), all.begin() + uniform(0, 4));
+          for (const int64_t s : sl) {  // new positions, in no order over the slots, some pages skipped
+            next[b] += uniform(0, 3) == 0 ? uniform(1, 2 * ps) : 1;
+            position[b][s] = next[b] - 1;
+            max_position = std::max(max_position, next[b]);
+          }
+          std::sort(sl.begin(), sl.end());  // the order the host path takes them
+          pass.n.push_back(static_cast<int64_t>(sl.size()));
+          pass.columns = std::max(pass.columns, pass.n.back());
+        }
+        pass.evicted.assign(static_cast<size_t>(B * pass.columns), 0);
+        auto idx = at::zeros({B, pass.columns}, at::kLong);
+        auto valid = at::zeros({B, pass.columns}, at::kBool);
+        for (int64_t b = 0; b < B; ++b) {
+          for (size_t k = 0; k < slots[b].size(); ++k) {
+            pass.evicted[b * pass.columns + k] = slots[b][k];
+            idx[b][static_cast<int64_t>(k)] = slots[b][k];
+            valid[b][static_cast<int64_t>(k)] = true;
+          }
+        }
+        host.take_pass(pass, position, state, buffers, S, [](const float* st) { return st[0]; });
+        store.take(idx, valid, position, state, buffers, [](const at::Tensor& st) { return st.select(2, 0); },
+                   max_position);
+      } else if (op < 19) {  // a truncate of one row
+        const int64_t b = uniform(0, B - 1), from = uniform(0, next[b]);
+        auto all_from = at::full({B}, std::numeric_limits<int64_t>::max(), at::kLong);
+        all_from[b] = from;
+        host.drop_from(b, from);
+        store.drop_from(all_from);
+        next[b] = from;
+        ++drops;
+      } else {
+        const int64_t b = uniform(0, B - 1);
+        host.release(b);
+        store.release(b);
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        CAPTURE(b);
+        const auto& r = host.row(b);
+        const auto got = store.tokens(b);
+        const auto want = r.positions();
+        REQUIRE(at::equal(got.position, want));
+        CHECK(at::equal(got.rank.view(at::kInt), r.ranks().view(at::kInt)));  // bit for bit, NaN too
+        const auto rows = r.rows(shapes, dtype);
+        for (size_t i = 0; i < shapes.size(); ++i) CHECK(at::equal(got.rows[i], rows[i]));
+        checked_tokens += want.size(0);
+        // Every page: its digest and its members, newest first (the host list's order).
+        const auto& dg = host.digests(b);
+        int64_t pages = 0;
+        for (int64_t p = 0; p < store.page_capacity(); ++p) pages += store.page(b, p).second > 0;
+        CHECK(pages == dg.pages());
+        for (int64_t s = 0; s < dg.slots(); ++s) {
+          const int64_t page = dg.page_of_slot(s);
+          CAPTURE(page);
+          const auto [digest, members] = store.page(b, page);
+          REQUIRE(members == dg.members(s));
+          const auto block = at::from_blob(const_cast<float*>(dg.block(s)), digest.sizes(), at::kFloat);
+          CHECK(at::equal(digest, block));
+          std::vector<int64_t> host_order, store_order;
+          for (int64_t t = dg.head(s); t >= 0; t = dg.next(t)) host_order.push_back(r.position[t]);
+          std::vector<std::pair<int64_t, int64_t>> by_seq;  // (seq, position) of the page's tokens
+          for (int64_t i = 0; i < got.position.size(0); ++i) {
+            const int64_t p = got.position[i].item<int64_t>();
+            if (p / ps == page) by_seq.emplace_back(got.seq[i].item<int64_t>(), p);
+          }
+          std::sort(by_seq.rbegin(), by_seq.rend());
+          for (const auto& x : by_seq) store_order.push_back(x.second);
+          CHECK(store_order == host_order);
+          ++checked_pages;
+        }
+      }
+    }
+  }
+  CHECK(checked_pages > 100);
+  CHECK(checked_tokens > 500);
+  CHECK(drops > 10);
+}
+
+TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no transfer, the same ops each time",
+          "[tier][store][cpu]") {
+  using kvevict::detail::TierKeys;
+  using kvevict::detail::TierStore;
+  const int64_t B = 2, S = 8, W = 1, C = 3, ps = 2;
+  TierKeys keys;
+  keys.buffers = {0, 1};
+  keys.page_size = ps;
+  keys.shared = true;
+  TierStore store(B, /*budget=*/6, W, {{5}, {3}}, at::kFloat, keys, at::kCPU);
+  store.reserve(6, 1000);  // a graph's caller sizes the store first
+  int64_t next = 0;
+  const auto pass = [&] {
+    auto position = at::full({B, S}, -1, at::kLong);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t k = 0; k < C; ++k) position[b][2 * k + b] = next + k;
+    }
+    next += C;
+    const auto idx = at::tensor({0, 2, 4, 1, 3, 5}, at::kLong).view({B, C});
+    const auto valid = at::ones({B, C}, at::kBool);
+    const auto ranks = [](const at::Tensor& st) { return st.select(2, 0); };
+    kvevict_test::OpRecorder rec;
+    store.take(idx, valid, position, at::rand({B, S, W}), {at::randn({B, S, 5}), at::randn({B, S, 3})}, ranks, 1000);
+    REQUIRE(rec.ok());
+    return rec.events();
+  };
+  for (int i = 0; i < 3; ++i) pass();  // full: each pass drops as many as it brings
+  const auto a = pass(), b = pass();
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(i, a[i], b[i]);
+    CHECK(a[i] == b[i]);
+  }
+  for (const auto& e : a) {
+    CAPTURE(e);
+    CHECK(e.kind != kvevict_test::OpKind::transfer);
+    CHECK(e.kind != kvevict_test::OpKind::sync);
+    CHECK(!e.syncs);
+  }
+  const auto before = store.tokens(0).position;
+  REQUIRE(before.size(0) == 6);
+  kvevict_test::OpRecorder rec;
+  store.drop_from(at::tensor({next - 4, next}, at::kLong));
+  REQUIRE(rec.ok());
+  CHECK(rec.counts().syncs == 0);
+  CHECK(rec.counts().transfers == 0);
+  CHECK(at::equal(store.tokens(0).position, before.masked_select(before.lt(next - 4))));
+  CHECK(store.tokens(1).position.size(0) == 6);
 }

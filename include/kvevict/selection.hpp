@@ -148,6 +148,23 @@ inline RecallCandidates recall_candidates(const at::Tensor& ranks, const at::Ten
   return out;
 }
 
+/// Every slot of each row in eviction order (evicted_before(): lower rank first, equal ranks
+/// the older position, non-finite ranks lowest), ascending, dead slots (position -1) first:
+/// [B, M] int64 slots. `ranks` [B, M] fp32, `positions` [B, M] int64; `max_position` (host) more
+/// than any position: below 2^32 one sort of eviction_keys(), else two stable sorts (by
+/// position, then by rank key), as lowest_candidates(). No host sync. The tier's budget
+/// (TierStore::take()) keeps each row's last ones.
+inline at::Tensor eviction_order(const at::Tensor& ranks, const at::Tensor& positions, int64_t max_position) {
+  const auto dead = positions.lt(0);
+  if (max_position <= kKeyPositions) {
+    const auto key = eviction_keys(ranks, positions).masked_fill_(dead, std::numeric_limits<int64_t>::min());
+    return std::get<1>(at::sort(key, 1));
+  }
+  const auto by_position = std::get<1>(at::sort(positions.masked_fill(dead, -1), /*stable=*/true, /*dim=*/1, false));
+  const auto key = rank_keys(ranks).masked_fill_(dead, -std::numeric_limits<float>::infinity());
+  return by_position.gather(1, std::get<1>(at::sort(key.gather(1, by_position), /*stable=*/true, 1, false)));
+}
+
 }  // namespace detail
 
 /// Chooses which tokens an eviction pass removes: per batch row, keep every sink (the first

@@ -1,0 +1,320 @@
+#pragma once
+// The tier as tensors (TierStore): one layer's host tier, every batch row at once, in tensors of
+// fixed shape, so that taking a pass's evicted tokens in, dropping what is over the budget, a
+// truncate and the upkeep of the page digests are tensor ops: no host sync, no host read, no
+// copy between host and device. The tensor path's tier is being moved onto it (issue 28); the
+// host tier (LayerTier over TierRow and PageDigests, tier.hpp) is its reference, token for
+// token and page for page.
+//
+// Per row b, store slots [0, N) hold its tokens in no particular order (position -1: free) and
+// slot N is a trash slot that writes of nothing go to. A token's rows sit in host memory (pinned
+// on CUDA) and device kernels reach them through a view of that memory (device_view()); its
+// position, rank, scorer state and insertion number live on the cache's device. The digests are
+// indexed by page id (page = position / page_size), so a page needs no slot of its own: the
+// digest memory on the device is (largest position / page_size) x the digest's bytes per row.
+
+#include <kvevict/check.hpp>
+#include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/scoring.hpp>
+#include <kvevict/selection.hpp>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace kvevict {
+namespace detail {
+
+/// A view on `device` of host tensor `host`, pinned when `device` is a CUDA device: device
+/// kernels read and write the host memory through it, over the bus, with no copy. Under CUDA's
+/// unified addressing (every 64-bit platform CUDA supports) a pinned block's host address is
+/// its device address, as cudaHostGetDevicePointer() returns it (vLLM's
+/// get_cuda_view_from_cpu_tensor makes the same view). On the CPU: `host` itself. The view keeps
+/// `host` alive. Allocates a TensorImpl; no sync.
+/// \throws c10::Error when `device` is not the CPU and `host` is not pinned.
+inline at::Tensor device_view(const at::Tensor& host, const at::Device& device) {
+  if (device.is_cpu()) return host;
+  KVEVICT_CHECK(host.is_pinned(), "device_view: the host tensor must be pinned to be seen from ", device);
+  const auto keep = host;
+  return at::for_blob(host.data_ptr(), host.sizes())
+      .strides(host.strides())
+      .deleter([keep](void*) {})
+      .target_device(device)
+      .options(host.options().device(device))
+      .make_tensor();
+}
+
+/// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
+/// digests as LayerTier's host path gives for the same calls (test: "the tier as tensors keeps
+/// what the host tier keeps").
+class TierStore {
+ public:
+  TierStore() = default;
+  /// `batch` rows of at most `budget` tokens each, scorer states of `state_width` floats; per
+  /// buffer, `shapes[i]` = {outer..., inner} of one token's rows (a [B, outer..., slots, inner]
+  /// buffer's sizes without batch and token dims) in `dtype`; `keys`: which buffers the digests
+  /// bound and their page size. Tensors on `device` (the rows in pinned host memory there).
+  /// Allocates nothing until the first take().
+  TierStore(int64_t batch, int64_t budget, int64_t state_width, std::vector<std::vector<int64_t>> shapes,
+            at::ScalarType dtype, TierKeys keys, at::Device device)
+      : B_(batch), budget_(budget), W_(state_width), shapes_(std::move(shapes)), dtype_(dtype), keys_(std::move(keys)),
+        device_(device), view_(shapes_.size()), host_(shapes_.size()) {
+    const auto& first = shapes_.at(keys_.buffers.at(0));
+    groups_ = 1;
+    for (size_t d = 0; d + 1 < first.size(); ++d) groups_ *= first[d];
+    for (const auto i : keys_.buffers) width_ += shapes_.at(i).back();
+  }
+
+  /// Store slots per row (N; the trash slot is one more). Grows geometrically up to the budget.
+  int64_t capacity() const noexcept { return N_; }
+  /// Page ids the digests have room for per row (the trash page is one more).
+  int64_t page_capacity() const noexcept { return P_; }
+  int64_t key_groups() const noexcept { return groups_; }
+  int64_t key_width() const noexcept { return width_; }
+
+  /// A pass's evicted tokens into the tier: of every row b, the cache slots `idx` [B, C] int64
+  /// whose `valid` [B, C] bool is set (each row's in the order the host path takes them, which
+  /// gives their insertion order), with their positions `position` [B, S] int64, scorer states
+  /// `state` [B, S, W] fp32 and rows in `buffers` [B, outer..., S, inner] (all on the device);
+  /// `ranks(states)` maps [B, C, W] states to [B, C] fp32 ranks (the scorer's tensor form).
+  /// Then each row drops what is over the budget, lowest first in the eviction order
+  /// (eviction_keys(): lower rank first, equal ranks the older position, non-finite ranks
+  /// lowest), its new tokens among the candidates. `max_position`: more than any position
+  /// taken (host; sizes the page ids). No host sync, no host read; the shapes of the ops depend
+  /// on B, C, the capacity and the page capacity only. Allocates (device; pinned host memory
+  /// when it grows).
+  template <class Ranks>
+  void take(const at::Tensor& idx, const at::Tensor& valid, const at::Tensor& position, const at::Tensor& state,
+            const std::vector<at::Tensor>& buffers, Ranks&& ranks, int64_t max_position) {
+    const int64_t C = idx.size(1);
+    if (budget_ == 0 || C == 0) return;
+    reserve(std::min(budget_, bound_ + C), max_position);
+    bound_ = std::min(budget_, bound_ + C);
+    const int64_t N = N_;
+    const auto longs = pos_.options();
+    const auto new_pos = position.gather(1, idx).masked_fill_(valid.logical_not(), -1);
+    const auto new_state = state.gather(1, idx.unsqueeze(2).expand({B_, C, W_}));
+    const auto new_rank = ranks(new_state);
+    // Candidates: the stored tokens and the new ones; each row keeps its best min(live, budget).
+    const auto old_pos = pos_.narrow(1, 0, N);
+    const auto cand_pos = at::cat({old_pos, new_pos}, 1);
+    const auto live = cand_pos.ge(0);
+    const auto kept = live.sum(1).clamp_max_(budget_).unsqueeze(1);  // [B, 1]
+    const auto order = eviction_order(at::cat({rank_.narrow(1, 0, N), new_rank}, 1), cand_pos, max_position);
+    const auto place = at::empty_like(order).scatter_(1, order, at::arange(N + C, longs).expand({B_, N + C}));
+    const auto keep = place.ge(kept.neg().add_(N + C)).logical_and_(live);
+    const auto drop_old = keep.narrow(1, 0, N).logical_not().logical_and_(live.narrow(1, 0, N));
+    const auto keep_new = keep.narrow(1, N, C);
+    // The pages that change: those of the dropped stored tokens (at most C a row) and of the
+    // kept new ones.
+    const int64_t k = std::min(N, C);
+    const auto dropped = std::get<1>(at::topk(drop_old.to(at::kInt), k, 1));
+    const auto dropped_pos = old_pos.gather(1, dropped).masked_fill_(drop_old.gather(1, dropped).logical_not(), -1);
+    const auto touched = at::cat({page_of(dropped_pos), page_of(new_pos.masked_fill(keep_new.logical_not(), -1))}, 1);
+    // Drop, then place the kept new tokens in the free slots, in order (free slots ascending).
+    old_pos.masked_fill_(drop_old, -1);
+    const auto free_first = std::get<1>(at::sort(old_pos.ge(0).to(at::kByte), /*stable=*/true, /*dim=*/1, false));
+    const auto nth = keep_new.to(at::kLong).cumsum(1).sub_(1).clamp_(0, N - 1);
+    const auto slot = free_first.gather(1, nth).masked_fill_(keep_new.logical_not(), N);  // else the trash slot
+    pos_.scatter_(1, slot, new_pos);
+    rank_.scatter_(1, slot, new_rank);
+    state_.scatter_(1, slot.unsqueeze(2).expand({B_, C, W_}), new_state);
+    seq_.scatter_(1, slot, at::arange(C, longs).add_(seq_next_).expand({B_, C}));
+    seq_next_.add_(C);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const auto& buf = buffers[i];
+      const int64_t dim = buf.dim() - 2;
+      const auto rows = buf.gather(dim, store_index(idx, buf));
+      view_[i].scatter_(dim, store_index(slot, rows), rows);
+    }
+    pos_.select(1, N).fill_(-1);
+    refresh(touched);
+  }
+
+  /// A truncate: every row b drops its tokens at positions >= `from`[b] ([B] int64 on the
+  /// device; a row not truncated: a position past its tokens). Pages past from's own are left
+  /// without members, from's own is rebuilt. No host sync, no host read.
+  void drop_from(const at::Tensor& from) {
+    if (N_ == 0) return;
+    const auto pos = pos_.narrow(1, 0, N_);
+    const auto first = from.div(keys_.page_size, "floor").unsqueeze(1);  // [B, 1]
+    pos.masked_fill_(pos.ge(from.unsqueeze(1)), -1);
+    members_.masked_fill_(at::arange(P_ + 1, members_.options()).unsqueeze(0).gt(first), 0);
+    refresh(first.masked_fill(first.ge(P_), -1));
+  }
+
+  /// Empties row b (host index) and its pages.
+  void release(int64_t b) {
+    if (N_ == 0) return;
+    pos_.select(0, b).fill_(-1);
+    members_.select(0, b).zero_();
+  }
+
+  /// Row b's tokens as host tensors, by ascending position: positions [n] int64, ranks [n]
+  /// fp32, states [n, W] fp32 and, per buffer, rows [outer..., n, inner]. Reads the device (a
+  /// sync). For tests and the tier's reads.
+  struct Tokens {
+    at::Tensor position, rank, state, seq;
+    std::vector<at::Tensor> rows;
+  };
+  Tokens tokens(int64_t b) const {
+    Tokens t;
+    if (N_ == 0) {
+      t.position = t.seq = at::zeros({0}, at::TensorOptions().dtype(at::kLong));
+      t.rank = at::zeros({0});
+      t.state = at::zeros({0, W_});
+      for (const auto& s : shapes_) t.rows.push_back(at::zeros(row_shape(s, 0), at::TensorOptions().dtype(dtype_)));
+      return t;
+    }
+    const auto pos = pos_.select(0, b).narrow(0, 0, N_).cpu();
+    const auto live = at::nonzero(pos.ge(0)).squeeze(1);
+    const auto by_pos = std::get<1>(at::sort(pos.index_select(0, live)));
+    const auto slots = live.index_select(0, by_pos);
+    const auto on = slots.to(device_);
+    t.position = pos.index_select(0, slots);
+    t.rank = rank_.select(0, b).index_select(0, on).cpu();
+    t.state = state_.select(0, b).index_select(0, on).cpu();
+    t.seq = seq_.select(0, b).index_select(0, on).cpu();
+    for (size_t i = 0; i < shapes_.size(); ++i) {
+      const auto row = host_[i].select(0, b);
+      t.rows.push_back(row.index_select(row.dim() - 2, slots));
+    }
+    return t;
+  }
+
+  /// Row b's digest of page `page` ([groups, 2 width] fp32: per group its channels' max, then
+  /// min, TierDigest's block) and its members (how many tokens; 0: none, the digest means
+  /// nothing) as host tensors. Reads the device.
+  std::pair<at::Tensor, int64_t> page(int64_t b, int64_t page) const {
+    if (page >= P_) return {at::Tensor(), 0};
+    return {digest_[b][page].cpu(), members_[b][page].item<int64_t>()};
+  }
+
+  /// Keys of the store slots `slots` [B, n] int64 (device): [B, n, groups, width] fp32, the
+  /// key buffers' rows side by side, read through the view. Allocates.
+  at::Tensor keys(const at::Tensor& slots) const {
+    std::vector<at::Tensor> parts;
+    const int64_t n = slots.size(1);
+    for (const auto i : keys_.buffers) {
+      const auto& v = view_[i];
+      const int64_t dim = v.dim() - 2;
+      const auto rows = v.gather(dim, store_index(slots, v, n)).movedim(dim, 1);  // [B, n, outer..., inner]
+      parts.push_back(rows.reshape({B_, n, groups_, -1}).to(at::kFloat));
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+  }
+
+  /// Makes room for `tokens` a row (at most the budget) and positions below `max_position`:
+  /// take() then allocates no store. Grows geometrically, into new tensors with the old ones
+  /// copied in: a graph captured before must be captured again. take() calls it; a caller that
+  /// captures graphs calls it first. Allocates (device, pinned host memory).
+  void reserve(int64_t tokens, int64_t max_position) {
+    tokens = std::min(tokens, budget_);
+    const int64_t pages = (max_position - 1) / keys_.page_size + 1;
+    if (tokens <= N_ && pages <= P_) return;
+    const auto opts = at::TensorOptions().device(device_);
+    if (!seq_next_.defined()) seq_next_ = at::zeros({1}, opts.dtype(at::kLong));
+    if (tokens > N_) {
+      const int64_t N = std::min(budget_, std::max(tokens, 2 * N_));
+      const auto widen = [&](const at::Tensor& old, at::Tensor fresh) {
+        if (N_ > 0) fresh.narrow(1, 0, N_).copy_(old.narrow(1, 0, N_));
+        return fresh;
+      };
+      pos_ = widen(pos_, at::full({B_, N + 1}, -1, opts.dtype(at::kLong)));
+      rank_ = widen(rank_, at::zeros({B_, N + 1}, opts.dtype(at::kFloat)));
+      state_ = widen(state_, at::zeros({B_, N + 1, W_}, opts.dtype(at::kFloat)));
+      seq_ = widen(seq_, at::zeros({B_, N + 1}, opts.dtype(at::kLong)));
+      for (size_t i = 0; i < shapes_.size(); ++i) {
+        auto shape = row_shape(shapes_[i], N + 1);
+        shape.insert(shape.begin(), B_);
+        auto host = at::zeros(shape, at::TensorOptions().dtype(dtype_).pinned_memory(!device_.is_cpu()));
+        if (N_ > 0) host.narrow(host.dim() - 2, 0, N_).copy_(host_[i].narrow(host.dim() - 2, 0, N_));
+        host_[i] = host;
+        view_[i] = device_view(host, device_);
+      }
+      N_ = N;
+    }
+    if (pages > P_) {
+      const int64_t P = std::max(pages, 2 * P_);
+      auto digest = at::zeros({B_, P + 1, groups_, 2 * width_}, opts.dtype(at::kFloat));
+      auto members = at::zeros({B_, P + 1}, opts.dtype(at::kLong));
+      if (P_ > 0) {
+        digest.narrow(1, 0, P_).copy_(digest_.narrow(1, 0, P_));
+        members.narrow(1, 0, P_).copy_(members_.narrow(1, 0, P_));
+      }
+      digest_ = digest;
+      members_ = members;
+      P_ = P;
+    }
+  }
+
+ private:
+  /// {outer..., n, inner}.
+  static std::vector<int64_t> row_shape(const std::vector<int64_t>& s, int64_t n) {
+    std::vector<int64_t> out(s.begin(), s.end() - 1);
+    out.push_back(n);
+    out.push_back(s.back());
+    return out;
+  }
+
+  /// `slots` [B, n] as a gather/scatter index of `buf`'s token dim (the second to last), for
+  /// [B, outer..., n, inner]: a view.
+  static at::Tensor store_index(const at::Tensor& slots, const at::Tensor& buf, int64_t n = -1) {
+    std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1), sizes = buf.sizes().vec();
+    shape[0] = slots.size(0);
+    shape[buf.dim() - 2] = sizes[buf.dim() - 2] = n < 0 ? slots.size(1) : n;
+    return slots.view(shape).expand(sizes);
+  }
+
+  /// Page ids of positions `pos` (-1, none: -1).
+  at::Tensor page_of(const at::Tensor& pos) const {
+    return pos.div(keys_.page_size, "floor").masked_fill_(pos.lt(0), -1);
+  }
+
+  /// Rebuilds the digests of the pages `pages` [B, T] (-1: none; duplicates allowed) from their
+  /// members: a sort of the store by position, each page's members at most page_size in a row
+  /// from its first (searchsorted), their keys read through the view, max and min per channel
+  /// (NaN keys left out, as the host's rebuild does). No host sync.
+  void refresh(const at::Tensor& pages) {
+    const int64_t T = pages.size(1), ps = keys_.page_size, N = N_, S = std::min(ps, N);
+    const auto longs = pos_.options();
+    auto page = std::get<0>(at::sort(pages, 1));
+    if (T > 1) page.narrow(1, 1, T - 1).masked_fill_(page.narrow(1, 1, T - 1).eq(page.narrow(1, 0, T - 1)), -1);
+    const auto none = page.lt(0);
+    const auto by_pos = at::sort(pos_.narrow(1, 0, N).masked_fill(pos_.narrow(1, 0, N).lt(0), std::numeric_limits<int64_t>::max()), 1);
+    const auto& sorted = std::get<0>(by_pos);
+    const auto first = at::searchsorted(sorted, page.clamp_min(0).mul(ps));  // [B, T]
+    const auto j = first.unsqueeze(2).add(at::arange(S, longs)).view({B_, T * S});
+    const auto jc = j.clamp_max(N - 1);
+    const auto member_pos = sorted.gather(1, jc).view({B_, T, S});
+    const auto member = j.view({B_, T, S}).lt(N)
+                            .logical_and_(member_pos.lt(page.add(1).mul_(ps).unsqueeze(2)))
+                            .logical_and_(none.logical_not().unsqueeze(2));
+    const auto keys = this->keys(std::get<1>(by_pos).gather(1, jc)).view({B_, T, S, groups_, width_});
+    const auto out = member.logical_not().view({B_, T, S, 1, 1}).logical_or(at::isnan(keys));
+    const float inf = std::numeric_limits<float>::infinity();
+    const auto hi = keys.masked_fill(out, -inf).amax(2), lo = keys.masked_fill(out, inf).amin(2);
+    const auto at_page = page.masked_fill(none, P_).add_(at::arange(B_, longs).mul_(P_ + 1).unsqueeze(1)).view(-1);
+    digest_.view({B_ * (P_ + 1), groups_, 2 * width_}).index_copy_(0, at_page, at::cat({hi, lo}, -1).view({B_ * T, groups_, 2 * width_}));
+    members_.view(-1).index_copy_(0, at_page, member.sum(2).view(-1));
+  }
+
+  int64_t B_ = 0, budget_ = 0, W_ = 1;
+  std::vector<std::vector<int64_t>> shapes_;
+  at::ScalarType dtype_ = at::kFloat;
+  TierKeys keys_;
+  at::Device device_ = at::kCPU;
+  int64_t groups_ = 1, width_ = 0;
+  int64_t N_ = 0, P_ = 0;      // store slots and page ids per row (each + 1: the trash)
+  int64_t bound_ = 0;          // at most this many tokens in any row (host; sizes the store)
+  at::Tensor seq_next_;        // [1] int64 on the device: the next token's insertion number
+  at::Tensor pos_, rank_, state_, seq_;  // [B, N + 1] (state: [B, N + 1, W]) on the device; pos -1: free
+  std::vector<at::Tensor> host_, view_;  // per buffer: [B, outer..., N + 1, inner] rows (pinned), its device view
+  at::Tensor digest_, members_;          // [B, P + 1, groups, 2 width] fp32, [B, P + 1] int64, by page id
+};
+
+}  // namespace detail
+}  // namespace kvevict
