@@ -1507,7 +1507,7 @@ TEST_CASE("on the tensor path a recall waits for the device once; its victims re
   }
 }
 
-TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order",
+TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order, picks",
           "[tier][store][cpu]") {
   using kvevict::detail::LayerTier;
   using kvevict::detail::TierKeys;
@@ -1522,7 +1522,7 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
   const int64_t S = 10;
   std::mt19937_64 rng(7);
   const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  int64_t checked_pages = 0, checked_tokens = 0, drops = 0;
+  int64_t checked_pages = 0, checked_tokens = 0, drops = 0, picks = 0;
   for (int config = 0; config < 24; ++config) {
     const int64_t B = uniform(1, 3), W = uniform(1, 2), ps = std::vector<int64_t>{1, 2, 3, 5}[uniform(0, 3)];
     const int64_t budget = std::vector<int64_t>{0, 1, 3, 7, 20, 1000}[uniform(0, 5)];
@@ -1640,8 +1640,35 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
           ++checked_pages;
         }
       }
+      // recall's pick: random page scores (ties, zeros) and limits, the same pages and tokens in
+      // the same order as the host's.
+      const int64_t P = std::max<int64_t>(store.page_capacity(), 1), K = 12;
+      auto scores = at::empty({B, P}, at::kDouble);
+      auto limit = at::empty({B}, at::kLong);
+      for (int64_t i = 0; i < scores.numel(); ++i) scores.data_ptr<double>()[i] = uniform(0, 3) * 0.5;
+      for (int64_t b = 0; b < B; ++b) limit[b] = uniform(0, K);
+      const auto picked = store.pick(scores, limit, K);
+      for (int64_t b = 0; b < B; ++b) {
+        CAPTURE(b);
+        const auto& dg = host.digests(b);
+        std::vector<double> by_slot(static_cast<size_t>(dg.slots()));
+        for (int64_t s = 0; s < dg.slots(); ++s) by_slot[s] = scores[b][dg.page_of_slot(s)].item<double>();
+        std::vector<int64_t> want, got;
+        std::vector<int64_t> out;
+        host.pick(b, by_slot.data(), limit[b].item<int64_t>(), out);
+        for (const int64_t t : out) want.push_back(host.row(b).position[t]);
+        const auto tokens = store.tokens(b);
+        std::map<int64_t, int64_t> position_of;
+        for (int64_t i = 0; i < tokens.slot.size(0); ++i) position_of[tokens.slot[i].item<int64_t>()] = tokens.position[i].item<int64_t>();
+        const int64_t count = picked.count[b].item<int64_t>();
+        for (int64_t k = 0; k < count; ++k) got.push_back(position_of.at(picked.slots[b][k].item<int64_t>()));
+        CHECK(got == want);
+        for (int64_t k = count; k < K; ++k) CHECK(picked.slots[b][k].item<int64_t>() == store.capacity());
+        picks += !want.empty();
+      }
     }
   }
+  CHECK(picks > 100);
   CHECK(checked_pages > 100);
   CHECK(checked_tokens > 500);
   CHECK(drops > 10);

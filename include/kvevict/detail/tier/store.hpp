@@ -157,13 +157,13 @@ class TierStore {
   /// fp32, states [n, W] fp32 and, per buffer, rows [outer..., n, inner]. Reads the device (a
   /// sync). For tests and the tier's reads.
   struct Tokens {
-    at::Tensor position, rank, state, seq;
+    at::Tensor slot, position, rank, state, seq;  // slot: each token's store slot
     std::vector<at::Tensor> rows;
   };
   Tokens tokens(int64_t b) const {
     Tokens t;
     if (N_ == 0) {
-      t.position = t.seq = at::zeros({0}, at::TensorOptions().dtype(at::kLong));
+      t.slot = t.position = t.seq = at::zeros({0}, at::TensorOptions().dtype(at::kLong));
       t.rank = at::zeros({0});
       t.state = at::zeros({0, W_});
       for (const auto& s : shapes_) t.rows.push_back(at::zeros(row_shape(s, 0), at::TensorOptions().dtype(dtype_)));
@@ -174,6 +174,7 @@ class TierStore {
     const auto by_pos = std::get<1>(at::sort(pos.index_select(0, live)));
     const auto slots = live.index_select(0, by_pos);
     const auto on = slots.to(device_);
+    t.slot = slots;
     t.position = pos.index_select(0, slots);
     t.rank = rank_.select(0, b).index_select(0, on).cpu();
     t.state = state_.select(0, b).index_select(0, on).cpu();
@@ -191,6 +192,71 @@ class TierStore {
   std::pair<at::Tensor, int64_t> page(int64_t b, int64_t page) const {
     if (page >= P_) return {at::Tensor(), 0};
     return {digest_[b][page].cpu(), members_[b][page].item<int64_t>()};
+  }
+
+  /// recall's pick as tensor ops (LayerTier::pick()'s, every row at once): per row the pages
+  /// by `scores` [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first,
+  /// equal scores the smaller page id, a score of 0 or a page without members never; each whole
+  /// page that still fits in `limit` [B] int64 (device) tokens is taken. Returns the taken
+  /// pages' tokens as store slots [B, K] int64 in recall order (page by page, a page's tokens
+  /// newest first: the host list's order), columns past `count` [B] int64 holding the trash
+  /// slot. The greedy fill with skips: the pages that fit before the first that does not are a
+  /// prefix (a cumsum); after it fewer than page_size tokens are left, and the fill is an
+  /// automaton over those states, composed over the pages by a Hillis-Steele scan (log2 P
+  /// gathers of [B, P, page_size]). No host sync.
+  struct Picked {
+    at::Tensor slots, count;
+  };
+  Picked pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
+    const int64_t P = scores.size(1), A = keys_.page_size, N = N_;
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+    Picked out;
+    if (N == 0 || P == 0 || K == 0) {
+      out.slots = at::full({B_, K}, N, longs);
+      out.count = at::zeros({B_}, longs);
+      return out;
+    }
+    const auto members = members_.narrow(1, 0, P);
+    const auto eligible = members.gt(0).logical_and_(scores.gt(0));
+    const auto order = std::get<1>(at::sort(scores.masked_fill(eligible.logical_not(), -1.0), /*stable=*/true, 1,
+                                            /*descending=*/true));
+    const auto m = members.gather(1, order).masked_fill_(eligible.gather(1, order).logical_not(), 0);  // pick order
+    const auto total = m.cumsum(1);
+    const auto lim = limit.unsqueeze(1);
+    const auto prefix = total.le(lim);  // a prefix: total only grows
+    const auto f = prefix.sum(1, /*keepdim=*/true);  // the first page that does not fit (P: none)
+    const auto before_f = total.gather(1, f.sub(1).clamp_min_(0)).masked_fill_(f.eq(0), 0);
+    const auto left_f = lim.sub(before_f).clamp_(0, A - 1);  // < A when a page did not fit
+    // After f: page p maps the tokens left l to l - m_p if it fits, else l; the pages up to f
+    // map l to l. E[p]: the composition of the maps before p, by doubling.
+    const auto pages = at::arange(P, longs).unsqueeze(0);
+    const auto after = pages.gt(f);
+    const auto l = at::arange(A, longs).view({1, 1, A});
+    const auto mm = m.unsqueeze(2);
+    auto F = at::where(after.unsqueeze(2).logical_and(mm.le(l)), l.sub(mm), l.expand({B_, P, A}));
+    const auto identity = l.expand({B_, P, A});
+    for (int64_t d = 1; d < P; d *= 2) {
+      const auto prev = at::cat({identity.narrow(1, 0, d), F.narrow(1, 0, P - d)}, 1);
+      F = F.gather(2, prev);
+    }
+    const auto E = at::cat({identity.narrow(1, 0, 1), F.narrow(1, 0, P - 1)}, 1);
+    const auto left = E.gather(2, left_f.unsqueeze(2).expand({B_, P, 1})).squeeze(2);
+    const auto taken = prefix.logical_or(after.logical_and(m.le(left))).logical_and_(m.gt(0));
+    // Per page id: taken, and its place in the pick order.
+    const auto taken_id = at::zeros({B_, P}, taken.options()).scatter_(1, order, taken);
+    const auto place_id = at::empty_like(order).scatter_(1, order, pages.expand({B_, P}));
+    const auto pos = pos_.narrow(1, 0, N);
+    const auto page = pos.div(A, "floor").clamp_(0, P - 1);
+    const auto in = taken_id.gather(1, page).logical_and_(pos.ge(0)).logical_and_(pos.lt(P * A));
+    constexpr int64_t kSeq = int64_t{1} << 40;
+    const auto key = place_id.gather(1, page).mul_(kSeq).add_(seq_.narrow(1, 0, N).neg().add_(kSeq - 1))
+                         .masked_fill_(in.logical_not(), std::numeric_limits<int64_t>::max());
+    const int64_t k = std::min(K, N);
+    out.count = in.sum(1);
+    auto slots = std::get<1>(at::topk(key, k, 1, /*largest=*/false, /*sorted=*/true));
+    slots.masked_fill_(at::arange(k, longs).unsqueeze(0).ge(out.count.unsqueeze(1)), N);
+    out.slots = k == K ? slots : at::cat({slots, at::full({B_, K - k}, N, longs)}, 1);
+    return out;
   }
 
   /// Keys of the store slots `slots` [B, n] int64 (device): [B, n, groups, width] fp32, the
