@@ -1507,11 +1507,21 @@ TEST_CASE("on the tensor path a recall waits for the device once; its victims re
   }
 }
 
+/// Plans a change to a TierStore with `plan(writes)` and commits it.
+template <class Plan>
+void commit(Plan&& plan) {
+  kvevict::detail::TensorUndo undo;
+  kvevict::detail::TierWrites w(undo);
+  plan(w);
+  w.commit("test");
+}
+
 TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order, picks",
           "[tier][store][cpu]") {
   using kvevict::detail::LayerTier;
   using kvevict::detail::TierKeys;
   using kvevict::detail::TierStore;
+  using kvevict::detail::TierWrites;
   const bool latent = GENERATE(true, false);
   const at::ScalarType dtype = GENERATE(at::kFloat, at::kBFloat16);
   CAPTURE(latent, dtype);
@@ -1580,30 +1590,32 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
           pass.columns = std::max(pass.columns, pass.n.back());
         }
         pass.evicted.assign(static_cast<size_t>(B * pass.columns), 0);
-        auto idx = at::zeros({B, pass.columns}, at::kLong);
-        auto valid = at::zeros({B, pass.columns}, at::kBool);
+        auto idx = at::empty({B, pass.columns}, at::kLong);
         for (int64_t b = 0; b < B; ++b) {
+          int64_t none = 0;  // a slot without a token pads the row, as the trash slot does
+          while (position[b][none].item<int64_t>() >= 0) ++none;
+          idx[b].fill_(none);
           for (size_t k = 0; k < slots[b].size(); ++k) {
             pass.evicted[b * pass.columns + k] = slots[b][k];
             idx[b][static_cast<int64_t>(k)] = slots[b][k];
-            valid[b][static_cast<int64_t>(k)] = true;
           }
         }
         host.take_pass(pass, position, state, buffers, S, [](const float* st) { return st[0]; });
-        store.take(idx, valid, position, state, buffers, [](const at::Tensor& st) { return st.select(2, 0); },
-                   max_position);
+        commit([&](TierWrites& w) {
+          store.take(w, idx, position, state, buffers, [](const at::Tensor& st) { return st.select(2, 0); }, max_position);
+        });
       } else if (op < 19) {  // a truncate of one row
         const int64_t b = uniform(0, B - 1), from = uniform(0, next[b]);
         auto all_from = at::full({B}, std::numeric_limits<int64_t>::max(), at::kLong);
         all_from[b] = from;
         host.drop_from(b, from);
-        store.drop_from(all_from);
+        commit([&](TierWrites& w) { store.drop_from(w, all_from); });
         next[b] = from;
         ++drops;
       } else {
         const int64_t b = uniform(0, B - 1);
         host.release(b);
-        store.release(b);
+        commit([&](TierWrites& w) { store.release(w, b); });
       }
       for (int64_t b = 0; b < B; ++b) {
         CAPTURE(b);
@@ -1678,6 +1690,7 @@ TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no
           "[tier][store][cpu]") {
   using kvevict::detail::TierKeys;
   using kvevict::detail::TierStore;
+  using kvevict::detail::TierWrites;
   const int64_t B = 2, S = 8, W = 1, C = 3, ps = 2;
   TierKeys keys;
   keys.buffers = {0, 1};
@@ -1693,10 +1706,11 @@ TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no
     }
     next += C;
     const auto idx = at::tensor({0, 2, 4, 1, 3, 5}, at::kLong).view({B, C});
-    const auto valid = at::ones({B, C}, at::kBool);
     const auto ranks = [](const at::Tensor& st) { return st.select(2, 0); };
     kvevict_test::OpRecorder rec;
-    store.take(idx, valid, position, at::rand({B, S, W}), {at::randn({B, S, 5}), at::randn({B, S, 3})}, ranks, 1000);
+    commit([&](TierWrites& w) {
+      store.take(w, idx, position, at::rand({B, S, W}), {at::randn({B, S, 5}), at::randn({B, S, 3})}, ranks, 1000);
+    });
     REQUIRE(rec.ok());
     return rec.events();
   };
@@ -1716,7 +1730,7 @@ TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no
   const auto before = store.tokens(0).position;
   REQUIRE(before.size(0) == 6);
   kvevict_test::OpRecorder rec;
-  store.drop_from(at::tensor({next - 4, next}, at::kLong));
+  commit([&](TierWrites& w) { store.drop_from(w, at::tensor({next - 4, next}, at::kLong)); });
   REQUIRE(rec.ok());
   CHECK(rec.counts().syncs == 0);
   CHECK(rec.counts().transfers == 0);

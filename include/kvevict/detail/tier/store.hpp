@@ -15,6 +15,7 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/selection.hpp>
 
@@ -22,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace kvevict {
@@ -46,6 +49,49 @@ inline at::Tensor device_view(const at::Tensor& host, const at::Device& device) 
       .options(host.options().device(device))
       .make_tensor();
 }
+
+/// The in-place writes of one change to a TierStore, planned before the commit they join:
+/// each write keeps what it overwrites (allocated at planning, before the commit) in the
+/// commit's undo log (TensorUndo), which puts it back, newest first, if a later write of the
+/// commit throws. A pass's take joins the pass's commit, a truncate's drop the truncate's, so
+/// that the cache and its tier change together or not at all.
+class TierWrites {
+ public:
+  explicit TierWrites(TensorUndo& undo) : undo_(undo) {}
+
+  /// target.scatter_(dim, index, values); keeps target.gather(dim, index).
+  void scatter(const at::Tensor& target, int64_t dim, const at::Tensor& index, const at::Tensor& values) {
+    const auto old = target.gather(dim, index);
+    undo_.on_failure([target, dim, index, old]() mutable { target.scatter_(dim, index, old); });
+    steps_.emplace_back([target, dim, index, values]() mutable { target.scatter_(dim, index, values); });
+  }
+  /// target.add_(n) (a counter, [1] or as n); keeps a copy.
+  void add(const at::Tensor& target, const at::Tensor& n) {
+    undo_.save(target);
+    steps_.emplace_back([target, n]() mutable { target.add_(n); });
+  }
+  /// Keeps a copy of `t` (a write of then() changes it).
+  void save(const at::Tensor& t) { undo_.save(t); }
+  /// A step of the undo log of its own (runs before those planned earlier).
+  void undo(std::function<void()> step) { undo_.on_failure(std::move(step)); }
+  /// A write of its own, after those planned before.
+  void then(std::function<void()> step) { steps_.push_back(std::move(step)); }
+  bool empty() const noexcept { return steps_.empty(); }
+
+  /// The writes, in order (inside the commit of the undo log).
+  void run() {
+    for (auto& s : steps_) s();
+  }
+  /// run() as a commit of its own: a throw puts back what was written and throws c10::Error
+  /// naming `call`.
+  void commit(const char* call) {
+    undo_.commit(call, [&] { run(); });
+  }
+
+ private:
+  TensorUndo& undo_;
+  std::vector<std::function<void()>> steps_;
+};
 
 /// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
 /// digests as LayerTier's host path gives for the same calls (test: "the tier as tensors keeps
@@ -76,81 +122,99 @@ class TierStore {
   int64_t key_width() const noexcept { return width_; }
 
   /// A pass's evicted tokens into the tier: of every row b, the cache slots `idx` [B, C] int64
-  /// whose `valid` [B, C] bool is set (each row's in the order the host path takes them, which
-  /// gives their insertion order), with their positions `position` [B, S] int64, scorer states
-  /// `state` [B, S, W] fp32 and rows in `buffers` [B, outer..., S, inner] (all on the device);
-  /// `ranks(states)` maps [B, C, W] states to [B, C] fp32 ranks (the scorer's tensor form).
-  /// Then each row drops what is over the budget, lowest first in the eviction order
-  /// (eviction_keys(): lower rank first, equal ranks the older position, non-finite ranks
-  /// lowest), its new tokens among the candidates. `max_position`: more than any position
-  /// taken (host; sizes the page ids). No host sync, no host read; the shapes of the ops depend
-  /// on B, C, the capacity and the page capacity only. Allocates (device; pinned host memory
-  /// when it grows).
+  /// (each row's in the order the host path takes them, which gives their insertion order; a
+  /// slot at position -1, the trash slot's, is none), with their positions `position` [B, S]
+  /// int64, scorer states `state` [B, S, W] fp32 and rows in `buffers` [B, outer..., S, inner]
+  /// (all on the device); `ranks(states)` maps [B, C, W] states to [B, C] fp32 ranks (the
+  /// scorer's tensor form). Then each row drops what is over the budget, lowest first in the
+  /// eviction order (eviction_order(): lower rank first, equal ranks the older position,
+  /// non-finite ranks lowest), its new tokens among the candidates. `max_position`: more than
+  /// any position taken (host; sizes the page ids). No host sync, no host read; the shapes of
+  /// the ops depend on B, C, the capacity and the page capacity only. Allocates (device; pinned
+  /// host memory when it grows), every allocation before the first write but the page
+  /// digests' (under the undo log).
+  /// Plans the writes into `w` (the pass's commit runs them).
   template <class Ranks>
-  void take(const at::Tensor& idx, const at::Tensor& valid, const at::Tensor& position, const at::Tensor& state,
+  void take(TierWrites& w, const at::Tensor& idx, const at::Tensor& position, const at::Tensor& state,
             const std::vector<at::Tensor>& buffers, Ranks&& ranks, int64_t max_position) {
     const int64_t C = idx.size(1);
     if (budget_ == 0 || C == 0) return;
     reserve(std::min(budget_, bound_ + C), max_position);
-    bound_ = std::min(budget_, bound_ + C);
     const int64_t N = N_;
     const auto longs = pos_.options();
-    const auto new_pos = position.gather(1, idx).masked_fill_(valid.logical_not(), -1);
-    const auto new_state = state.gather(1, idx.unsqueeze(2).expand({B_, C, W_}));
-    const auto new_rank = ranks(new_state);
-    // Candidates: the stored tokens and the new ones; each row keeps its best min(live, budget).
-    const auto old_pos = pos_.narrow(1, 0, N);
-    const auto cand_pos = at::cat({old_pos, new_pos}, 1);
-    const auto live = cand_pos.ge(0);
-    const auto kept = live.sum(1).clamp_max_(budget_).unsqueeze(1);  // [B, 1]
-    const auto order = eviction_order(at::cat({rank_.narrow(1, 0, N), new_rank}, 1), cand_pos, max_position);
-    const auto place = at::empty_like(order).scatter_(1, order, at::arange(N + C, longs).expand({B_, N + C}));
-    const auto keep = place.ge(kept.neg().add_(N + C)).logical_and_(live);
-    const auto drop_old = keep.narrow(1, 0, N).logical_not().logical_and_(live.narrow(1, 0, N));
-    const auto keep_new = keep.narrow(1, N, C);
-    // The pages that change: those of the dropped stored tokens (at most C a row) and of the
-    // kept new ones.
-    const int64_t k = std::min(N, C);
-    const auto dropped = std::get<1>(at::topk(drop_old.to(at::kInt), k, 1));
-    const auto dropped_pos = old_pos.gather(1, dropped).masked_fill_(drop_old.gather(1, dropped).logical_not(), -1);
-    const auto touched = at::cat({page_of(dropped_pos), page_of(new_pos.masked_fill(keep_new.logical_not(), -1))}, 1);
-    // Drop, then place the kept new tokens in the free slots, in order (free slots ascending).
-    old_pos.masked_fill_(drop_old, -1);
-    const auto free_first = std::get<1>(at::sort(old_pos.ge(0).to(at::kByte), /*stable=*/true, /*dim=*/1, false));
-    const auto nth = keep_new.to(at::kLong).cumsum(1).sub_(1).clamp_(0, N - 1);
-    const auto slot = free_first.gather(1, nth).masked_fill_(keep_new.logical_not(), N);  // else the trash slot
-    pos_.scatter_(1, slot, new_pos);
-    rank_.scatter_(1, slot, new_rank);
-    state_.scatter_(1, slot.unsqueeze(2).expand({B_, C, W_}), new_state);
-    seq_.scatter_(1, slot, at::arange(C, longs).add_(seq_next_).expand({B_, C}));
-    seq_next_.add_(C);
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      const auto& buf = buffers[i];
-      const int64_t dim = buf.dim() - 2;
-      const auto rows = buf.gather(dim, store_index(idx, buf));
-      view_[i].scatter_(dim, store_index(slot, rows), rows);
+    {
+      const auto new_pos = position.gather(1, idx);
+      const auto new_state = state.gather(1, idx.unsqueeze(2).expand({B_, C, W_}));
+      const auto new_rank = ranks(new_state);
+      // Candidates: the stored tokens and the new ones; each row keeps its best min(live, budget).
+      const auto old_pos = pos_.narrow(1, 0, N);
+      const auto cand_pos = at::cat({old_pos, new_pos}, 1);
+      const auto live = cand_pos.ge(0);
+      const auto kept = live.sum(1).clamp_max_(budget_).unsqueeze(1);  // [B, 1]
+      const auto order = eviction_order(at::cat({rank_.narrow(1, 0, N), new_rank}, 1), cand_pos, max_position);
+      const auto place = at::empty_like(order).scatter_(1, order, at::arange(N + C, longs).expand({B_, N + C}));
+      const auto keep = place.ge(kept.neg().add_(N + C)).logical_and_(live);
+      const auto drop_old = keep.narrow(1, 0, N).logical_not().logical_and_(live.narrow(1, 0, N));
+      const auto keep_new = keep.narrow(1, N, C);
+      // The dropped stored tokens: at most C a row.
+      const int64_t k = std::min(N, C);
+      const auto dropped = std::get<1>(at::topk(drop_old.to(at::kInt), k, 1));
+      const auto is_dropped = drop_old.gather(1, dropped);
+      // The kept new tokens go to the free slots after the drops, in order (free slots ascending).
+      const auto free_first = std::get<1>(at::sort(old_pos.masked_fill(drop_old, -1).ge(0).to(at::kByte),
+                                                   /*stable=*/true, /*dim=*/1, false));
+      const auto nth = keep_new.to(at::kLong).cumsum(1).sub_(1).clamp_(0, N - 1);
+      const auto slot = free_first.gather(1, nth).masked_fill_(keep_new.logical_not(), N);  // else the trash slot
+      // A dropped slot that takes a new token is written once, with the token.
+      const auto taken = at::zeros({B_, N + 1}, live.options()).scatter_(1, slot, true);
+      const auto freed = dropped.masked_fill(is_dropped.logical_not().logical_or_(taken.gather(1, dropped)), N);
+      w.scatter(pos_, 1, at::cat({freed, slot}, 1), at::cat({at::full({B_, k}, -1, longs), new_pos}, 1));
+      w.scatter(rank_, 1, slot, new_rank);
+      w.scatter(state_, 1, slot.unsqueeze(2).expand({B_, C, W_}), new_state);
+      w.scatter(seq_, 1, slot, at::arange(C, longs).add_(seq_next_).expand({B_, C}));
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        const auto& buf = buffers[i];
+        const int64_t dim = buf.dim() - 2;
+        const auto rows = buf.gather(dim, store_index(idx, buf));
+        w.scatter(view_[i], dim, store_index(slot, rows), rows);
+      }
+      w.add(seq_next_, at::full({1}, C, longs));
+      // The pages that change: those of the dropped stored tokens and of the kept new ones.
+      const auto touched = at::cat({page_of(old_pos.gather(1, dropped).masked_fill_(is_dropped.logical_not(), -1)),
+                                    page_of(new_pos.masked_fill(keep_new.logical_not(), -1))}, 1);
+      plan_pages(w, touched);
     }
-    pos_.select(1, N).fill_(-1);
-    refresh(touched);
+    bound_ = std::min(budget_, bound_ + C);  // an upper bound: kept should the commit fail
   }
 
   /// A truncate: every row b drops its tokens at positions >= `from`[b] ([B] int64 on the
   /// device; a row not truncated: a position past its tokens). Pages past from's own are left
-  /// without members, from's own is rebuilt. No host sync, no host read.
-  void drop_from(const at::Tensor& from) {
+  /// without members, from's own is rebuilt. No host sync, no host read. Plans the writes into
+  /// `w` (the truncate's commit runs them).
+  void drop_from(TierWrites& w, const at::Tensor& from) {
     if (N_ == 0) return;
-    const auto pos = pos_.narrow(1, 0, N_);
-    const auto first = from.div(keys_.page_size, "floor").unsqueeze(1);  // [B, 1]
-    pos.masked_fill_(pos.ge(from.unsqueeze(1)), -1);
-    members_.masked_fill_(at::arange(P_ + 1, members_.options()).unsqueeze(0).gt(first), 0);
-    refresh(first.masked_fill(first.ge(P_), -1));
+    {
+      const auto first = from.div(keys_.page_size, "floor").unsqueeze(1);  // [B, 1]
+      const auto gone = pos_.ge(from.unsqueeze(1));
+      const auto empty = at::arange(P_ + 1, members_.options()).unsqueeze(0).gt(first);
+      w.save(pos_);
+      w.save(members_);
+      w.then([this, gone] { pos_.masked_fill_(gone, -1); });
+      w.then([this, empty] { members_.masked_fill_(empty, 0); });
+      plan_pages(w, first.masked_fill(first.ge(P_), -1));
+    }
   }
 
-  /// Empties row b (host index) and its pages.
-  void release(int64_t b) {
+  /// Empties row b (host index) and its pages. Plans the writes into `w`.
+  void release(TierWrites& w, int64_t b) {
     if (N_ == 0) return;
-    pos_.select(0, b).fill_(-1);
-    members_.select(0, b).zero_();
+    const auto pos = pos_.select(0, b), members = members_.select(0, b);
+    w.save(pos);
+    w.save(members);
+    w.then([pos, members]() mutable {
+      pos.fill_(-1);
+      members.zero_();
+    });
   }
 
   /// Row b's tokens as host tensors, by ascending position: positions [n] int64, ranks [n]
@@ -259,6 +323,90 @@ class TierStore {
     return out;
   }
 
+  /// scale * (the digest's bound) of `query` [B, H, Q, D] (fp32, on the device) on every page
+  /// id: [B, G, M, P] fp32 (P = page_capacity()). Latent G = 1, M = H Q: every head's query
+  /// meets the shared keys; expanded G = H, M = Q: head h's queries meet head h's keys. No sync.
+  at::Tensor bound(const at::Tensor& query, double scale) const {
+    const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
+    const auto q = groups_ == 1 ? query.reshape({B, 1, H * Q, D}) : query;  // [B, G, M, D]
+    return TierDigest::bound(digest_.narrow(1, 0, P_), q, scale);
+  }
+
+  /// Page scores from `bound` [B, G, M, P] fp32 (bound(), or a mean of bounds over heads):
+  /// per query a softmax over the row's pages with members, summed as fixed-point terms
+  /// (fixed_terms, exact in fp64 in any order) over the queries whose `cols` [B, 1|G, M, 1]
+  /// bool is set (columns()): [B, P] fp64 by page id, 0 for a page without members and for a
+  /// row without real queries. No sync.
+  at::Tensor scores_of(at::Tensor bound, const at::Tensor& cols) const {
+    const auto empty = members_.narrow(1, 0, P_).eq(0).view({B_, 1, 1, P_});
+    bound.masked_fill_(empty, -std::numeric_limits<float>::infinity());
+    const auto probs = at::softmax(bound, -1).masked_fill_(empty, 0);  // a row without pages: all NaN, then 0
+    return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
+  }
+
+  /// The query columns scores_of() counts for `real` [B, Q] bool (on the device; the columns
+  /// observe() counts) and bounds of H heads' queries in G key groups: [B, 1|G, M, 1] bool, M =
+  /// H Q for G = 1.
+  static at::Tensor columns(const at::Tensor& real, int64_t H, int64_t G) {
+    const int64_t B = real.size(0), Q = real.size(1);
+    return (G == 1 ? real.unsqueeze(1).expand({B, H, Q}).reshape({B, 1, H * Q}) : real.unsqueeze(1)).unsqueeze(3);
+  }
+
+  /// recall's swap: the tier tokens `picked` (pick(): store slots [B, K], `count` of them a row)
+  /// and the cache slots `victims` [B, K] int64 (the lowest-ranked candidates in eviction
+  /// order: column k's victim makes room for column k's token) exchange places. Into the
+  /// victims' slots of `buffers` [B, outer..., S, inner] go the tokens' rows, read through the
+  /// view; the policy's positions and states (`position` [B, S], `state` [B, S, W], read)
+  /// change through `exchange(slots, positions, states)` only, the recalled tokens getting
+  /// `top` [B, W] fp32 (the best-ranked candidate's state); the victims take the tokens' store
+  /// slots with their positions, states, ranks (`ranks`) and rows, newest in insertion order,
+  /// and the pages on both sides are rebuilt. Columns past a row's count write the trash slots
+  /// (the cache's S - 1, the store's N) with what they hold. `max_position`: more than any
+  /// position of the cache (host). No host sync, no host read; every allocation but the page
+  /// digests' before the first write, and a throw puts back what was written (the policy's
+  /// side through exchange()).
+  /// Plans the writes into `w`; its commit runs them.
+  template <class Ranks, class Exchange>
+  void swap(TierWrites& w, const Picked& picked, const at::Tensor& victims, const at::Tensor& top, const at::Tensor& position,
+            const at::Tensor& state, const std::vector<at::Tensor>& buffers, Ranks&& ranks, Exchange&& exchange,
+            int64_t max_position) {
+    const int64_t K = victims.size(1), S = position.size(1);
+    if (K == 0 || N_ == 0) return;
+    reserve(N_, max_position);
+    const int64_t N = N_;
+    const auto longs = pos_.options();
+    {
+      const auto pad = at::arange(K, longs).unsqueeze(0).ge(picked.count.unsqueeze(1));  // [B, K]
+      const auto ix = victims.masked_fill(pad, S - 1);
+      const auto ts = picked.slots;
+      const auto ix_state = ix.unsqueeze(2).expand({B_, K, W_});
+      const auto out_pos = position.gather(1, ix), out_state = state.gather(1, ix_state);
+      const auto in_pos = at::where(pad, out_pos, pos_.gather(1, ts));
+      const auto in_state = at::where(pad.unsqueeze(2), out_state, top.unsqueeze(1).expand({B_, K, W_}));
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        const auto& buf = buffers[i];
+        const int64_t dim = buf.dim() - 2;
+        const auto index = store_index(ix, buf);
+        const auto out = buf.gather(dim, index);
+        std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1);
+        shape[0] = B_;
+        shape[static_cast<size_t>(dim)] = K;
+        const auto in = at::where(pad.view(shape), out, view_[i].gather(dim, store_index(ts, view_[i], K)));
+        w.scatter(buf, dim, index, in);
+        w.scatter(view_[i], dim, store_index(ts, out), out);
+      }
+      const auto exchange_back = [&exchange, ix, out_pos, out_state] { exchange(ix, out_pos, out_state); };
+      w.undo(exchange_back);
+      w.then([&exchange, ix, in_pos, in_state] { exchange(ix, in_pos, in_state); });
+      w.scatter(pos_, 1, ts, out_pos.masked_fill(pad, -1));
+      w.scatter(rank_, 1, ts, ranks(out_state));
+      w.scatter(state_, 1, ts.unsqueeze(2).expand({B_, K, W_}), out_state);
+      w.scatter(seq_, 1, ts, at::arange(K, longs).add_(seq_next_).expand({B_, K}));
+      w.add(seq_next_, at::full({1}, K, longs));
+      plan_pages(w, at::cat({page_of(in_pos.masked_fill(pad, -1)), page_of(out_pos.masked_fill(pad, -1))}, 1));
+    }
+  }
+
   /// Keys of the store slots `slots` [B, n] int64 (device): [B, n, groups, width] fp32, the
   /// key buffers' rows side by side, read through the view. Allocates.
   at::Tensor keys(const at::Tensor& slots) const {
@@ -280,41 +428,46 @@ class TierStore {
   void reserve(int64_t tokens, int64_t max_position) {
     tokens = std::min(tokens, budget_);
     const int64_t pages = (max_position - 1) / keys_.page_size + 1;
-    if (tokens <= N_ && pages <= P_) return;
+    if (tokens <= N_ && pages <= P_ && seq_next_.defined()) return;
     const auto opts = at::TensorOptions().device(device_);
-    if (!seq_next_.defined()) seq_next_ = at::zeros({1}, opts.dtype(at::kLong));
-    if (tokens > N_) {
-      const int64_t N = std::min(budget_, std::max(tokens, 2 * N_));
-      const auto widen = [&](const at::Tensor& old, at::Tensor fresh) {
-        if (N_ > 0) fresh.narrow(1, 0, N_).copy_(old.narrow(1, 0, N_));
-        return fresh;
-      };
-      pos_ = widen(pos_, at::full({B_, N + 1}, -1, opts.dtype(at::kLong)));
-      rank_ = widen(rank_, at::zeros({B_, N + 1}, opts.dtype(at::kFloat)));
-      state_ = widen(state_, at::zeros({B_, N + 1, W_}, opts.dtype(at::kFloat)));
-      seq_ = widen(seq_, at::zeros({B_, N + 1}, opts.dtype(at::kLong)));
+    // Every allocation and copy into new tensors first, then the swap (which cannot throw).
+    const int64_t N = tokens > N_ ? std::min(budget_, std::max(tokens, 2 * N_)) : N_;
+    const int64_t P = pages > P_ ? std::max(pages, 2 * P_) : P_;
+    const auto widen = [&](const at::Tensor& old, at::Tensor fresh, int64_t dim, int64_t n) {
+      if (n > 0) fresh.narrow(dim, 0, n).copy_(old.narrow(dim, 0, n));
+      return fresh;
+    };
+    auto seq_next = seq_next_.defined() ? seq_next_ : at::zeros({1}, opts.dtype(at::kLong));
+    auto pos = pos_, rank = rank_, state = state_, seq = seq_, digest = digest_, members = members_;
+    auto host = host_, view = view_;
+    if (N > N_) {
+      pos = widen(pos_, at::full({B_, N + 1}, -1, opts.dtype(at::kLong)), 1, N_);
+      rank = widen(rank_, at::zeros({B_, N + 1}, opts.dtype(at::kFloat)), 1, N_);
+      state = widen(state_, at::zeros({B_, N + 1, W_}, opts.dtype(at::kFloat)), 1, N_);
+      seq = widen(seq_, at::zeros({B_, N + 1}, opts.dtype(at::kLong)), 1, N_);
       for (size_t i = 0; i < shapes_.size(); ++i) {
         auto shape = row_shape(shapes_[i], N + 1);
         shape.insert(shape.begin(), B_);
-        auto host = at::zeros(shape, at::TensorOptions().dtype(dtype_).pinned_memory(!device_.is_cpu()));
-        if (N_ > 0) host.narrow(host.dim() - 2, 0, N_).copy_(host_[i].narrow(host.dim() - 2, 0, N_));
-        host_[i] = host;
-        view_[i] = device_view(host, device_);
+        const auto h = at::zeros(shape, at::TensorOptions().dtype(dtype_).pinned_memory(!device_.is_cpu()));
+        host[i] = widen(host_[i], h, h.dim() - 2, N_);
+        view[i] = device_view(host[i], device_);
       }
-      N_ = N;
     }
-    if (pages > P_) {
-      const int64_t P = std::max(pages, 2 * P_);
-      auto digest = at::zeros({B_, P + 1, groups_, 2 * width_}, opts.dtype(at::kFloat));
-      auto members = at::zeros({B_, P + 1}, opts.dtype(at::kLong));
-      if (P_ > 0) {
-        digest.narrow(1, 0, P_).copy_(digest_.narrow(1, 0, P_));
-        members.narrow(1, 0, P_).copy_(members_.narrow(1, 0, P_));
-      }
-      digest_ = digest;
-      members_ = members;
-      P_ = P;
+    if (P > P_) {
+      digest = widen(digest_, at::zeros({B_, P + 1, groups_, 2 * width_}, opts.dtype(at::kFloat)), 1, P_);
+      members = widen(members_, at::zeros({B_, P + 1}, opts.dtype(at::kLong)), 1, P_);
     }
+    seq_next_ = std::move(seq_next);
+    pos_ = std::move(pos);
+    rank_ = std::move(rank);
+    state_ = std::move(state);
+    seq_ = std::move(seq);
+    digest_ = std::move(digest);
+    members_ = std::move(members);
+    host_.swap(host);
+    view_.swap(view);
+    N_ = N;
+    P_ = P;
   }
 
  private:
@@ -340,30 +493,52 @@ class TierStore {
     return pos.div(keys_.page_size, "floor").masked_fill_(pos.lt(0), -1);
   }
 
-  /// Rebuilds the digests of the pages `pages` [B, T] (-1: none; duplicates allowed) from their
-  /// members: a sort of the store by position, each page's members at most page_size in a row
-  /// from its first (searchsorted), their keys read through the view, max and min per channel
-  /// (NaN keys left out, as the host's rebuild does). No host sync.
-  void refresh(const at::Tensor& pages) {
-    const int64_t T = pages.size(1), ps = keys_.page_size, N = N_, S = std::min(ps, N);
-    const auto longs = pos_.options();
+  /// Plans into `w`, after its writes so far: the digests and members of the pages `pages` [B,
+  /// T] (-1: none; duplicates allowed) rebuilt from their members (rebuild(), which allocates
+  /// inside the commit); keeps their old values.
+  void plan_pages(TierWrites& w, const at::Tensor& pages) {
+    const auto at_page = flat_pages(pages);
+    const auto digest = digest_.view({-1, groups_, 2 * width_}), members = members_.view(-1);
+    const auto old_digest = digest.index_select(0, at_page), old_members = members.index_select(0, at_page);
+    w.undo([digest, members, at_page, old_digest, old_members]() mutable {
+      digest.index_copy_(0, at_page, old_digest);
+      members.index_copy_(0, at_page, old_members);
+    });
+    w.then([this, pages, at_page] { rebuild(pages, at_page); });
+  }
+
+  /// `pages` [B, T] (-1: none; duplicates allowed) as indices into the rows of the digests
+  /// flattened to [B (P + 1), ...]: [B T] int64, each page once, the others on their row's trash
+  /// page. Allocates.
+  at::Tensor flat_pages(const at::Tensor& pages) const {
+    const int64_t T = pages.size(1);
     auto page = std::get<0>(at::sort(pages, 1));
     if (T > 1) page.narrow(1, 1, T - 1).masked_fill_(page.narrow(1, 1, T - 1).eq(page.narrow(1, 0, T - 1)), -1);
-    const auto none = page.lt(0);
-    const auto by_pos = at::sort(pos_.narrow(1, 0, N).masked_fill(pos_.narrow(1, 0, N).lt(0), std::numeric_limits<int64_t>::max()), 1);
+    return page.masked_fill_(page.lt(0).logical_or_(page.ge(P_)), P_).add_(at::arange(B_, page.options()).mul_(P_ + 1).unsqueeze(1)).view(-1);
+  }
+
+  /// Rebuilds the digests and members of the pages `at_page` (flat_pages() of `pages`) from
+  /// their members: a sort of the store by position, each page's members at most page_size in
+  /// a row from its first (searchsorted), their keys read through the view, max and min per
+  /// channel (NaN keys left out, as the host's rebuild does). No host sync.
+  void rebuild(const at::Tensor& pages, const at::Tensor& at_page) {
+    const int64_t T = pages.size(1), ps = keys_.page_size, N = N_, S = std::min(ps, N);
+    const auto longs = pos_.options();
+    const auto page = at_page.view({B_, T}).sub(at::arange(B_, longs).mul_(P_ + 1).unsqueeze(1));  // P_: none
+    const auto pos = pos_.narrow(1, 0, N);
+    const auto by_pos = at::sort(pos.masked_fill(pos.lt(0), std::numeric_limits<int64_t>::max()), 1);
     const auto& sorted = std::get<0>(by_pos);
-    const auto first = at::searchsorted(sorted, page.clamp_min(0).mul(ps));  // [B, T]
+    const auto first = at::searchsorted(sorted, page.mul(ps));  // [B, T]
     const auto j = first.unsqueeze(2).add(at::arange(S, longs)).view({B_, T * S});
     const auto jc = j.clamp_max(N - 1);
     const auto member_pos = sorted.gather(1, jc).view({B_, T, S});
     const auto member = j.view({B_, T, S}).lt(N)
                             .logical_and_(member_pos.lt(page.add(1).mul_(ps).unsqueeze(2)))
-                            .logical_and_(none.logical_not().unsqueeze(2));
+                            .logical_and_(page.lt(P_).unsqueeze(2));
     const auto keys = this->keys(std::get<1>(by_pos).gather(1, jc)).view({B_, T, S, groups_, width_});
     const auto out = member.logical_not().view({B_, T, S, 1, 1}).logical_or(at::isnan(keys));
     const float inf = std::numeric_limits<float>::infinity();
     const auto hi = keys.masked_fill(out, -inf).amax(2), lo = keys.masked_fill(out, inf).amin(2);
-    const auto at_page = page.masked_fill(none, P_).add_(at::arange(B_, longs).mul_(P_ + 1).unsqueeze(1)).view(-1);
     digest_.view({B_ * (P_ + 1), groups_, 2 * width_}).index_copy_(0, at_page, at::cat({hi, lo}, -1).view({B_ * T, groups_, 2 * width_}));
     members_.view(-1).index_copy_(0, at_page, member.sum(2).view(-1));
   }
