@@ -237,7 +237,7 @@ struct Expanded {
                                    e);
   }
   /// Brings back up to `tokens` tier tokens for one step's queries (two-level: a pool of `rescore`).
-  static int64_t recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
+  static at::Tensor recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
     return cache.recall(0, q[0], scale, tokens, rescore);
   }
   /// Shapes of T tokens' rows as update() takes them: {k_new, v_new}.
@@ -279,7 +279,7 @@ struct Latent {
                                        .tier_scoring(kvevict::TierScoring::kHeadMean),
                                    e);
   }
-  static int64_t recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
+  static at::Tensor recall(Cache& cache, const std::vector<at::Tensor>& q, double scale, int64_t tokens, int64_t rescore) {
     return cache.recall_absorbed(0, q[0], q[1], scale, tokens, rescore);
   }
   /// {ckv_new [B, T, kv_lora_rank], kpe_new [B, T, qk_rope_dim]}.
@@ -941,9 +941,8 @@ void print_counts(const std::vector<LoopCounts>& loops, const Args& a) {
               "and a warm-up; observation checks %s; LibTorch %s.\n"
               "kernels: outermost ATen ops that are not views, allocations or copies; views: ops that launch "
               "nothing and return a view; no-ops: calls that returned their input (a to() of its own dtype); "
-              "copies: to() naming a device (host<->device on CUDA: a sync there unless asynchronous through pinned "
-              "memory, as the tier's are); syncs: item, nonzero and other reads of device data, and the tier's waits "
-              "for the device (kvevict::host_wait); allocs: CPU allocations of at least 1 byte (tests/op_counter.hpp).\n\n",
+              "copies: to() naming a device (host<->device on CUDA); syncs: item, nonzero and other reads of device "
+              "data; allocs: CPU allocations of at least 1 byte (tests/op_counter.hpp).\n\n",
               a.check_observations ? "on" : "off", TORCH_VERSION);
   std::printf("| loop | H | B | evict_every | kernels | update / observe / evict | views | no-ops | copies | syncs | "
               "allocs | alloc MiB |\n| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");

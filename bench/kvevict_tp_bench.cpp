@@ -16,7 +16,7 @@
 // attend, with this rank's heads' random queries: the page scores are all-reduced like
 // observations. The recall column is the mean time of one recall call, its all-reduces
 // included; the all-reduce column then counts recall's all-reduces too; update+evict includes
-// the passes' hand-over to the tier.
+// the passes' take into the tier.
 
 #include "cli.hpp"
 #include "tp_harness.hpp"
@@ -120,7 +120,7 @@ Figures measure(const kvevict::TensorParallel& tp, const Config& c, int64_t step
     cache.update(0, k, v);
     const auto t1 = Clock::now();
     if (recall) {  // its all-reduces stay in the all-reduce column, and in this one
-      int64_t n = 0;
+      at::Tensor n;  // tokens recalled per row
       if constexpr (std::is_same_v<Cache, kvevict::MlaLatentCache>) {
         n = cache.recall_absorbed(0, q, q_pe, scale, rc.tokens);
       } else {
@@ -128,7 +128,7 @@ Figures measure(const kvevict::TensorParallel& tp, const Config& c, int64_t step
       }
       if (timed_step) {
         f.recall_us += us(Clock::now() - t1);
-        f.recalled += static_cast<double>(n);
+        f.recalled += static_cast<double>(n.sum().item<int64_t>());
         ++recalls;
       }
     }

@@ -372,11 +372,11 @@ inline void run(const RunOptions& o, const kvevict::TensorParallel* tp, RunResul
       const int64_t tokens = two_level ? 3 : 8, rescore = two_level ? 16 : 0;
       const double scale = 1.0 / std::sqrt(static_cast<double>(d.qk()));
       expanded.update(l, s.k, s.v);
-      if (recall) out.recalled += expanded.recall(l, s.q, scale, tokens, rescore);
+      if (recall) out.recalled += expanded.recall(l, s.q, scale, tokens, rescore).sum().item<int64_t>();
       checksum_heads(kvevict::attend(s.q, expanded, l), out.outputs);
       out.tokens_evicted += expanded.evict(l);
       latent.update(l, s.ckv, s.kpe);
-      if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, tokens, rescore);
+      if (recall) out.recalled += latent.recall_absorbed(l, s.q_absorbed, s.q_pe, scale, tokens, rescore).sum().item<int64_t>();
       checksum_heads(kvevict::attend_absorbed(s.q_absorbed, s.q_pe, latent, l), out.outputs);
       latent.evict(l);
     }

@@ -208,10 +208,9 @@ inline bool allocation_op(const std::string& n) {
   return one_of(n, {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
                     "aten::new_empty", "aten::new_empty_strided", "aten::resize_", "aten::resize_as_"});
 }
-// The host reads a value back, or waits for the device (kvevict's DeviceWait::wait(), recorded
-// on the CPU too, where it waits for nothing).
+// The host reads a value back.
 inline bool scalar_sync_op(const std::string& n) {
-  return one_of(n, {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "kvevict::host_wait"});
+  return one_of(n, {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"});
 }
 // Composites that return their input itself when there is nothing to do (a to() of its own
 // dtype, contiguous() of a contiguous tensor, flatten() of a 1-d one): a call without callees.

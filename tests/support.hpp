@@ -21,6 +21,9 @@
 
 namespace kvevict_test {
 
+/// The tokens recall() / recall_absorbed() brought back ([B] int64 per row), summed.
+inline int64_t total(const at::Tensor& recalled) { return recalled.sum().item<int64_t>(); }
+
 /// Positions one row keeps under the contract: the n_sink smallest positions, the n_recent
 /// largest, and the `budget` other tokens with the highest score (non-finite lowest, ties to
 /// the newer position). Returns them ascending. `positions` and `scores` are in any order.

@@ -204,9 +204,9 @@ std::function<void()> recall_call(kvevict::MlaLatentCache& c, int64_t rescore) {
 
 /// A whole-page recall now, which must bring tokens back (on the tensor path its victims then
 /// wait in the tier's queue until its next use).
-void recall_now(kvevict::MlaCache& c) { REQUIRE(c.recall(0, at::randn({kB, kH, 1, 4}), 0.5, 2) > 0); }
+void recall_now(kvevict::MlaCache& c) { REQUIRE(kvevict_test::total(c.recall(0, at::randn({kB, kH, 1, 4}), 0.5, 2)) > 0); }
 void recall_now(kvevict::MlaLatentCache& c) {
-  REQUIRE(c.recall_absorbed(0, at::randn({kB, kH, 1, 4}), at::randn({kB, kH, 1, 2}), 0.5, 2) > 0);
+  REQUIRE(kvevict_test::total(c.recall_absorbed(0, at::randn({kB, kH, 1, 4}), at::randn({kB, kH, 1, 2}), 0.5, 2)) > 0);
 }
 
 /// compress_prompt() / compress_prompt_absorbed() of an 10-token prompt into layer 1, as a call.
@@ -298,25 +298,25 @@ std::vector<Scenario<Cache>> scenarios() {
           warm(c);
           return recall_call(c, 4);
         }, false},
-      // On the tensor path a recall's victims wait in a queue until the tier's next use: the
-      // calls below take them in first (settle), and a failure there changes nothing either.
-      S{"finish, a recall's victims queued", [](Cache& c) -> std::function<void()> {
+      // After a recall the tier holds its victims: the calls below change the tier (on the
+      // tensor path its store, inside their commits), and a failure changes nothing either.
+      S{"finish, after a recall", [](Cache& c) -> std::function<void()> {
           warm(c);
           recall_now(c);
           return [&c] { c.finish(1); };
         }},
-      S{"truncate, a recall's victims queued", [](Cache& c) -> std::function<void()> {
+      S{"truncate, after a recall", [](Cache& c) -> std::function<void()> {
           warm(c);
           recall_now(c);
           return [&c] { c.truncate(0, 1); };
         }},
-      S{"evict_now, a recall's victims queued", [](Cache& c) -> std::function<void()> {
+      S{"evict_now, after a recall", [](Cache& c) -> std::function<void()> {
           warm(c);
           recall_now(c);
           c.add_scores(0, at::rand({kB, c.size(0)}));
           return [&c] { c.evict_now(0); };
         }},
-      S{"recall, two-level, a recall's victims queued", [](Cache& c) -> std::function<void()> {
+      S{"recall, two-level, after a recall", [](Cache& c) -> std::function<void()> {
           warm(c);
           recall_now(c);
           return recall_call(c, 4);

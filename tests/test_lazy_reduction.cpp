@@ -182,8 +182,8 @@ TEST_CASE("lazy_reduction with a host tier and recall keeps, recalls and tiers w
         if (step % 3 == 2) {
           const bool two_level = step % 6 == 5;
           const bool pending = lazy.policy().pending(l);
-          const int64_t e = eager.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0);
-          const int64_t z = lazy.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0);
+          const int64_t e = kvevict_test::total(eager.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0));
+          const int64_t z = kvevict_test::total(lazy.recall(l, q, 0.5, two_level ? 2 : 4, two_level ? 6 : 0));
           CHECK_FALSE(lazy.policy().pending(l));  // recall applied them
           REQUIRE(e == z);
           recalled += z;

@@ -392,11 +392,13 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   const int64_t H = 8, rank = 32, rope = 8, cap = 40;
   const int64_t ee = GENERATE(1, 4);
   const bool ragged = GENERATE(false, true);
-  CAPTURE(ee, ragged);
+  // With a host tier and a recall every step (whole pages, or two-level), before the observation.
+  const int64_t recall = GENERATE(-1, 0, 16);  // -1: no tier; else the rescore
+  CAPTURE(ee, ragged, recall);
   const int64_t B = ragged ? 3 : 1;
   const auto eviction = kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4).evict_every(ee);
   const auto options = kvevict::MlaLatentCacheOptions(1, H).batch_size(B).kv_lora_rank(rank).qk_rope_dim(rope)
-                           .check_observations(false);
+                           .check_observations(false).tier_tokens(recall >= 0 ? 24 : 0).tier_page_size(4);
   kvevict_test::ForceTensorPath tensor_path(true);
   kvevict::MlaLatentCache cache(options, eviction);
   kvevict_test::ForceTensorPath host_path(false);
@@ -405,6 +407,7 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   REQUIRE(host.policy().host_path());
   cache.reserve(cap + ee);
   host.reserve(cap + ee);
+  if (recall >= 0) cache.reserve_tier(1000);  // the tier's store at its full size: no growth between the steps
   at::manual_seed(11);
   // Prompts: full rows, and (ragged) one row far below capacity and one free row. A decode step
   // then appends one token to every active row.
@@ -422,11 +425,14 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   // A graph reads its inputs from static tensors: each step's values are copied into them first.
   // One probability tensor per place in the pass schedule (the width S differs between them).
   const auto ckv_in = at::zeros({B, 1, rank}), kpe_in = at::zeros({B, 1, rope});
+  const auto qa_in = at::zeros({B, H, 1, rank}), qp_in = at::zeros({B, H, 1, rope});
   std::vector<at::Tensor> probs_in;
   for (int64_t i = 0; i < ee; ++i) probs_in.push_back(at::zeros({B, H, 1, cap + 1 + i}));
   const auto next_inputs = [&] {
     ckv_in.copy_(at::randn({B, 1, rank}));
     kpe_in.copy_(at::randn({B, 1, rope}));
+    qa_in.copy_(at::randn({B, H, 1, rank}).mul(3));
+    qp_in.copy_(at::randn({B, H, 1, rope}));
     const int64_t S = host.size(0) + 1;  // after the coming update
     auto& p = probs_in.at(static_cast<size_t>(S - cap - 1));
     p.copy_(at::softmax(at::randn({B, H, 1, S}), -1));
@@ -434,6 +440,7 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   };
   const auto step = [&](kvevict::MlaLatentCache& c, const at::Tensor& p) {
     c.update(0, ckv_in, kpe_in, counts);
+    if (recall >= 0) c.recall_absorbed(0, qa_in, qp_in, 0.2, 3, recall);
     c.observe(0, p);
     c.evict(0);
   };
@@ -457,4 +464,9 @@ TEST_CASE("the tensor path's steady-state step replays as a graph: same ops, sha
   CHECK(at::equal(cache.scores(0), host.scores(0)));
   CHECK(at::equal(cache.ckv(0), host.ckv(0)));
   CHECK(at::equal(cache.kpe(0), host.kpe(0)));
+  if (recall >= 0) {
+    CHECK(cache.stats().tier_recalled > 0);
+    CHECK(cache.stats().tier_recalled == host.stats().tier_recalled);
+    for (int64_t r = 0; r < B; ++r) CHECK(at::equal(cache.tier_positions(0, r), host.tier_positions(0, r)));
+  }
 }

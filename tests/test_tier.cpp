@@ -175,8 +175,14 @@ TEST_CASE("with an unbounded tier nothing is lost: cache and tier hold every pos
   // each holding tier tokens: the cache keeps 8), an fp32 min and max of 6 channels each.
   const auto st = cache.stats();
   CHECK(st.tier_tokens == 64);
-  CHECK(st.tier_bytes == 64 * (8 + 4 + 4 + 6 * 4) + 2 * (3 * 2 * 6 * 4));
-  CHECK(cache.stats(1).tier_bytes == 32 * 40 + 3 * 2 * 6 * 4);
+  if (!tensor_path) {
+    CHECK(st.tier_bytes == 64 * (8 + 4 + 4 + 6 * 4) + 2 * (3 * 2 * 6 * 4));
+    CHECK(cache.stats(1).tier_bytes == 32 * 40 + 3 * 2 * 6 * 4);
+  } else {  // the store's pinned rows: its capacity (32 to 64 tokens, grown geometrically) + the trash slot
+    CHECK(cache.stats(1).tier_bytes >= 33 * 6 * 4);
+    CHECK(cache.stats(1).tier_bytes <= 65 * 6 * 4);
+    CHECK(cache.stats(1).tier_device_bytes > 0);
+  }
 }
 
 TEST_CASE("finish, reset(row) and reset() release the tier; other rows keep theirs", "[tier][cpu]") {
@@ -519,7 +525,7 @@ TEST_CASE("recall swaps the pages an oracle scores best for the lowest heavy hit
         for (auto& p : plans) expected += static_cast<int64_t>(p.recalled.size());
         const auto tier_before0 = sorted_positions(cache.tier_positions(0, 0), cache.tier_size(0, 0));
         const auto size_before = std::vector<int64_t>{cache.size(0, 0), cache.size(0, 1)};
-        CHECK(recall(cache, query) == expected);
+        CHECK(kvevict_test::total(recall(cache, query)) == expected);
         recalls += expected;
         const auto pos_after = cache.positions(0), sc_after = cache.scores(0);
         for (int64_t r = 0; r < B; ++r) {
@@ -607,7 +613,7 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
   REQUIRE(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{2, 3, 4, 5});
   cache.update(0, at::zeros({1, 1, 1, 2}), at::full({1, 1, 1, 1}, 6.f));
   SECTION("q = (1, 0) recalls page 2 in place of the two heavy hitters, lowest (position 1) first") {
-    CHECK(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 2)) == 2);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{4, 5, 6});
     CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{0, 1, 2, 3});
     // The recalled tokens take the best heavy hitter's state (9); the victims keep theirs in the tier.
@@ -623,22 +629,22 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
     }
   }
   SECTION("q = (0, 1) recalls page 1; a budget of 1 token recalls nothing (whole pages only)") {
-    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1) == 0);
-    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 0) == 0);
-    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 2) == 2);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1)) == 0);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 0)) == 0);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 2)) == 2);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{2, 3, 6});
   }
   SECTION("two-level: the best pages are the pool, and the pool's best tokens come back one by one") {
     // q = (1, 0), 1 token, a pool of 2: page 2 (bound 3) is the pool; exact logits 2 (position
     // 4) and 3 (position 5): position 5 comes back, in place of position 1 (score 8).
-    CHECK(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 1, 2) == 1);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 1, 2)) == 1);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{0, 5, 6});
     CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{1, 2, 3, 4});
     // Now the cache holds 0 (score 9), 5 (9, the best heavy hitter's) and 6; the tier 1 (its key
     // (5, 5)), 2, 3, 4. q = (0, 1), 1 token, a pool of 4: page 0 = {1} (bound 5), page 1 =
     // {2, 3} (bound 1), page 2 = {4} (bound -1) all fit; exact logits 5, 0, 1, -1: position 1
     // comes back, in place of position 0 (equal scores: the older goes first).
-    CHECK(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1, 4) == 1);
+    CHECK(kvevict_test::total(cache.recall(0, at::tensor({0.f, 1.f}).view({1, 1, 1, 2}), 1.0, 1, 4)) == 1);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{1, 5, 6});
     CHECK(sorted_positions(cache.tier_positions(0, 0), 4) == std::vector<int64_t>{0, 2, 3, 4});
   }
@@ -648,7 +654,7 @@ TEST_CASE("recall by hand: the Quest bound picks the page, whole pages only", "[
     full.update(0, keys, at::arange(6, at::kFloat).view({1, 1, 6, 1}));
     full.evict(0);
     const auto k = full.keys(0).clone();
-    CHECK(full.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 6) == 0);
+    CHECK(kvevict_test::total(full.recall(0, at::tensor({1.f, 0.f}).view({1, 1, 1, 2}), 1.0, 6)) == 0);
     CHECK(at::equal(full.keys(0), k));
   }
 }
@@ -678,7 +684,7 @@ TEST_CASE("recall by hand: per head, one head's sharp attention wins; by the hea
     cache.evict(0);
     REQUIRE(sorted_positions(cache.tier_positions(0, 0), 3) == std::vector<int64_t>{2, 3, 4});
     append(cache);  // position 5
-    CHECK(recall(cache) == 1);
+    CHECK(kvevict_test::total(recall(cache)) == 1);
     CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{0, want, 5});
   };
   SECTION("expanded") {
@@ -728,7 +734,7 @@ TEST_CASE("recall skips whole pages that do not fit, however many rank above the
   cache.evict(0);
   REQUIRE(cache.tier_size(0, 0) == 82);
   cache.update(0, at::zeros({1, 1, 1, 1}), at::zeros({1, 1, 1, 1}));
-  CHECK(cache.recall(0, at::ones({1, 1, 1, 1}), 1.0, 1) == 1);
+  CHECK(kvevict_test::total(cache.recall(0, at::ones({1, 1, 1, 1}), 1.0, 1)) == 1);
   CHECK(sorted_positions(cache.positions(0)[0], 3) == std::vector<int64_t>{50, 51, 84});
   const auto tier = sorted_positions(cache.tier_positions(0, 0), cache.tier_size(0, 0));
   REQUIRE(tier.size() == 82);
@@ -784,7 +790,7 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
              }),
              Contains("tier_scoring must be kPerHead or kHeadMean, got 7"));
   // A good call still works afterwards.
-  CHECK(cache.recall_absorbed(0, qa, qp, 1.0, 4) >= 0);
+  CHECK(kvevict_test::total(cache.recall_absorbed(0, qa, qp, 1.0, 4)) >= 0);
 }
 
 TEST_CASE("an allocation failure at any point of a recall changes nothing, on both paths", "[tier][recall][cpu]") {
@@ -817,7 +823,7 @@ TEST_CASE("an allocation failure at any point of a recall changes nothing, on bo
     c.update(0, at::randn({2, 1, 4}), at::randn({2, 1, 2}));
     const auto qa = at::randn({2, 2, 1, 4}), qp = at::randn({2, 2, 1, 2});
     const auto before = snapshot(c);
-    int64_t recalled = -1;
+    at::Tensor recalled;
     bool failed = false;
     {
       kvevict_test::CountingCpuAllocator failing;
@@ -837,7 +843,7 @@ TEST_CASE("an allocation failure at any point of a recall changes nothing, on bo
       }
     } else {
       completed = true;
-      CHECK(recalled > 0);
+      CHECK(kvevict_test::total(recalled) > 0);
       CHECK_FALSE(at::equal(before[0], after[0]));
     }
   }
@@ -1130,7 +1136,7 @@ TEST_CASE("a truncate past the latest append after a recall: the window keeps it
   up(3);
   up(1);
   c.add_scores(0, c.positions(0).ne(6).to(at::kFloat));
-  REQUIRE(c.recall_absorbed(0, at::randn({1, 1, 1, 4}), at::randn({1, 1, 1, 2}), 0.5, 1) == 1);
+  REQUIRE(kvevict_test::total(c.recall_absorbed(0, at::randn({1, 1, 1, 4}), at::randn({1, 1, 1, 2}), 0.5, 1)) == 1);
   c.truncate(0, 2);
   REQUIRE(c.seen_tokens(0) == 7);
   REQUIRE(c.size(0, 0) == 5);
@@ -1156,8 +1162,9 @@ TEST_CASE("the digests hold only the pages in use, after a long append too; pads
   c.update(0, at::randn({1, 512, 4}), at::randn({1, 512, 2}));
   c.evict(0);  // 506 evicted, 8 kept by the tier: 8 pages of one token
   REQUIRE(c.tier_size(0, 0) == 8);
-  // Per token 8 + 4 + 4 + 6 x 4 bytes, per page 2 x 6 x 4.
-  CHECK(c.stats().tier_bytes == 8 * 40 + 8 * 48);
+  // Host path: per token 8 + 4 + 4 + 6 x 4 bytes, per page 2 x 6 x 4. Tensor path: the store's
+  // pinned rows, 8 slots and the trash slot of 6 x 4 bytes.
+  CHECK(c.stats().tier_bytes == (tensor_path ? 9 * 24 : 8 * 40 + 8 * 48));
   CHECK(c.stats().tier_bytes <= kvevict::tier_bytes(kvevict::MlaMemoryConfig{1, 1, 1, 1, 4, 2, 4}, kvevict::Layout::kLatent, 512,
                                                     6, 8, 1, 1));
   // A ragged batch's pad columns are not queries: NaN there is fine.
@@ -1198,9 +1205,13 @@ TEST_CASE("with observation checks off, recall reads nothing of the queries: a r
   const auto good = qa.clone();
   qa[1][1][0][2] = std::numeric_limits<float>::infinity();  // one head of row 1's query
   CHECK(c.stats().tier_tokens > 0);  // a read: the pass's evicted tokens go into the tier first
-  kvevict_test::OpRecorder rec;
-  const int64_t n = c.recall_absorbed(0, qa, qp, 1.0, 2, two_level);
-  CHECK(rec.counts().syncs == (tensor_path ? 1 : 0));  // the wait for the scores; no item(): the queries are not checked
+  at::Tensor recalled;
+  {
+    kvevict_test::OpRecorder rec;
+    recalled = c.recall_absorbed(0, qa, qp, 1.0, 2, two_level);
+    CHECK(rec.counts().syncs == 0);  // no item(): the queries are not checked
+  }
+  const int64_t n = kvevict_test::total(recalled);
   // Row 1 recalls nothing; row 0 recalls what it recalls with the same query in a twin whose
   // row 1 query is finite.
   CHECK(kvevict_test::to_vec<int64_t>(c.positions(0)[1]) == kvevict_test::to_vec<int64_t>(twin.positions(0)[1]));
@@ -1251,8 +1262,8 @@ void check_tensor_path_matches_host(const at::Device& device) {
     host.update(0, ckv, kpe, counts);
     if (step % 3 == 2) {
       const int64_t rescore = step % 6 == 2 ? 0 : 4;
-      const int64_t n = host.recall_absorbed(0, qa, qp, 0.5, 3, rescore);
-      CHECK(tensor.recall_absorbed(0, here(qa), here(qp), 0.5, 3, rescore) == n);
+      const int64_t n = kvevict_test::total(host.recall_absorbed(0, qa, qp, 0.5, 3, rescore));
+      CHECK(kvevict_test::total(tensor.recall_absorbed(0, here(qa), here(qp), 0.5, 3, rescore)) == n);
       recalled += n;
     }
     // The same probabilities for both (attention's batched product on the tensor path may
@@ -1296,13 +1307,13 @@ void check_tensor_path_matches_host(const at::Device& device) {
     }
     const auto st = tensor.stats(), sh = host.stats();
     CHECK(st.tier_tokens == sh.tier_tokens);
-    CHECK(st.tier_bytes == sh.tier_bytes);
+    CHECK(st.tier_bytes >= st.tier_tokens * (W + R) * 4);  // the store's pinned rows, at least the tokens'
     CHECK(st.tier_recalled == sh.tier_recalled);
   }
   CHECK(recalled > 0);
   CHECK(host.tier_size(0, 1) == 10);  // the tier filled and dropped
-  // The digests' copy on the device: 8 bytes a key channel (W + R of them) and page slot, for
-  // at least the 5 pages of row 1's 10 tokens, in every row.
+  // The store on the device: the digests, 8 bytes a key channel (W + R of them) and page id,
+  // for at least the 5 pages of row 1's 10 tokens, in every row.
   CHECK(host.stats().tier_device_bytes == 0);
   CHECK(tensor.stats().tier_device_bytes >= B * 5 * 8 * (W + R));
   tensor.reset();
@@ -1311,39 +1322,67 @@ void check_tensor_path_matches_host(const at::Device& device) {
 
 }  // namespace
 
-TEST_CASE("the digests' device copy scores as an oracle, follows changes by sending only them, without a sync",
-          "[tier][recall][cpu]") {
-  using kvevict::detail::DeviceDigests;
-  using kvevict::detail::PageDigests;
+/// Plans a change to a TierStore with `plan(writes)` and commits it.
+template <class Plan>
+void commit(Plan&& plan) {
+  kvevict::detail::TensorUndo undo;
+  kvevict::detail::TierWrites w(undo);
+  plan(w);
+  w.commit("test");
+}
+
+TEST_CASE("the tier's digests by page id score as an oracle on the device, after takes and a truncate, without a sync",
+          "[tier][recall][store][cpu]") {
+  using kvevict::detail::TierKeys;
+  using kvevict::detail::TierStore;
+  using kvevict::detail::TierWrites;
   const int64_t G = GENERATE(1, 2);  // key groups: latent (every head meets one key), expanded (one per head)
   CAPTURE(G);
-  const int64_t B = 2, H = 2, Q = 3, D = 3, page = 2;
+  const int64_t B = 2, H = 2, Q = 3, D = 3, page = 2, S = 8;
   at::manual_seed(23);
-  std::vector<PageDigests> rows(B, PageDigests(page, G, D));
-  std::vector<std::map<int64_t, std::pair<int64_t, std::vector<float>>>> tokens(B);  // token -> position, keys
-  const auto add = [&](int64_t b, int64_t token, int64_t position) {
-    const auto k = at::randn({G * D});
-    std::vector<float> key(k.data_ptr<float>(), k.data_ptr<float>() + G * D);
-    rows[b].reserve(token + 1, position);
-    rows[b].insert(token, position, key.data());
-    tokens[b][token] = {position, key};
+  TierKeys keys;
+  keys.buffers = {0};
+  keys.page_size = page;
+  keys.shared = G == 1;
+  TierStore store(B, /*budget=*/100, /*state_width=*/1, {G == 1 ? std::vector<int64_t>{D} : std::vector<int64_t>{G, D}},
+                  at::kFloat, keys, at::kCPU);
+  std::vector<std::map<int64_t, std::vector<float>>> tokens(B);  // position -> keys
+  // One take of `positions[b]` per row (at most S; -1: none), with random keys.
+  const auto take = [&](const std::vector<std::vector<int64_t>>& positions) {
+    auto position = at::full({B, S}, -1, at::kLong);
+    auto buffer = at::randn(G == 1 ? std::vector<int64_t>{B, S, D} : std::vector<int64_t>{B, G, S, D});
+    for (int64_t b = 0; b < B; ++b) {
+      for (size_t s = 0; s < positions[b].size(); ++s) {
+        const int64_t p = positions[b][s];
+        position[b][static_cast<int64_t>(s)] = p;
+        std::vector<float> key;
+        for (int64_t g = 0; g < G; ++g) {
+          const auto k = G == 1 ? buffer[b][static_cast<int64_t>(s)] : buffer[b][g][static_cast<int64_t>(s)];
+          for (int64_t c = 0; c < D; ++c) key.push_back(k[c].item<float>());
+        }
+        tokens[b][p] = key;
+      }
+    }
+    const auto idx = at::arange(S, at::kLong).expand({B, S}).contiguous();
+    commit([&](TierWrites& w) {
+      store.take(w, idx, position, at::zeros({B, S, 1}), {buffer}, [](const at::Tensor& st) { return st.select(2, 0); },
+                 64);
+    });
   };
-  for (int64_t t = 0; t < 7; ++t) add(0, t, 2 * t + t % 2);  // pages 0..6, one token each
-  add(0, 7, 1);                                           // page 0's second token
-  for (int64_t t = 0; t < 3; ++t) add(1, t, t);           // pages 0, 0, 1
+  take({{0, 3, 4, 7, 8, 11, 12, 1}, {0, 1, 2}});  // row 0: pages 0..6 (page 0 twice), row 1: pages 0, 0, 1
   const auto query = at::randn({B, H, Q, D});
   auto real = at::ones({B, Q}, at::kBool);
   real[1][0] = false;  // row 1's first column is a pad
   const double scale = 0.7;
   // The oracle, in fp64 from the tokens themselves: per page lo/hi, the Quest bound, a softmax
   // over the row's pages per head and real query, each term round(p * 2^32), summed.
-  const auto check_oracle = [&](const at::Tensor& got, int64_t P) {
+  const auto check_oracle = [&](const at::Tensor& got) {
     for (int64_t b = 0; b < B; ++b) {
       std::map<int64_t, std::pair<std::vector<double>, std::vector<double>>> pages;  // page -> lo, hi
-      for (const auto& [t, pk] : tokens[b]) {
-        auto& [lo, hi] = pages[pk.first / page];
+      for (const auto& [p, key] : tokens[b]) {
+        auto& [lo, hi] = pages[p / page];
         if (lo.empty()) lo.assign(G * D, INFINITY), hi.assign(G * D, -INFINITY);
-        for (int64_t c = 0; c < G * D; ++c) lo[c] = std::min<double>(lo[c], pk.second[c]), hi[c] = std::max<double>(hi[c], pk.second[c]);
+        for (int64_t c = 0; c < G * D; ++c) lo[c] = std::min<double>(lo[c], key[c]), hi[c] = std::max<double>(hi[c], key[c]);
       }
       std::map<int64_t, double> want;
       for (int64_t h = 0; h < H; ++h) {
@@ -1365,47 +1404,32 @@ TEST_CASE("the digests' device copy scores as an oracle, follows changes by send
           for (const auto& [pg, l] : logit) want[pg] += std::round(std::exp(l - top) / z * 4294967296.0);
         }
       }
-      REQUIRE(rows[b].slots() == static_cast<int64_t>(pages.size()));
-      for (int64_t s = 0; s < P; ++s) {
-        CAPTURE(b, s);
-        const double value = got[b][s].item<double>();
-        if (s >= rows[b].slots()) {
-          CHECK(value == 0);
+      for (int64_t p = 0; p < got.size(1); ++p) {
+        CAPTURE(b, p);
+        const double value = got[b][p].item<double>();
+        if (!want.count(p)) {
+          CHECK(value == 0);  // no members: no score
           continue;
         }
-        CHECK(value == Approx(want.at(rows[b].page_of_slot(s))).epsilon(1e-5));
+        CHECK(value == Approx(want.at(p)).epsilon(1e-5));
       }
     }
   };
-  DeviceDigests device;
-  int64_t P = device.upload(rows, G, D, at::kCPU);
-  CHECK(P == 7);
-  check_oracle(device.score(query, real, scale, P), P);
-  // Changes: row 0 loses tokens 1 and 3 (pages 1 and 3 empty: compacted away) and token 7 (page
-  // 0 recomputed); row 1 gains a page. The next upload sends only what changed.
-  for (const int64_t t : {1, 3, 7}) {
-    rows[0].erase(t, tokens[0][t].first);
-    tokens[0].erase(t);
-  }
-  rows[0].refresh([&](int64_t t, float* out) { std::copy(tokens[0][t].second.begin(), tokens[0][t].second.end(), out); });
-  add(1, 3, 9);
-  CHECK(rows[0].touched() + rows[1].touched() < rows[0].slots() + rows[1].slots());
-  at::Tensor incremental;
-  {
+  const auto score = [&] {
     kvevict_test::OpRecorder rec;
-    P = device.upload(rows, G, D, at::kCPU);
-    incremental = device.score(query, real, scale, P);
+    const auto out = store.scores_of(store.bound(query, scale), TierStore::columns(real, H, G));
     REQUIRE(rec.ok());
-    CHECK(rec.counts().syncs == 0);  // on CUDA: pinned memory, asynchronous copies, no host read
-    CHECK(rec.counts().transfers == 3);  // up: the changed slots' indices and digests, the slot counts
-  }
-  CHECK(P == 5);
-  check_oracle(incremental, P);
-  // A fresh copy (every slot sent) scores the same, bit for bit.
-  DeviceDigests fresh;
-  CHECK(fresh.upload(rows, G, D, at::kCPU) == P);
-  CHECK(at::equal(fresh.score(query, real, scale, P), incremental));
-  CHECK(device.bytes() >= 2 * 4 * B * P * G * D);
+    CHECK(rec.counts().syncs == 0);
+    CHECK(rec.counts().transfers == 0);
+    return out;
+  };
+  check_oracle(score());
+  // Row 0 truncated from position 7 (pages 3.. leave, page 3 partly); row 1 gains page 4.
+  commit([&](TierWrites& w) { store.drop_from(w, at::tensor({int64_t{7}, std::numeric_limits<int64_t>::max()})); });
+  for (auto it = tokens[0].begin(); it != tokens[0].end();) it = it->first >= 7 ? tokens[0].erase(it) : std::next(it);
+  take({{}, {9}});
+  check_oracle(score());
+  CHECK(store.device_bytes() >= 2 * 4 * B * store.page_capacity() * G * D);
 }
 
 TEST_CASE("with a tier, the tensor path keeps, hands over and recalls what the host path does, slot for slot",
@@ -1419,15 +1443,13 @@ TEST_CASE("with a tier on CUDA (pinned memory, asynchronous copies), the tensor 
   check_tensor_path_matches_host(at::Device("cuda:0"));
 }
 
-TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens down and waits only for a pass before",
+TEST_CASE("with a tier, the tensor path's pass takes its evicted tokens in with no sync, no read and no transfer",
           "[tier][steady_state][cpu]") {
-  // The pass gathers the evicted tokens on the device and copies them down asynchronously (on
-  // CUDA: to pinned memory); the tier takes them at its next use, at the latest the pass after
-  // next. So a decode step (update, observe, evict) reads nothing of the device, copies the
-  // evicted token down (its position, state, ckv and kpe rows: 4 copies) and waits once, for
-  // the copies of the pass before the last one, which a decode has long passed. On the CPU the
-  // op counter sees every copy and wait a CUDA run makes. The tier's contents once read are
-  // checked against the host path above.
+  // The pass's take is part of its commit: the evicted tokens go into the tier's store (rows
+  // through the pinned rows' view on CUDA) and the budget's drops and page digests follow,
+  // all as tensor ops. A decode step (update, observe, evict) reads nothing of the device and
+  // copies nothing between host and device. The tier's contents are checked against the host
+  // path above.
   const int64_t H = 4;
   const auto options = kvevict::MlaLatentCacheOptions(1, H).kv_lora_rank(8).qk_rope_dim(4).check_observations(false)
                            .tier_tokens(64);
@@ -1445,23 +1467,23 @@ TEST_CASE("with a tier, the tensor path's pass copies its evicted tokens down an
   };
   for (int i = 0; i < 8; ++i) cache.update(0, at::randn({1, 1, 8}), at::randn({1, 1, 4}));
   step();  // the first pass uploads its mirrors (once)
-  step();  // the second has no pass before the last one to take in
-  for (int i = 0; i < 3; ++i) {
-    const auto c = step();  // each pass takes the hand-over of the pass before the last one into the tier
-    CHECK(c.syncs == 1);
-    CHECK(c.transfers == 4);
+  for (int i = 0; i < 4; ++i) {
+    const auto c = step();
+    CHECK(c.syncs == 0);
+    CHECK(c.transfers == 0);
   }
-  CHECK(cache.tier_size(0, 0) == 5);  // a read takes the last two hand-overs
+  CHECK(cache.tier_size(0, 0) == 5);
   CHECK(cache.stats().tier_tokens == 5);
 }
 
-TEST_CASE("on the tensor path a recall waits for the device once; its victims reach the tier at the tier's next use",
+TEST_CASE("on the tensor path a recall makes no sync, no read and, once its mirrors are up, no transfer",
           "[tier][recall][steady_state][cpu]") {
-  // On CUDA the host waits for the device once per recall, for the scores (copied down with the
-  // victim candidates and, for a two-level pool, the queries); the victims' rows are copied down
-  // without a wait and the tier takes them at its next use, with the pass's evicted tokens. On
-  // the CPU the op counter sees every such copy (a transfer) and every wait (a sync:
-  // "kvevict::host_wait"). What is recalled and kept is checked against the host path above.
+  // Every step of a recall runs on the device: the pages scored by page id, the victims found,
+  // the pick (whole pages or a two-level pool scored again), the swap through the pinned rows'
+  // view. Which query columns are real and each row's latest append reach the device through
+  // mirrors, uploaded when they change: the first recall's two transfers. On the CPU the op
+  // counter sees every copy (a transfer) and every read (a sync). What is recalled and kept is
+  // checked against the host path above.
   const bool two_level = GENERATE(false, true);
   CAPTURE(two_level);
   const int64_t H = 2;
@@ -1481,39 +1503,24 @@ TEST_CASE("on the tensor path a recall waits for the device once; its victims re
   for (int step = 0; step < 3; ++step) {
     CAPTURE(step);
     cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
-    CHECK(cache.stats().tier_tokens > 0);  // a read: takes in what is on its way
     const auto qa = at::randn({1, H, 1, 4}).mul(4), qp = at::randn({1, H, 1, 2});
-    int64_t n = 0;
+    at::Tensor n;
     const auto recall = counted([&] { n = cache.recall_absorbed(0, qa, qp, 1.0, 2, two_level ? 6 : 0); });
-    CHECK(n > 0);
-    CHECK(recall.syncs == 1);  // the wait for the scores; no read of the queries
-    // Up: the changed digest slots' indices and digests, the slot counts, each row's recent-window
-    // start; down: the page scores, the candidates (count, slots, positions, best state) and,
-    // two-level, the queries; up: the victims' slots; down: their positions, states, ckv and
-    // kpe rows; up: the recalled tokens' positions, states and rows.
-    CHECK(recall.transfers == (step == 0 ? 19 : 18) + (two_level ? 1 : 0));  // + the real columns, once
+    CHECK(kvevict_test::total(n) > 0);
+    CHECK(recall.syncs == 0);
+    CHECK(recall.transfers == (step == 0 ? 2 : 0));  // the real columns' and latest appends' mirrors, once
     const auto p = at::softmax(at::randn({1, H, 1, cache.size(0)}), -1);
     const auto pass = counted([&] {
       cache.observe(0, p);
-      cache.evict(0);  // the recall's victims are still on their way: nothing to wait for
+      cache.evict(0);
     });
     CHECK(pass.syncs == 0);
-    if (step > 0) CHECK(pass.transfers == 4);  // the evicted token's position, state, ckv and kpe rows
+    if (step > 0) CHECK(pass.transfers == 0);  // the first uploads the policy's pass mirror
     int64_t tier = 0;
     const auto read = counted([&] { tier = cache.tier_size(0, 0); });
     CHECK(tier == 8 + step + 1);
-    CHECK(read.syncs == 2);  // the victims, then the pass's evicted token, in that order
-    CHECK(read.transfers == 0);
+    CHECK(read.syncs > 0);  // a read of the tier reads the device
   }
-}
-
-/// Plans a change to a TierStore with `plan(writes)` and commits it.
-template <class Plan>
-void commit(Plan&& plan) {
-  kvevict::detail::TensorUndo undo;
-  kvevict::detail::TierWrites w(undo);
-  plan(w);
-  w.commit("test");
 }
 
 TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order, picks",
@@ -1552,7 +1559,7 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
     keys.dtype = dtype;
     keys.page_size = ps;
     keys.shared = latent;
-    LayerTier host(B, budget, W, row_bytes, groups, keys, /*host=*/true);
+    LayerTier host(B, budget, W, row_bytes, groups, keys, /*host=*/true, shapes, at::kCPU);
     TierStore store(B, budget, W, shapes, dtype, keys, at::kCPU);
     std::vector<int64_t> next(static_cast<size_t>(B), 0);
     for (int step = 0; step < 30; ++step) {
@@ -1608,13 +1615,13 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
         const int64_t b = uniform(0, B - 1), from = uniform(0, next[b]);
         auto all_from = at::full({B}, std::numeric_limits<int64_t>::max(), at::kLong);
         all_from[b] = from;
-        host.drop_from(b, from);
+        commit([&](TierWrites& w) { host.drop_from(b, from, w); });
         commit([&](TierWrites& w) { store.drop_from(w, all_from); });
         next[b] = from;
         ++drops;
       } else {
         const int64_t b = uniform(0, B - 1);
-        host.release(b);
+        commit([&](TierWrites& w) { host.release(b, w); });
         commit([&](TierWrites& w) { store.release(w, b); });
       }
       for (int64_t b = 0; b < B; ++b) {
@@ -1697,7 +1704,7 @@ TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no
   keys.page_size = ps;
   keys.shared = true;
   TierStore store(B, /*budget=*/6, W, {{5}, {3}}, at::kFloat, keys, at::kCPU);
-  store.reserve(6, 1000);  // a graph's caller sizes the store first
+  commit([&](TierWrites& w) { store.reserve(w, 6, 1000); });  // a graph's caller sizes the store first
   int64_t next = 0;
   const auto pass = [&] {
     auto position = at::full({B, S}, -1, at::kLong);

@@ -154,9 +154,12 @@ class CacheBase {
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
     // The evicted tokens to the tier, before the moves overwrite their rows (LayerTier::take():
-    // the host path stores them at once, the tensor path sends them on their way).
+    // the host path stores them at once, the tensor path plans them into the pass's commit).
+    TensorUndo undo;  // what the tensor path's writes below change, put back if one of them throws
+    TierWrites tier_writes(undo);
     if (tier_tokens_ > 0) {
-      tiers_[layer].take(pass, policy_.at(layer), bufs, [&](const float* state) { return policy_.scorer().rank(state); });
+      tiers_[layer].take(pass, policy_.at(layer), bufs, [&](const auto& state) { return policy_.scorer().rank(state); },
+                         tier_writes);
     }
     if (policy_.host_path()) {
       for (size_t i = 0; i < specs_.size(); ++i) {
@@ -168,34 +171,22 @@ class CacheBase {
       LayerMoves moves;
       moves.gather(pass.to_moves(device()), specs_, bufs, move_rows_);
       if (!moves.moves.empty()) move_rows_ = moves.rows;  // made once: no kernel per pass
-      TensorUndo undo;  // what the writes below change, put back if one of them throws
       if (!moves.moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
       moves.save(undo, specs_, bufs);
       undo.commit(now ? "evict_now" : "evict", [&] {
+        tier_writes.run();  // the tier's, from the rows as they were
         moves.scatter(specs_, bufs);
         policy_.commit(layer, pass);  // its device writes, then the host counters
       });
     }
-    if (tier_tokens_ > 0) tiers_[layer].keep();  // after the commit: the tensor path queues its hand-over
     shrink_if_fits(layer);
     return evicted;
-  }
-
-  /// LayerTier::settle() of `layer`'s tier: takes in what the tensor path has on its way (passes'
-  /// evicted tokens, a recall's victims; waits for their copies on CUDA); a no-op on the host
-  /// path or without a tier. Every tier read, recall, truncate and release calls it first.
-  void settle_tier(int64_t layer) const {
-    if (tier_tokens_ > 0) tiers_[layer].settle([&](const float* state) { return policy_.scorer().rank(state); });
-  }
-  void settle_tiers() const {
-    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) settle_tier(l);
   }
 
  public:
   /// Counters of one layer. \throws c10::IndexError for a bad layer.
   CacheStats stats(int64_t layer) const {
     auto s = policy_.stats(layer);
-    settle_tier(layer);
     for (const auto& t : buffers_.at(layer)) s.bytes_allocated += t.nbytes();
     if (tier_tokens_ > 0) tiers_[layer].add_stats(s);
     return s;
@@ -209,18 +200,17 @@ class CacheBase {
 
   // -------------------------------------------------------------------------------------------
   // The host tier (cache options' tier_tokens > 0): evicted tokens kept in host memory. On the
-  // tensor path every read below first takes what is on its way into the tier (settle_tier():
-  // on CUDA it waits for those copies).
+  // tensor path every read below reads the device (a sync on CUDA).
 
   /// Tokens a row keeps in its tier per layer (0: no tier; the cache options' tier_tokens).
   int64_t tier_tokens() const noexcept { return tier_tokens_; }
   /// Tokens of `row` in the tier of `layer`. \throws c10::IndexError for a bad layer or row.
-  int64_t tier_size(int64_t layer, int64_t row) const { return tier_row(layer, row).size(); }
+  int64_t tier_size(int64_t layer, int64_t row) const { return tier(layer, row).size(row); }
   /// [n] int64 positions of the tier tokens of `row` in `layer`, ascending (CPU, a copy).
-  at::Tensor tier_positions(int64_t layer, int64_t row) const { return tier_row(layer, row).positions(); }
+  at::Tensor tier_positions(int64_t layer, int64_t row) const { return tier(layer, row).positions(row); }
   /// [n] fp32 rank (Scorer::rank) of each tier token of `row` in `layer` when it was evicted,
   /// in the order of tier_positions() (CPU, a copy).
-  at::Tensor tier_scores(int64_t layer, int64_t row) const { return tier_row(layer, row).ranks(); }
+  at::Tensor tier_scores(int64_t layer, int64_t row) const { return tier(layer, row).ranks(row); }
 
  protected:
   /// Per buffer of the layout (MlaCache: keys, values; MlaLatentCache: ckv, kpe), the rows of
@@ -233,7 +223,7 @@ class CacheBase {
       shapes.push_back(spec.outer);
       shapes.back().push_back(spec.inner);
     }
-    return tier_row(layer, row).rows(shapes, dtype_);
+    return tier(layer, row).rows(row, shapes, dtype_);
   }
 
  public:
@@ -248,19 +238,11 @@ class CacheBase {
   /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
-    host_heap("finish", [&] {
-      settle_tiers();
-      policy_.finish(row);
-      for (auto& t : tiers_) t.release(row);  // allocates nothing
-    });
+    host_heap("finish", [&] { end_row(row, "finish", [&] { policy_.finish(row); }); });
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
-    host_heap("reset", [&] {
-      settle_tiers();
-      policy_.reset(row);
-      for (auto& t : tiers_) t.release(row);  // allocates nothing
-    });
+    host_heap("reset", [&] { end_row(row, "reset", [&] { policy_.reset(row); }); });
   }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
@@ -276,17 +258,12 @@ class CacheBase {
       }
       auto state = policy_.prepare_fresh("reset");
       std::vector<LiveViews> no_views(live_views_.size());
-      settle_tiers();
-      // The commit: swaps, and the tier's releases, which allocate nothing.
+      // The commit: swaps, and the tiers' clear(), which allocate nothing.
       policy_.commit_fresh(state);
       std::fill(policy_.core_.active.begin(), policy_.core_.active.end(), 1);
       buffers_.swap(fresh);
       live_views_.swap(no_views);
-      for (auto& t : tiers_) {
-        for (int64_t b = 0; b < batch_size(); ++b) t.release(b);
-        t.clear_recalled();
-        t.release_device();
-      }
+      for (auto& t : tiers_) t.clear();
     });
   }
 
@@ -307,11 +284,35 @@ class CacheBase {
     host_heap("reserve", [&] { reserve_slots(tokens); });
   }
 
+  /// Makes the host tier hold its whole budget (tier_tokens per row) and page digests for
+  /// positions below `positions` in every layer, so that passes and recall allocate no tier
+  /// storage until a position reaches it: CUDA graphs captured after this call (and reserve())
+  /// stay valid. The tensor path only (pinned host rows, device metadata: CacheStats'
+  /// tier_bytes and tier_device_bytes show them); nothing on the host path, whose tier grows
+  /// as it fills. Otherwise the tier grows geometrically as it fills and as positions grow.
+  /// \throws c10::ValueError if positions is out of range; c10::Error if there is no tier or
+  ///         the memory cannot be allocated. Nothing changes then.
+  void reserve_tier(int64_t positions) {
+    host_heap("reserve_tier", [&] {
+      KVEVICT_CHECK(tier_tokens_ > 0, "reserve_tier: this cache has no host tier (tier_tokens is 0 in its options)");
+      KVEVICT_CHECK_VALUE(positions >= 1 && positions <= EvictionOptions::kMaxTokens,
+                          "reserve_tier: positions must be in [1, 2^40], got ", positions);
+      TensorUndo undo;
+      TierWrites tier_writes(undo);
+      allocating([&] {
+        for (auto& t : tiers_) t.reserve(positions, tier_writes);
+      }, [&](const std::string& why) {
+        KVEVICT_CHECK(false, "reserve_tier: could not allocate the host tier of ", tier_tokens_, " tokens per row and ",
+                      "the digests of ", positions, " positions on ", device(), ": ", why);
+      });
+      tier_writes.run();  // nothing to write: keeps what was grown
+    });
+  }
+
  private:
   void truncate_rows(int64_t row, int64_t k) {
     // Tier tokens among the k newest leave the tier: the policy plans only the cached ones.
     std::vector<int64_t> in_tier(static_cast<size_t>(num_layers()), 0);
-    settle_tiers();
     if (tier_tokens_ > 0 && policy_.active(row) && k >= 0) {
       for (int64_t l = 0; l < num_layers(); ++l) {
         in_tier[l] = tiers_[l].count_from(row, policy_.seen_tokens(l, row) - k);
@@ -322,11 +323,12 @@ class CacheBase {
     const bool host = policy_.host_path();
     std::vector<LayerMoves> moves(static_cast<size_t>(num_layers()));
     for (int64_t l = 0; l < num_layers() && !host; ++l) moves[l].gather(t.moves[l], specs_, buffers_[l], at::Tensor());
-    std::vector<int64_t> tier_from(static_cast<size_t>(num_layers()));
-    for (int64_t l = 0; l < num_layers(); ++l) tier_from[l] = policy_.seen_tokens(l, row) - k;
-    // The tensor path's writes (the moves, then every layer's state) under an undo log, then
-    // the host counters and the tier, which allocate nothing.
+    // The tensor path's writes (the moves, then every layer's state, then its tier's) under an
+    // undo log, then the host counters; the host path's tier steps allocate nothing.
     TensorUndo undo;
+    TierWrites tier_writes(undo);
+    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l)
+      tiers_[l].drop_from(row, policy_.seen_tokens(l, row) - k, tier_writes);
     for (int64_t l = 0; l < num_layers() && !host; ++l) {
       policy_.save(undo, l);
       moves[l].save(undo, specs_, buffers_[l]);
@@ -340,9 +342,27 @@ class CacheBase {
         }
         moves[l].scatter(specs_, buffers_[l]);
       }
+      tier_writes.run();
       policy_.commit_truncate(t);
     });
-    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l) tiers_[l].drop_from(row, tier_from[l]);
+  }
+
+  /// finish(row) or reset(row) (`end`: the policy's, which checks the row), the row's tier
+  /// tokens released in every layer in the same commit: on the tensor path before the policy's
+  /// step, so that a throw of it puts them back; on the host path after it (its release
+  /// allocates nothing and does not throw).
+  template <class End>
+  void end_row(int64_t row, const char* call, End&& end) {
+    if (tier_tokens_ == 0 || row < 0 || row >= batch_size()) return end();
+    TensorUndo undo;
+    TierWrites tier_writes(undo);
+    for (auto& t : tiers_) t.release(row, tier_writes);
+    const bool host = policy_.host_path();
+    undo.commit(call, [&] {
+      if (!host) tier_writes.run();
+      end();
+      if (host) tier_writes.run();
+    });
   }
 
   void reserve_slots(int64_t tokens) {
@@ -386,8 +406,14 @@ class CacheBase {
             keys.shared = spec.outer.empty();  // latent: no head dim, every head meets the key
           }
         }
+        std::vector<std::vector<int64_t>> shapes;  // per buffer: {outer..., inner}
+        for (const auto& spec : specs_) {
+          shapes.push_back(spec.outer);
+          shapes.back().push_back(spec.inner);
+        }
         for (int64_t l = 0; l < num_layers(); ++l) {
-          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys, policy_.host_path());
+          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys, policy_.host_path(), shapes,
+                              device());
         }
       }
     }, [&](const std::string& why) { fail_allocation(why); });
@@ -567,29 +593,28 @@ class CacheBase {
   /// scores across processes like observations, and swaps the best pages' tokens (at most
   /// `tokens` per row: whole pages, or with rescore > tokens the best tokens of the best pages
   /// up to `rescore` tokens, scored again exactly) with the row's lowest-ranked heavy hitters.
-  /// Returns the tokens recalled, summed over rows. Everything that allocates or throws comes
-  /// before the first swap.
-  int64_t recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
+  /// Returns the tokens recalled per row ([B] int64 on the cache's device). On the host path
+  /// everything that allocates or throws comes before the first swap; on the tensor path the
+  /// swap's writes run under an undo log.
+  at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    settle_tier(layer);
-    const int64_t recalled =
-        tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer],
-                             [&](const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& states) {
-                               policy_.exchange(layer, slots, positions, states);
-                             });
-    if (recalled > 0 && policy_.host_path()) {  // the host path wrote the buffers with memcpy
+    auto recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer],
+                                         policy_.device_counters(layer),
+                                         [&](const at::Tensor& slots, const at::Tensor& positions,
+                                             const at::Tensor& states) { policy_.exchange(layer, slots, positions, states); });
+    if (policy_.host_path()) {  // the host path wrote the buffers with memcpy
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }
     return recalled;
   }
 
  private:
-  const TierRow& tier_row(int64_t layer, int64_t row) const {
+  /// The tier of `layer`, after checking `layer` and `row` and that there is a tier.
+  const LayerTier& tier(int64_t layer, int64_t row) const {
     policy_.size(layer, row);  // checks both
     KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
-    settle_tier(layer);
-    return tiers_[layer].row(row);
+    return tiers_[layer];
   }
 
   [[noreturn]] void fail_allocation(const std::string& why) const {
@@ -680,7 +705,7 @@ class CacheBase {
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;
   int64_t tier_tokens_ = 0;
-  mutable std::vector<LayerTier> tiers_;  // per layer, with a tier (settled by const reads too)
+  std::vector<LayerTier> tiers_;  // per layer, with a tier
   std::vector<std::vector<at::Tensor>> buffers_;  // [layer][spec]: [B, outer..., slots, inner]
   mutable std::vector<LiveViews> live_views_;  // per layer: the views live() handed out last
   std::vector<int64_t> hold_;                     // per layer: shrink no lower (GrowthHold); empty: none

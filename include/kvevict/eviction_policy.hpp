@@ -47,12 +47,13 @@ struct CacheStats {
   int64_t bytes_allocated = 0;
   /// Tokens in the caches' host tier (evicted, kept in host memory), summed over rows.
   int64_t tier_tokens = 0;
-  /// Host bytes the tier holds: its tokens' rows, position, rank and scorer state, and the
-  /// page digests.
+  /// Host bytes the tier holds: host path, its tokens' rows, position, rank and scorer state,
+  /// and the page digests; tensor path, its store's pinned rows (the store's capacity, grown
+  /// geometrically up to tier_tokens per row).
   int64_t tier_bytes = 0;
-  /// Bytes the tier's page digests hold on the cache's device (tensor path: a copy that recall
-  /// scores there; allocated at the first recall, grown geometrically, freed by reset(); 0 on
-  /// the host path).
+  /// Bytes the tier holds on the cache's device (tensor path: its tokens' positions, ranks,
+  /// states and insertion numbers, and the page digests by page id; grown geometrically with
+  /// the tier and the context, freed by reset(); 0 on the host path).
   int64_t tier_device_bytes = 0;
   /// Tokens recall() brought back from the tier, summed over rows and calls (each moved one
   /// token's rows from the tier into the cache, and a heavy hitter's the other way).

@@ -145,7 +145,8 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \param tokens the recall budget per row, >= 0.
   /// \param rescore 0 (or <= tokens): whole pages come back; > tokens: the two-level recall's
   ///               pool per row, in tokens, at least tier_page_size.
-  /// \return tokens recalled, summed over rows; its rows are what moved from the tier.
+  /// \return the tokens recalled per row: [B] int64 on the cache's device (not read by the
+  ///         call: on CUDA, reading it is a sync, e.g. `.sum().item<int64_t>()`).
   /// \throws c10::Error without a tier, for a bad layer, shape, dtype, device, a non-finite
   ///         real query (pads and free rows may hold anything; checked with observation checks
   ///         on, the CPU's default: one read of the device; with them off, CUDA's default, a row
@@ -156,22 +157,21 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   ///       Q x pages x qk_dim), kHeadMean in the latent layout O(Q x pages x width); with
   ///       rescore, one [B, rescore] fp64 tensor, with kHeadMean one [B, Q, rescore] fp64 more, and O(H x Q x
   ///       rescore x qk_dim) more), and the swap's [B, tokens] slots and positions and [B, tokens,
-  ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): the digests'
-  ///       copy on the device takes the page slots changed since the last recall (pinned,
-  ///       asynchronous) and the pages are scored there without a sync; then the host waits
-  ///       once, for the scores with the victim candidates found there (and, two-level, the
-  ///       queries: the pool is scored on the host), plus a read of the device for the query
-  ///       check with observation checks on; the recalled rows go up and the victims' rows
-  ///       come down without a wait, through pinned memory (the tier takes the victims at its
-  ///       next use; O(pages + capacity) bookkeeping, 2 x tokens rows per row). The first
-  ///       recall allocates the device copy (CacheStats::tier_device_bytes). Keys views stay
-  ///       valid: rows change in place.
-  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
+  ///       W] states. CPU host path: syncs nothing. Tensor path (CUDA): every step runs on the
+  ///       device (the tier's TierStore: digests by page id scored there, the victims and
+  ///       the pick found there, the rows swapped through the pinned rows' device view,
+  ///       2 x tokens rows per row over the bus); no host sync, no host read and, in a steady
+  ///       decode (the same real query columns and appends as the step before), no copy
+  ///       between host and device, so a step with recall can be captured in a CUDA graph.
+  ///       With observation checks on, the query check reads the device once. A growing tier
+  ///       or context reallocates the store (geometrically): capture graphs after the tier is
+  ///       full. Keys views stay valid: rows change in place.
+  at::Tensor recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore = 0) {
     return detail::host_heap("recall", [&] { return recall_checked(layer, query, scale, tokens, rescore); });
   }
 
  private:
-  int64_t recall_checked(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
+  at::Tensor recall_checked(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     Base::policy().size(layer);
     detail::check_tensor(query, "query", Base::device());
     detail::check_shape(query, "query", {Base::batch_size(), Base::num_heads(), -1, options_.qk_dim()},

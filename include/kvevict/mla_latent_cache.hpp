@@ -99,16 +99,16 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \param scale      the attention's logit scale, finite and > 0.
   /// \param tokens     the recall budget per row, >= 0.
   /// \param rescore    0, or the two-level recall's pool per row (BasicMlaCache::recall()).
-  /// \return tokens recalled, summed over rows.
+  /// \return the tokens recalled per row: [B] int64 on the cache's device (BasicMlaCache::recall()).
   /// \throws c10::Error as BasicMlaCache::recall(); nothing changes then.
-  int64_t recall_absorbed(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
+  at::Tensor recall_absorbed(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
                           int64_t tokens, int64_t rescore = 0) {
     return detail::host_heap("recall_absorbed",
                              [&] { return recall_checked(layer, q_absorbed, q_pe, scale, tokens, rescore); });
   }
 
  private:
-  int64_t recall_checked(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
+  at::Tensor recall_checked(int64_t layer, const at::Tensor& q_absorbed, const at::Tensor& q_pe, double scale,
                          int64_t tokens, int64_t rescore) {
     Base::policy().size(layer);
     detail::check_tensor(q_absorbed, "q_absorbed", Base::device());

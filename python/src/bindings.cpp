@@ -872,7 +872,8 @@ void def_caches(py::module_& m) {
           "pages, take the slots of the lowest-ranked heavy hitters. rescore > tokens (at least tier_page_size): "
           "two-level, the best pages up to `rescore` tokens are scored again token by token with their exact keys "
           "and the best `tokens` of them come back. Call after update() and before attend(). "
-          "Returns the tokens recalled. Raises IndexError for a bad layer; RuntimeError without a tier, with an open "
+          "Returns the tokens recalled per row, a [B] int64 tensor on the cache's device (not read: on CUDA no sync). "
+          "Raises IndexError for a bad layer; RuntimeError without a tier, with an open "
           "observation or on a bad query shape, dtype or device (as every shape error); ValueError for a bad scale, "
           "tokens or rescore or a non-finite query; nothing changes then.");
   e.def("__repr__", [](Expanded& s) {
@@ -924,7 +925,8 @@ void def_caches(py::module_& m) {
           py::arg("layer"), py::arg("q_absorbed"), py::arg("q_pe"), py::arg("scale"), py::arg("tokens"),
           py::arg("rescore") = 0,
           "MlaCache.recall() for the latent layout, with the absorbed queries attend_absorbed() takes: q_absorbed "
-          "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled. Raises as "
+          "[B, H, Q, kv_lora_rank], q_pe [B, H, Q, qk_rope_dim]. Returns the tokens recalled per row ([B] int64, "
+          "cache device). Raises as "
           "MlaCache.recall().");
   l.def("__repr__", [](Latent& s) {
     return with(s, [](auto& x) {

@@ -472,7 +472,7 @@ def test_tier_and_recall_hand_worked():
     assert cache.tier_tokens == 10
     assert cache.tier_positions(0, 0).tolist() == [2, 3, 4, 5]
     cache.update(0, torch.zeros(1, 1, 1, 2), torch.full((1, 1, 1, 1), 6.))  # victims: below the window before it
-    assert cache.recall(0, torch.tensor([1., 0.]).view(1, 1, 1, 2), 1.0, 2) == 2
+    assert cache.recall(0, torch.tensor([1., 0.]).view(1, 1, 1, 2), 1.0, 2).tolist() == [2]
     assert sorted(cache.positions(0)[0].tolist()) == [4, 5, 6]
     assert cache.tier_positions(0, 0).tolist() == [0, 1, 2, 3]
     assert cache.tier_scores(0, 0).tolist() == [9., 8., 0., 0.]
@@ -485,7 +485,7 @@ def test_tier_and_recall_hand_worked():
     # q = (0, 1) bounds page {0, 1} by 5 and page {2, 3} by 1: the pool is all four, exact
     # logits 5, 5, 0, 1; position 0 (the older of the two best) comes back, in place of position
     # 4 (score 9, as 5; the older goes first).
-    assert cache.recall(0, torch.tensor([0., 1.]).view(1, 1, 1, 2), 1.0, 1, rescore=4) == 1
+    assert cache.recall(0, torch.tensor([0., 1.]).view(1, 1, 1, 2), 1.0, 1, rescore=4).tolist() == [1]
     assert sorted(cache.positions(0)[0].tolist()) == [0, 5, 6]
     with pytest.raises(ValueError, match="rescore must be in"):
         cache.recall(0, torch.zeros(1, 1, 1, 2), 1.0, 1, rescore=-1)

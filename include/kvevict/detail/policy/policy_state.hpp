@@ -152,6 +152,10 @@ class PolicyState {
   void save(TensorUndo& undo, int64_t layer, bool counters = true) const {
     if (!host_) tensor_path_.save(undo, at(layer), layer, counters);
   }
+  /// Tensor path: `layer`'s device counters ([B, 3] int64: length, seen, seen - n_recent); the
+  /// host path: undefined.
+  at::Tensor device_counters(int64_t layer) const { return host_ ? at::Tensor() : tensor_path_.counters(layer); }
+
   /// Recall's exchange step (the tier's swap calls it): in `layer`, slot slots[b, k] of each
   /// row b takes the token at positions[b, k] with scorer state states[b, k] ([B, V] int64,
   /// [B, V] int64, [B, V, W] fp32, on the policy's device, CPU contiguous on the host path; the

@@ -108,6 +108,13 @@ class TensorPath {
     return D;
   }
 
+  /// `layer`'s counters on the device: [B, 3] int64 length, seen tokens, seen - n_recent
+  /// (undefined before the layer's first use). Recall reads its victims' window from them.
+  const at::Tensor& counters(int64_t layer) const {
+    static const at::Tensor none;
+    return static_cast<size_t>(layer) < scratch_.size() ? scratch_[layer].counters : none;
+  }
+
   /// Makes room for the scratch of `layers` layers (allocates: before any swap_in()).
   void size_layers(int64_t layers) { scratch_.resize(static_cast<size_t>(layers)); }
 

@@ -1,8 +1,8 @@
 #pragma once
 // The tier's host path (a cache whose policy takes the host path: everything on the CPU):
-// TierHostPath, with the steps of its twin TierTensorPath (tier/tensor_path.hpp) under the same
-// names in the same order: take and keep a pass's evicted tokens, settle, and recall's score
-// and swap. The page scoring, score_on_host(): per head, or by the heads' mean logit
+// TierHostPath, with recall's steps of its twin TierTensorPath (tier/tensor_path.hpp) under the
+// same names in the same order: score and swap (the plan between them is the tier's own,
+// LayerTier::plan_recall(); a pass's evicted tokens go in by LayerTier::take_pass()). The page scoring, score_on_host(): per head, or by the heads' mean logit
 // (TierScoring::kHeadMean), reduced across processes like observations. Also two-level
 // recall's pool scoring, per head or by the heads' mean, which both paths run on the host.
 // The steps both paths share (the reduction, the heads' mean, their order) are tier/scoring.hpp;
@@ -188,19 +188,6 @@ void victims_on_host(RecallScores& out, const LayerState& L, const Core& core, i
 /// the cache's contiguous CPU buffers). Holds nothing between steps.
 class TierHostPath {
  public:
-  /// A pass's evicted tokens (its plan `pass`: n, new lengths, moves), before the moves
-  /// overwrite their rows in `buffers`: into the tier at once (LayerTier::take_pass()). Every
-  /// allocation first: a throw (c10::Error naming the tier) changes nothing.
-  template <class Tier, class Pass, class Rank>
-  void take(Tier& tier, const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
-    tier.take_pass(pass, L.position, L.state, buffers, L.slots, rank);
-  }
-  /// After the pass's commit: nothing is pending here.
-  void keep() noexcept {}
-  /// Before every read of the tier: nothing is held here.
-  template <class Tier, class Rank>
-  void settle(Tier& /*tier*/, Rank&& /*rank*/) {}
-
   /// recall's score step: score_on_host(), and victims_on_host() of the `K` lowest-ranked
   /// candidates; for a two-level `pool` the plan reads the query itself.
   template <class Core>
@@ -247,9 +234,6 @@ class TierHostPath {
     exchange(slots, positions, states);
   }
 
-  /// Device bytes held: none.
-  int64_t device_bytes() const noexcept { return 0; }
-  void release_device() noexcept {}
 };
 
 }  // namespace detail

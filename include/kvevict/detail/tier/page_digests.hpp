@@ -19,7 +19,7 @@
 namespace kvevict {
 namespace detail {
 
-/// The digest the tier's pages keep (LayerTier, DeviceDigests, tier_bytes()).
+/// The digest the tier's pages keep (LayerTier, TierStore, tier_bytes()).
 using TierDigest = QuestDigest;
 /// One row's page digests.
 using PageDigests = PageTable<TierDigest>;

@@ -5,9 +5,8 @@
 // table knows which tokens are in which page; the digest type knows what a block holds.
 //
 // Each page's members are an intrusive list over the tier's token indices, so a token leaving
-// costs O(its page's members x width), not a scan of the tier. The slots whose digest changed
-// since the last take_touched() are listed, so a copy on the cache's device (DeviceDigests,
-// tier/tensor_path.hpp) follows with O(changed slots) uploads.
+// costs O(its page's members x width), not a scan of the tier. The host path's; the tensor
+// path keeps its digests by page id in its TierStore (tier/store.hpp).
 
 #include <kvevict/detail/reduction.hpp>
 
@@ -61,8 +60,6 @@ class PageTable {
     grow(head_, slots);
     grow(free_, slots);
     grow(dirty_, t);
-    grow(touched_, slots);
-    if (is_touched_.size() < slots) is_touched_.resize(std::max(slots, 2 * is_touched_.size()), 0);
     grow(blocks_, slots * static_cast<size_t>(F_));
     if (slot_of_page_.size() < pages) {
       grow(slot_of_page_, pages);
@@ -95,7 +92,6 @@ class PageTable {
     } else {
       digest_.insert(blocks_.data() + s * F_, key);
     }
-    touch(s);
     prev_[token] = -1;
     next_[token] = head_[s];
     if (head_[s] >= 0) prev_[head_[s]] = token;
@@ -142,7 +138,6 @@ class PageTable {
           add(static_cast<const float*>(key_.data()));
         }
       });
-      touch(s);
     }
     dirty_.clear();
     compact();
@@ -164,7 +159,6 @@ class PageTable {
         head_[f] = head_[last];
         std::copy(blocks_.begin() + last * F_, blocks_.begin() + (last + 1) * F_, blocks_.begin() + f * F_);
         slot_of_page_[page_of_[f]] = f;
-        touch(f);
       }
       page_of_.pop_back();
       count_.pop_back();
@@ -204,20 +198,6 @@ class PageTable {
     if (slots() > 0) score_bounds(bound(q, scale), out);
   }
 
-  /// Calls f(slot, block(slot)) for every slot in use whose digest
-  /// changed since the last call (inserted into, rebuilt, or filled by compact()), in no
-  /// particular order, then forgets them. Allocates nothing.
-  template <class F>
-  void take_touched(F&& f) {
-    for (const int64_t s : touched_) {
-      is_touched_[static_cast<size_t>(s)] = 0;
-      if (s < slots()) f(s, block(s));
-    }
-    touched_.clear();
-  }
-  /// Slots take_touched() would report, at most (a bound for its caller's buffers).
-  int64_t touched() const noexcept { return static_cast<int64_t>(touched_.size()); }
-
   /// Empties the table and gives its memory back.
   void release() {
     std::vector<int64_t>().swap(next_);
@@ -228,20 +208,10 @@ class PageTable {
     std::vector<int64_t>().swap(free_);
     std::vector<int64_t>().swap(dirty_);
     std::vector<int64_t>().swap(slot_of_page_);
-    std::vector<int64_t>().swap(touched_);
-    std::vector<uint8_t>().swap(is_touched_);
     std::vector<float>().swap(blocks_);
   }
 
  private:
-  /// Lists slot s for take_touched() (once; reserve() made room).
-  void touch(int64_t s) {
-    if (static_cast<int64_t>(is_touched_.size()) <= s) is_touched_.resize(static_cast<size_t>(s) + 1, 0);  // not after reserve()
-    if (is_touched_[static_cast<size_t>(s)]) return;
-    is_touched_[static_cast<size_t>(s)] = 1;
-    touched_.push_back(s);
-  }
-
   int64_t page_ = 16;
   Digest digest_;
   int64_t F_ = Digest().floats();                    // floats in one slot's block
@@ -251,8 +221,6 @@ class PageTable {
   std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
   std::vector<float> blocks_;                        // [slot, digest().page_shape()]
   std::vector<float> key_;                           // refresh() scratch
-  std::vector<int64_t> touched_;                     // slots changed since take_touched()
-  std::vector<uint8_t> is_touched_;                  // per slot: listed in touched_
 };
 
 }  // namespace detail

@@ -6,7 +6,7 @@
 // the digests finds the pages a query would attend without reading their rows.
 //
 // A digest type is what a page table (PageTable, page_table.hpp) keeps per page slot, and the
-// tier's device copy (DeviceDigests) and the memory model read. Its interface, which a new
+// tensor path's TierStore and the memory model read. Its interface, which a new
 // digest implements in a file of its own (then named in page_digests.hpp):
 //   Digest(groups, width)     a token's keys are `groups` vectors of `width` floats
 //   groups(), width()

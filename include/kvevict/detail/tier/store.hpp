@@ -23,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -58,11 +60,32 @@ inline at::Tensor device_view(const at::Tensor& host, const at::Device& device) 
 class TierWrites {
  public:
   explicit TierWrites(TensorUndo& undo) : undo_(undo) {}
+  TierWrites(const TierWrites&) = delete;
+  TierWrites& operator=(const TierWrites&) = delete;
+  /// Planned but never run to its end (a throw before the commit, or in it): runs the
+  /// abandon() steps, which put back what planning changed (a grown store).
+  ~TierWrites() {
+    if (ran_) return;
+    for (auto it = abandon_.rbegin(); it != abandon_.rend(); ++it) (*it)();
+  }
 
-  /// target.scatter_(dim, index, values); keeps target.gather(dim, index).
-  void scatter(const at::Tensor& target, int64_t dim, const at::Tensor& index, const at::Tensor& values) {
+  /// Keeps target.gather(dim, index), written back on failure (a contiguous CPU target: with
+  /// memcpy, which allocates nothing; put_back()): what a write of the commit may change there.
+  void keep(const at::Tensor& target, int64_t dim, const at::Tensor& index) {
     const auto old = target.gather(dim, index);
-    undo_.on_failure([target, dim, index, old]() mutable { target.scatter_(dim, index, old); });
+    if (target.is_cpu() && target.is_contiguous() && index.is_cpu()) {
+      const auto sizes = index.sizes().vec(), index_strides = index.strides().vec(), strides = target.strides().vec();
+      std::vector<int64_t> at(sizes.size());
+      undo_.on_failure([target, dim, index, old, sizes, index_strides, strides, at]() mutable {
+        put_back(target, dim, index, old, sizes, index_strides, strides, at);
+      });
+    } else {
+      undo_.on_failure([target, dim, index, old]() mutable { target.scatter_(dim, index, old); });
+    }
+  }
+  /// target.scatter_(dim, index, values), keep()ing what it overwrites.
+  void scatter(const at::Tensor& target, int64_t dim, const at::Tensor& index, const at::Tensor& values) {
+    keep(target, dim, index);
     steps_.emplace_back([target, dim, index, values]() mutable { target.scatter_(dim, index, values); });
   }
   /// target.add_(n) (a counter, [1] or as n); keeps a copy.
@@ -74,6 +97,8 @@ class TierWrites {
   void save(const at::Tensor& t) { undo_.save(t); }
   /// A step of the undo log of its own (runs before those planned earlier).
   void undo(std::function<void()> step) { undo_.on_failure(std::move(step)); }
+  /// A step run if the writes never run to their end, after the undo log's (must not throw).
+  void abandon(std::function<void()> step) { abandon_.push_back(std::move(step)); }
   /// A write of its own, after those planned before.
   void then(std::function<void()> step) { steps_.push_back(std::move(step)); }
   bool empty() const noexcept { return steps_.empty(); }
@@ -81,6 +106,7 @@ class TierWrites {
   /// The writes, in order (inside the commit of the undo log).
   void run() {
     for (auto& s : steps_) s();
+    ran_ = true;
   }
   /// run() as a commit of its own: a throw puts back what was written and throws c10::Error
   /// naming `call`.
@@ -89,8 +115,30 @@ class TierWrites {
   }
 
  private:
+  /// target (contiguous, CPU)[..., index[i], ...] = old[i] along `dim` for every element i of
+  /// `index` (`sizes`, `index_strides`; `old` contiguous as index's sizes), with memcpy and the
+  /// preallocated `at`: allocates nothing, does not throw.
+  static void put_back(const at::Tensor& target, int64_t dim, const at::Tensor& index, const at::Tensor& old,
+                       const std::vector<int64_t>& sizes, const std::vector<int64_t>& index_strides,
+                       const std::vector<int64_t>& strides, std::vector<int64_t>& at) noexcept {
+    const auto elem = static_cast<int64_t>(target.element_size());
+    auto* dst = static_cast<char*>(target.data_ptr());
+    const auto* src = static_cast<const char*>(old.data_ptr());
+    const auto* ix = index.data_ptr<int64_t>();
+    const int64_t n = old.numel(), d = static_cast<int64_t>(sizes.size());
+    std::fill(at.begin(), at.end(), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t io = 0, to = 0;
+      for (int64_t k = 0; k < d; ++k) io += at[k] * index_strides[k];
+      for (int64_t k = 0; k < d; ++k) to += (k == dim ? ix[io] : at[k]) * strides[k];
+      std::memcpy(dst + to * elem, src + i * elem, static_cast<size_t>(elem));
+      for (int64_t k = d - 1; k >= 0 && ++at[k] == sizes[k]; --k) at[k] = 0;
+    }
+  }
+
   TensorUndo& undo_;
-  std::vector<std::function<void()>> steps_;
+  std::vector<std::function<void()>> steps_, abandon_;
+  bool ran_ = false;
 };
 
 /// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
@@ -118,6 +166,7 @@ class TierStore {
   int64_t capacity() const noexcept { return N_; }
   /// Page ids the digests have room for per row (the trash page is one more).
   int64_t page_capacity() const noexcept { return P_; }
+  const at::Device& device() const noexcept { return device_; }
   int64_t key_groups() const noexcept { return groups_; }
   int64_t key_width() const noexcept { return width_; }
 
@@ -139,10 +188,9 @@ class TierStore {
             const std::vector<at::Tensor>& buffers, Ranks&& ranks, int64_t max_position) {
     const int64_t C = idx.size(1);
     if (budget_ == 0 || C == 0) return;
-    reserve(std::min(budget_, bound_ + C), max_position);
-    const int64_t N = N_;
-    const auto longs = pos_.options();
-    {
+    growing(w, std::min(budget_, bound_ + C), max_position, [&] {
+      const int64_t N = N_;
+      const auto longs = pos_.options();
       const auto new_pos = position.gather(1, idx);
       const auto new_state = state.gather(1, idx.unsqueeze(2).expand({B_, C, W_}));
       const auto new_rank = ranks(new_state);
@@ -168,7 +216,8 @@ class TierStore {
       // A dropped slot that takes a new token is written once, with the token.
       const auto taken = at::zeros({B_, N + 1}, live.options()).scatter_(1, slot, true);
       const auto freed = dropped.masked_fill(is_dropped.logical_not().logical_or_(taken.gather(1, dropped)), N);
-      w.scatter(pos_, 1, at::cat({freed, slot}, 1), at::cat({at::full({B_, k}, -1, longs), new_pos}, 1));
+      w.scatter(pos_, 1, at::cat({freed, slot}, 1),
+                at::cat({at::full({B_, k}, -1, longs), new_pos.masked_fill(keep_new.logical_not(), -1)}, 1));
       w.scatter(rank_, 1, slot, new_rank);
       w.scatter(state_, 1, slot.unsqueeze(2).expand({B_, C, W_}), new_state);
       w.scatter(seq_, 1, slot, at::arange(C, longs).add_(seq_next_).expand({B_, C}));
@@ -183,8 +232,8 @@ class TierStore {
       const auto touched = at::cat({page_of(old_pos.gather(1, dropped).masked_fill_(is_dropped.logical_not(), -1)),
                                     page_of(new_pos.masked_fill(keep_new.logical_not(), -1))}, 1);
       plan_pages(w, touched);
-    }
-    bound_ = std::min(budget_, bound_ + C);  // an upper bound: kept should the commit fail
+      bound_ = std::min(budget_, bound_ + C);
+    });
   }
 
   /// A truncate: every row b drops its tokens at positions >= `from`[b] ([B] int64 on the
@@ -372,10 +421,8 @@ class TierStore {
             int64_t max_position) {
     const int64_t K = victims.size(1), S = position.size(1);
     if (K == 0 || N_ == 0) return;
-    reserve(N_, max_position);
-    const int64_t N = N_;
-    const auto longs = pos_.options();
-    {
+    growing(w, N_, max_position, [&] {
+      const auto longs = pos_.options();
       const auto pad = at::arange(K, longs).unsqueeze(0).ge(picked.count.unsqueeze(1));  // [B, K]
       const auto ix = victims.masked_fill(pad, S - 1);
       const auto ts = picked.slots;
@@ -404,7 +451,40 @@ class TierStore {
       w.scatter(seq_, 1, ts, at::arange(K, longs).add_(seq_next_).expand({B_, K}));
       w.add(seq_next_, at::full({1}, K, longs));
       plan_pages(w, at::cat({page_of(in_pos.masked_fill(pad, -1)), page_of(out_pos.masked_fill(pad, -1))}, 1));
-    }
+    });
+  }
+
+  /// Positions of the store slots `slots` [B, n] int64 (device; the trash slot's: -1). A gather.
+  at::Tensor positions(const at::Tensor& slots) const { return pos_.gather(1, slots); }
+
+  /// Every row empty and the store's memory given back (reset()): the tensors let go, so the
+  /// next take() allocates afresh. Allocates nothing; does not throw.
+  void clear() noexcept {
+    N_ = P_ = bound_ = 0;
+    pos_ = rank_ = state_ = seq_ = seq_next_ = digest_ = members_ = at::Tensor();
+    for (auto& t : host_) t = at::Tensor();
+    for (auto& t : view_) t = at::Tensor();
+  }
+
+  /// Tokens held, summed over rows (reads the device).
+  int64_t tokens() const { return N_ == 0 ? 0 : pos_.narrow(1, 0, N_).ge(0).sum().item<int64_t>(); }
+  /// Row b's tokens at positions >= `from` (reads the device).
+  int64_t count_from(int64_t b, int64_t from) const {
+    return N_ == 0 ? 0 : pos_.select(0, b).narrow(0, 0, N_).ge(from).sum().item<int64_t>();
+  }
+  /// Host bytes the store holds: every buffer's rows, pinned (N + 1 slots a row, held or not).
+  int64_t host_bytes() const {
+    int64_t n = 0;
+    for (const auto& t : host_) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+    return n;
+  }
+  /// Device bytes the store holds: positions, ranks, states, insertion numbers, page digests
+  /// and members.
+  int64_t device_bytes() const {
+    int64_t n = 0;
+    for (const auto* t : {&pos_, &rank_, &state_, &seq_, &seq_next_, &digest_, &members_})
+      n += t->defined() ? static_cast<int64_t>(t->nbytes()) : 0;
+    return n;
   }
 
   /// Keys of the store slots `slots` [B, n] int64 (device): [B, n, groups, width] fp32, the
@@ -421,11 +501,21 @@ class TierStore {
     return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
   }
 
-  /// Makes room for `tokens` a row (at most the budget) and positions below `max_position`:
-  /// take() then allocates no store. Grows geometrically, into new tensors with the old ones
-  /// copied in: a graph captured before must be captured again. take() calls it; a caller that
-  /// captures graphs calls it first. Allocates (device, pinned host memory).
-  void reserve(int64_t tokens, int64_t max_position) {
+
+
+  /// Makes room for `tokens` a row (at most the budget) and positions below `max_position`, so
+  /// that take() and swap() allocate no store until then: a graph captured afterwards stays
+  /// valid. Joins `w`: kept when w runs, given back when it does not or its commit fails.
+  /// Allocates (device, pinned host memory).
+  void reserve(TierWrites& w, int64_t tokens, int64_t max_position) {
+    growing(w, tokens, max_position, [] {});
+  }
+
+ private:
+  /// Makes room for `tokens` a row (at most the budget) and positions below `max_position`,
+  /// growing geometrically into new tensors with the old ones copied in (a graph captured before
+  /// must be captured again). Allocates (device, pinned host memory).
+  void grow_to(int64_t tokens, int64_t max_position) {
     tokens = std::min(tokens, budget_);
     const int64_t pages = (max_position - 1) / keys_.page_size + 1;
     if (tokens <= N_ && pages <= P_ && seq_next_.defined()) return;
@@ -469,8 +559,6 @@ class TierStore {
     N_ = N;
     P_ = P;
   }
-
- private:
   /// {outer..., n, inner}.
   static std::vector<int64_t> row_shape(const std::vector<int64_t>& s, int64_t n) {
     std::vector<int64_t> out(s.begin(), s.end() - 1);
@@ -493,17 +581,65 @@ class TierStore {
     return pos.div(keys_.page_size, "floor").masked_fill_(pos.lt(0), -1);
   }
 
+  /// What reserve() replaces: the tensors, their sizes and the bound.
+  struct Tensors {
+    int64_t N = 0, P = 0, bound = 0;
+    at::Tensor pos, rank, state, seq, seq_next, digest, members;
+    std::vector<at::Tensor> host, view;
+  };
+  Tensors tensors() const {
+    return {N_, P_, bound_, pos_, rank_, state_, seq_, seq_next_, digest_, members_, host_, view_};
+  }
+  /// Puts `t` back (swaps: allocates nothing, does not throw).
+  void restore(Tensors& t) noexcept {
+    std::swap(N_, t.N);
+    std::swap(P_, t.P);
+    std::swap(bound_, t.bound);
+    std::swap(pos_, t.pos);
+    std::swap(rank_, t.rank);
+    std::swap(state_, t.state);
+    std::swap(seq_, t.seq);
+    std::swap(seq_next_, t.seq_next);
+    std::swap(digest_, t.digest);
+    std::swap(members_, t.members);
+    host_.swap(t.host);
+    view_.swap(t.view);
+  }
+
+  /// grow_to(tokens, max_position), then `plan()` of writes into `w`, all or nothing: a throw
+  /// of either, or of w's commit, puts the store's tensors back as they were (a grown store is
+  /// not kept, as a cache's grown buffers are not).
+  template <class Plan>
+  void growing(TierWrites& w, int64_t tokens, int64_t max_position, Plan&& plan) {
+    auto before = tensors();  // allocates (the buffers' lists)
+    try {
+      grow_to(tokens, max_position);
+      if (N_ != before.N || P_ != before.P || !before.seq_next.defined()) {
+        // Put back once: on a failed commit (the undo log), or when the writes never run.
+        auto grown = std::make_shared<std::pair<Tensors, bool>>(before, false);
+        const auto put_back = [this, grown]() noexcept {
+          if (grown->second) return;
+          grown->second = true;
+          restore(grown->first);
+        };
+        w.undo(put_back);
+        w.abandon(put_back);
+      }
+      plan();
+    } catch (...) {
+      restore(before);
+      throw;
+    }
+  }
+
   /// Plans into `w`, after its writes so far: the digests and members of the pages `pages` [B,
   /// T] (-1: none; duplicates allowed) rebuilt from their members (rebuild(), which allocates
   /// inside the commit); keeps their old values.
   void plan_pages(TierWrites& w, const at::Tensor& pages) {
     const auto at_page = flat_pages(pages);
     const auto digest = digest_.view({-1, groups_, 2 * width_}), members = members_.view(-1);
-    const auto old_digest = digest.index_select(0, at_page), old_members = members.index_select(0, at_page);
-    w.undo([digest, members, at_page, old_digest, old_members]() mutable {
-      digest.index_copy_(0, at_page, old_digest);
-      members.index_copy_(0, at_page, old_members);
-    });
+    w.keep(digest, 0, at_page.view({-1, 1, 1}).expand({at_page.size(0), groups_, 2 * width_}));  // rebuild() writes them
+    w.keep(members, 0, at_page);
     w.then([this, pages, at_page] { rebuild(pages, at_page); });
   }
 

@@ -5,8 +5,8 @@
 // at eviction and its scorer state, within a budget of tokens per row: past it the lowest-
 // ranked tier tokens are dropped, with the eviction order (lower rank first, equal ranks the
 // older position first, non-finite ranks lowest). On the host path a pass hands its evicted
-// tokens over at once; on the tensor path it gathers them on the device and copies them to
-// (pinned) host memory asynchronously, and the tier takes them at its next use (settle()).
+// tokens over at once, into TierRows and PageDigests; on the tensor path the tier is a TierStore
+// (tier/store.hpp) and its changes join the commit of the call that makes them (TierWrites).
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -14,6 +14,7 @@
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
+#include <kvevict/detail/tier/store.hpp>
 #include <kvevict/detail/tier/tensor_path.hpp>
 #include <kvevict/slot_moves.hpp>
 
@@ -32,32 +33,30 @@ namespace kvevict {
 namespace detail {
 
 /// The tiers of one layer, the facade over the tier's two paths as EvictionPolicy is over the
-/// policy's: per batch row a TierRow (its tokens, within a token budget per row) and that row's
-/// PageDigests; the byte size of one token's row in each buffer; and the path the cache's
-/// policy takes, TierHostPath (tier/host_path.hpp) or TierTensorPath (tier/tensor_path.hpp:
-/// the digests' copy on the device, the tokens on their way in), which have the same steps
-/// under the same names. Each step is one call into the path: take() and keep() around a
-/// pass's commit, settle() before a read; recall() scores the pages (the path), plans what
-/// comes back and the slots it replaces (plan_recall(), the same on both: pick(), or
-/// pick_tokens() for two-level recall) and swaps them (the path).
+/// policy's: on the host path (TierHostPath, tier/host_path.hpp) per batch row a TierRow (its
+/// tokens, within a token budget per row) and that row's PageDigests, with the byte size of one
+/// token's row in each buffer; on the tensor path (TierTensorPath, tier/tensor_path.hpp) a
+/// TierStore of every row. The paths have the same steps under the same names. take() plans a
+/// pass's evicted tokens into the pass's commit; recall() scores the pages (the path), plans
+/// what comes back and the slots it replaces (the host's plan_recall(): pick(), or
+/// pick_tokens() for two-level recall; the tensor path's plan(), the same on the device) and
+/// swaps them (the path); release(), drop_from() plan into the commit of finish, reset and
+/// truncate.
 class LayerTier {
-  /// Calls `f(path)` with the path of this tier: one call per step into a path (defined first:
-  /// the steps below deduce their types from it).
-  template <class F>
-  decltype(auto) on_path(F&& f) {
-    return host_ ? f(host_path_) : f(tensor_path_);
-  }
-
  public:
   LayerTier() = default;
   /// `row_bytes[i]`: one token's bytes in buffer i, `groups[i]` pieces of it (one per outer
   /// index of a [B, outer..., slots, inner] buffer); `keys`: what the page digests bound.
-  /// `host`: the cache's policy takes the host path (TierHostPath), else the tensor path.
+  /// `host`: the cache's policy takes the host path (TierHostPath), else the tensor path, whose
+  /// TierStore holds rows of `shapes[i]` = {outer..., inner} per buffer, with its tensors on
+  /// `device`.
   LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes,
-            std::vector<int64_t> groups, TierKeys keys, bool host)
-      : host_(host), rows_(static_cast<size_t>(batch)), budget_(budget), W_(state_width), row_bytes_(std::move(row_bytes)),
-        groups_(std::move(groups)), keys_(std::move(keys)), evicted_(static_cast<size_t>(batch)),
-        src_(row_bytes_.size()), stride_(row_bytes_.size()) {
+            std::vector<int64_t> groups, TierKeys keys, bool host, std::vector<std::vector<int64_t>> shapes,
+            at::Device device)
+      : host_(host), rows_(static_cast<size_t>(host ? batch : 0)), budget_(budget), W_(state_width),
+        row_bytes_(std::move(row_bytes)), groups_(std::move(groups)), keys_(std::move(keys)),
+        evicted_(static_cast<size_t>(batch)), src_(row_bytes_.size()), stride_(row_bytes_.size()) {
+    if (!host) tensor_path_ = TierTensorPath(TierStore(batch, budget, state_width, std::move(shapes), keys_.dtype, keys_, device));
     for (auto& r : rows_) r.bytes.resize(row_bytes_.size());
     key_groups_ = groups_[keys_.buffers.at(0)];
     const int64_t elem = static_cast<int64_t>(c10::elementSize(keys_.dtype));
@@ -125,7 +124,7 @@ class LayerTier {
   }
 
   /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_device_bytes,
-  /// tier_recalled).
+  /// tier_recalled). On the tensor path reads the device.
   template <class Stats>
   void add_stats(Stats& s) const {
     s.tier_tokens += tokens();
@@ -135,14 +134,13 @@ class LayerTier {
   }
 
   /// Recall (CacheBase::recall_rows(), after the checks and the flush), in three steps, each
-  /// row at once: score (the path's: every active row's pages scored with `query` [B, H, Q,
-  /// key width], fp32, the row's real columns as observe(), reduced across processes like
-  /// observations: core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums
-  /// before the softmax, head_sum() / head_mean()), plan (plan_recall(), on the host, the same
-  /// on both paths: the best pages' tokens, at most `tokens` per row, whole pages, and the
-  /// row's lowest-ranked heavy hitters they replace) and swap (the path's: the tokens and the
-  /// victims exchange places in `L` and `buffers`). Every allocation comes before the swap's
-  /// first write. Returns the tokens recalled, summed over rows.
+  /// row at once: score (every active row's pages scored with `query` [B, H, Q, key width],
+  /// fp32, the row's real columns as observe(), reduced across processes like observations:
+  /// core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums before the
+  /// softmax, head_sum() / head_mean()), plan (the best pages' tokens, at most `tokens` per
+  /// row, whole pages, and the row's lowest-ranked heavy hitters they replace) and swap (the
+  /// tokens and the victims exchange places in `L` and `buffers`). Returns the tokens recalled
+  /// per row: [B] int64, on the cache's device.
   ///
   /// rescore > tokens (two-level recall): the best whole pages up to `rescore` tokens per row
   /// are the pool, each pool token is scored again with its own keys (the exact logits, the
@@ -151,33 +149,50 @@ class LayerTier {
   /// position; never a score of 0). Otherwise whole pages come back.
   ///
   /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages,
-  /// victims_on_host() finds the victim candidates, and swap() exchanges the tokens with the
-  /// slots in place. Tensor path (TierTensorPath; the cache's tensors and `query` on its
-  /// device): the pages are scored on the device (DeviceDigests: upload() then score(), no
-  /// sync), victims_on_device() finds the candidates there, and the scores, the candidates and,
-  /// for a two-level pool, the queries come to the host together (one wait, recall's only one)
-  /// for the plan; a two-level pool is scored on the host. swap_on_device() writes the
-  /// tier tokens into the victims' slots in place without a wait (under an undo log) and copies
-  /// the victims' rows, positions and states out without one: settle() stores them in the
-  /// tier at its next use.
+  /// victims_on_host() finds the victim candidates, plan_recall() plans on the host and swap()
+  /// exchanges the tokens with the slots in place; every allocation before the first write.
+  /// Tensor path (TierTensorPath; the cache's tensors and `query` on its device): every step
+  /// tensor ops there (TierStore: the pages scored by page id, the victims by one top-k of
+  /// eviction_keys() among the candidates, whose end comes from the policy's device `counters`
+  /// [B, 3], the pick as a scan, the swap through the rows' view) under one undo log: no host
+  /// sync, no host read, no copy between host and device in the steady state.
   ///
   /// The tier writes rows of `buffers` and its own storage; the policy's positions and states
   /// change only through `exchange(slots, positions, states)` (PolicyState::exchange()).
   template <class Core, class Exchange>
-  int64_t recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
-                 const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers, Exchange&& exchange) {
-    const bool pool = tokens > 0 && rescore > tokens;  // two-level: the plan reads the queries
+  at::Tensor recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
+                    const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers,
+                    const at::Tensor& counters, Exchange&& exchange) {
     const int64_t K = std::min(tokens, L.slots);  // victims a row may need
-    const auto scores = on_path([&](auto& p) {
-      return p.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, K, pool, L, core);
-    });
+    const auto rank = [&](const auto& state) { return core.scorer.rank(state); };
+    if (!host_) {
+      auto& p = tensor_path_;
+      const auto scores = p.score(keys_, layer, query, scale, L, core);
+      at::Tensor recalled;
+      std::pair<TierStore::Picked, RecallScores> plan;
+      allocating([&] { plan = p.plan(keys_, layer, scores, query, scale, tokens, rescore, K, L, core, counters); },
+                 [&](const std::string& why) {
+                   KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
+                 });
+      return p.swap(plan.first, plan.second, L, buffers, rank, exchange, max_position(L), layer);
+    }
+    const bool pool = tokens > 0 && rescore > tokens;  // two-level: the plan reads the queries
+    const auto scores = host_path_.score(digests_, keys_, key_groups_, key_width_, layer, query, scale, K, pool, L, core);
     const auto plan = plan_recall(layer, scores, query, scale, tokens, rescore, L, core);
-    if (plan.recalled == 0) return 0;
-    const auto rank = [&](const float* state) { return core.scorer.rank(state); };
-    on_path([&](auto& p) { p.swap(*this, plan, L, buffers, layer, rank, exchange); });
+    at::Tensor recalled;
+    allocating([&] { recalled = at::zeros({static_cast<int64_t>(rows_.size())}, at::TensorOptions().dtype(at::kLong)); },
+               [&](const std::string& why) {
+                 KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
+               });
+    if (plan.recalled == 0) return recalled;
+    for (size_t b = 0; b < rows_.size(); ++b) recalled.data_ptr<int64_t>()[b] = static_cast<int64_t>(plan.picked[b].size());
+    host_path_.swap(*this, plan, L, buffers, layer, rank, exchange);
     recalled_ += plan.recalled;
-    return plan.recalled;
+    return recalled;
   }
+
+  /// More than any position of `L` (its rows' seen tokens; host).
+  static int64_t max_position(const LayerState& L) { return std::max<int64_t>(max_of(L.seen), 1); }
 
   /// recall()'s plan, the same on both paths, from the score step's `scores` (host tensors):
   /// per active row with pages, the tier tokens to recall (the best whole pages, or two-level
@@ -341,32 +356,6 @@ class LayerTier {
     refresh(b);
   }
 
-  /// swap() in two halves, for a cache whose rows live on a device (the tensor path), so that
-  /// the device's writes come between them: fetch() copies row b's tier tokens `tokens[k]`
-  /// into column k of host copies (`buffers` [B, outer..., slots, inner], contiguous, and
-  /// `position` [B, slots]) and changes nothing; store() then takes the victims from column k
-  /// of the host copies `buffers`, `position` and `state` [B, slots, W] in their place (as
-  /// swap() does: their rank rank(state), the digests follow). store() allocates nothing after
-  /// reserve_recall() and does not throw.
-  void fetch(int64_t b, const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& buffers, int64_t slots,
-             int64_t* position) {
-    for (size_t k = 0; k < tokens.size(); ++k) {
-      const auto s = static_cast<int64_t>(k);
-      for_each_piece(b, tokens[k], buffers, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(c, t, piece); });
-      position[b * slots + s] = row(b).position[tokens[k]];
-    }
-  }
-  template <class Rank>
-  void store(int64_t b, const std::vector<int64_t>& tokens, const std::vector<at::Tensor>& buffers, int64_t slots,
-             const int64_t* position, const float* state, Rank&& rank) {
-    for (size_t k = 0; k < tokens.size(); ++k) {
-      const auto s = static_cast<int64_t>(k);
-      for_each_piece(b, tokens[k], buffers, s, [](uint8_t* t, uint8_t* c, size_t piece) { std::memcpy(t, c, piece); });
-      replace(b, tokens[k], position[b * slots + s], state + (b * slots + s) * W_, rank);
-    }
-    refresh(b);
-  }
-
   /// What swap() of row b needs, with victims up to `max_position`. Changes nothing.
   void reserve_recall(int64_t b, int64_t max_position) {
     digests_[static_cast<size_t>(b)].reserve(row(b).size(), max_position);
@@ -376,32 +365,39 @@ class LayerTier {
     order_.reserve(static_cast<size_t>(digests_[static_cast<size_t>(b)].slots()));
   }
 
-  /// Empties row b (tokens and digests) and gives its memory back.
-  void release(int64_t b) {
-    row(b).release();
-    digests_[static_cast<size_t>(b)].release();
+  /// Row b emptied (tokens and digests) and its memory given back (finish, reset(row)), planned
+  /// into `w`: the call's commit runs it (the host path's step allocates nothing and does not
+  /// throw).
+  void release(int64_t b, TierWrites& w) {
+    if (!host_) return tensor_path_.release(w, b);
+    w.then([this, b] {
+      row(b).release();
+      digests_[static_cast<size_t>(b)].release();
+    });
+  }
+  /// Tensor path: room for the whole budget and positions below `positions` in the store,
+  /// joining `w` (kept when it runs). Host path: nothing.
+  void reserve(int64_t positions, TierWrites& w) {
+    if (!host_) tensor_path_.reserve(w, budget_, positions);
+  }
+  /// Every row empty, the memory given back and the recalled counter cleared (reset()).
+  /// Allocates nothing; does not throw.
+  void clear() noexcept {
+    for (auto& r : rows_) r.release();
+    for (auto& d : digests_) d.release();
+    recalled_ = 0;
+    tensor_path_.release_all();
   }
 
-  /// A pass's evicted tokens into the tier, on the path's terms, in two steps around the pass's
-  /// commit: take() before the moves overwrite their rows (`buffers` [B, outer..., slots,
-  /// inner], L's positions and states; allocates; a throw changes nothing the caller sees),
-  /// keep() after the commit (does not throw). The host path takes them at once; the tensor
-  /// path gathers them and copies them to the host asynchronously, and settle() takes them in
-  /// at the tier's next use.
+  /// A pass's evicted tokens into the tier (`pass`, before the moves overwrite their rows in
+  /// `buffers` [B, outer..., slots, inner]; L's positions and states; rank(state) a token's
+  /// rank, host or tensor form). The host path takes them at once (take_pass(): every
+  /// allocation first, a throw changes nothing); the tensor path plans them into `w`, which
+  /// the pass's commit runs (TierStore::take()).
   template <class Pass, class Rank>
-  void take(const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank) {
-    on_path([&](auto& p) { p.take(*this, pass, L, buffers, rank); });
-  }
-  void keep() noexcept {
-    on_path([](auto& p) noexcept { p.keep(); });
-  }
-  /// Takes what the tensor path has on its way into the tier (a host wait on CUDA for each),
-  /// oldest first; nothing on the host path. Every read of the tier, recall, truncate and
-  /// release calls it first. A throw (c10::Error naming the tier) keeps what it had not taken
-  /// in on its way.
-  template <class Rank>
-  void settle(Rank&& rank) {
-    on_path([&](auto& p) { p.settle(*this, rank); });
+  void take(const Pass& pass, const LayerState& L, const std::vector<at::Tensor>& buffers, Rank&& rank, TierWrites& w) {
+    if (host_) return take_pass(pass, L.position, L.state, buffers, L.slots, rank);
+    tensor_path_.take(w, pass, L, buffers, rank, max_position(L));
   }
 
   /// The host path's take(): adds each evicted token of `pass` (its
@@ -420,22 +416,6 @@ class LayerTier {
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
     take_slots(position, state, buffers, slots, rank);
-  }
-
-  /// The tensor path's settle(): adds the first n[b] columns of every row b of host copies
-  /// (`position` [B, C] int64, `state` [B, C, W] fp32, `rows` per buffer [B, outer..., C,
-  /// inner], contiguous, CPU: a hand-over) to the tier, as take_pass(). Every allocation first.
-  template <class Rank>
-  void take_copies(const std::vector<int64_t>& n, const at::Tensor& position, const at::Tensor& state,
-                   const std::vector<at::Tensor>& rows, Rank&& rank) {
-    const auto B = static_cast<int64_t>(rows_.size());
-    allocating([&] {
-      for (int64_t b = 0; b < B; ++b) {
-        evicted_[b].resize(static_cast<size_t>(n[b]));
-        std::iota(evicted_[b].begin(), evicted_[b].end(), int64_t{0});
-      }
-    }, [&](const std::string& why) { KVEVICT_CHECK(false, "evict: could not allocate room in the host tier: ", why); });
-    take_slots(position, state, rows, position.size(1), rank);
   }
 
   int64_t budget() const { return budget_; }
@@ -501,21 +481,35 @@ class LayerTier {
     remove_if(b, [&](int64_t i) { return std::binary_search(order_.begin(), order_.begin() + over, i); });
   }
 
-  /// Drops the tokens of row b at positions >= `from` (a truncate). Allocates nothing.
-  void drop_from(int64_t b, int64_t from) {
-    const auto& r = row(b);
-    remove_if(b, [&](int64_t i) { return r.position[i] >= from; });
+  /// Row b's tokens at positions >= `from` leave (a truncate), planned into `w`: the
+  /// truncate's commit runs it (the host path's step allocates nothing and does not throw; the
+  /// tensor path's: TierStore::drop_from(), after one upload of the rows' limits).
+  void drop_from(int64_t b, int64_t from, TierWrites& w) {
+    if (host_) {
+      w.then([this, b, from] {
+        const auto& r = row(b);
+        remove_if(b, [&](int64_t i) { return r.position[i] >= from; });
+      });
+      return;
+    }
+    std::vector<int64_t> limits(static_cast<size_t>(evicted_.size()), std::numeric_limits<int64_t>::max());
+    limits[static_cast<size_t>(b)] = from;
+    const auto& store = tensor_path_.store();
+    tensor_path_.drop_from(w, at::tensor(limits, at::TensorOptions().dtype(at::kLong)).to(store.device()));
   }
 
-  /// Tokens of row b at positions >= `from`.
+  /// Tokens of row b at positions >= `from` (the tensor path reads the device).
   int64_t count_from(int64_t b, int64_t from) const {
+    if (!host_) return tensor_path_.store().count_from(b, from);
     const auto& p = row(b).position;
     return std::count_if(p.begin(), p.end(), [&](int64_t x) { return x >= from; });
   }
 
-  /// Host bytes held by every row's tokens (positions, ranks, states and rows) and by the
-  /// digests of their pages (fp32 min and max per page slot).
+  /// Host bytes the tier holds. Host path: every row's tokens (positions, ranks, states and
+  /// rows) and the digests of their pages (fp32 min and max per page slot). Tensor path: the
+  /// store's pinned rows (its capacity, held or not).
   int64_t bytes() const {
+    if (!host_) return tensor_path_.store().host_bytes();
     int64_t per_token = 8 + 4 + 4 * W_;
     for (auto x : row_bytes_) per_token += x;
     int64_t n = 0, digest = 0;
@@ -523,21 +517,30 @@ class LayerTier {
     for (const auto& d : digests_) digest += d.bytes();
     return n * per_token + digest;
   }
-  /// Bytes the digests' copy on the cache's device holds (tensor path, after a recall; else 0).
-  int64_t device_bytes() const { return host_ ? host_path_.device_bytes() : tensor_path_.device_bytes(); }
-  /// Frees the digests' copy on the device (reset(): the next recall sends every page again).
-  void release_device() {
-    on_path([](auto& p) { p.release_device(); });
-  }
-  /// Tokens recalled so far (CacheStats::tier_recalled); reset() clears it, as the other counters.
-  int64_t recalled() const noexcept { return recalled_; }
-  void clear_recalled() noexcept { recalled_ = 0; }
+  /// Device bytes the tier holds (tensor path: the store's positions, ranks, states, page
+  /// digests and members; host path: none).
+  int64_t device_bytes() const { return host_ ? 0 : tensor_path_.store().device_bytes(); }
+  /// Tokens recalled so far (CacheStats::tier_recalled; the tensor path reads the device);
+  /// reset() clears it, as the other counters.
+  int64_t recalled() const { return host_ ? recalled_ : tensor_path_.recalled(); }
 
+  /// Tokens held, summed over rows (the tensor path reads the device).
   int64_t tokens() const {
+    if (!host_) return tensor_path_.store().tokens();
     int64_t n = 0;
     for (const auto& r : rows_) n += r.size();
     return n;
   }
+
+  /// Row b's tokens by ascending position, as host tensors (CPU copies): positions [n] int64,
+  /// ranks at eviction [n] fp32, and per buffer its rows [outer..., n, inner] (`shapes[i]`:
+  /// buffer i's {outer..., inner}; the cache's `dtype`). The tensor path reads the device.
+  at::Tensor positions(int64_t b) const { return host_ ? row(b).positions() : tensor_path_.store().tokens(b).position; }
+  at::Tensor ranks(int64_t b) const { return host_ ? row(b).ranks() : tensor_path_.store().tokens(b).rank; }
+  std::vector<at::Tensor> rows(int64_t b, const std::vector<std::vector<int64_t>>& shapes, at::ScalarType dtype) const {
+    return host_ ? row(b).rows(shapes, dtype) : tensor_path_.store().tokens(b).rows;
+  }
+  int64_t size(int64_t b) const { return host_ ? row(b).size() : tensor_path_.store().tokens(b).position.size(0); }
 
  private:
   /// Calls f(tier, cache, bytes) for each piece (a buffer's row of one group, RowLayout) of row
