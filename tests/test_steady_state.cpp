@@ -219,26 +219,38 @@ TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_s
 #if !KVEVICT_CUDA_GRAPHS
   WARN("built without CUDA graph support (KVEVICT_CUDA_GRAPHS=0): this CUDA test did not run");
 #else
+  // With a host tier and a two-level recall every step (`tier`): the tier's rows in pinned host
+  // memory, read and written by the graph's kernels through their device view.
+  const bool tier = GENERATE(false, true);
+  CAPTURE(tier);
   const at::Device cuda("cuda:0");
   const int64_t B = 2, H = 4, qk = 24, v = 16, cap = 40, steps = 50;
   const auto eviction = kvevict::EvictionOptions(cap - 6).n_sink(2).n_recent(4);
-  const auto options = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).device(cuda).check_observations(false);
+  const auto options = kvevict::MlaCacheOptions(1, H).batch_size(B).qk_dim(qk).v_dim(v).device(cuda).check_observations(false)
+                           .tier_tokens(tier ? 32 : 0).tier_page_size(4);
   kvevict::MlaCache eager(options, eviction), graphed(options, eviction);
+  if (tier) {
+    eager.reserve_tier(cap + steps + 8);
+    graphed.reserve_tier(cap + steps + 8);
+  }
 
   const auto fopts = at::TensorOptions().device(cuda);
   const auto k0 = at::randn({B, H, cap, qk}, fopts), v0 = at::randn({B, H, cap, v}, fopts);
   eager.update(0, k0, v0);
   graphed.update(0, k0, v0);
   // Per-step inputs, prepared up front; the graph reads them from static tensors.
-  std::vector<at::Tensor> ks, vs, ps;
+  std::vector<at::Tensor> ks, vs, ps, qs;
   for (int64_t i = 0; i < steps + 1; ++i) {
     ks.push_back(at::randn({B, H, 1, qk}, fopts));
     vs.push_back(at::randn({B, H, 1, v}, fopts));
     ps.push_back(at::softmax(at::randn({B, H, 1, cap + 1}, fopts), -1));
+    qs.push_back(at::randn({B, H, 1, qk}, fopts).mul(3));
   }
-  auto k_in = ks[0].clone(), v_in = vs[0].clone(), p_in = ps[0].clone();
-  const auto step = [](kvevict::MlaCache& c, const at::Tensor& k, const at::Tensor& vv, const at::Tensor& p) {
+  auto k_in = ks[0].clone(), v_in = vs[0].clone(), p_in = ps[0].clone(), q_in = qs[0].clone();
+  const auto step = [&](kvevict::MlaCache& c, const at::Tensor& k, const at::Tensor& vv, const at::Tensor& p,
+                        const at::Tensor& q) {
     c.update(0, k, vv);
+    if (tier) c.recall(0, q, 0.2, 2, 8);
     c.observe(0, p);
     c.evict(0);
   };
@@ -249,21 +261,23 @@ TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_s
   at::cuda::CUDAGraph graph;
   {
     c10::cuda::CUDAStreamGuard guard(stream);
-    step(graphed, k_in, v_in, p_in);  // warm-up: step 0
+    step(graphed, k_in, v_in, p_in, q_in);  // warm-up: step 0
     k_in.copy_(ks[1]);
     v_in.copy_(vs[1]);
     p_in.copy_(ps[1]);
+    q_in.copy_(qs[1]);
     graph.capture_begin();
-    step(graphed, k_in, v_in, p_in);  // captured: records step 1 but runs nothing
+    step(graphed, k_in, v_in, p_in, q_in);  // captured: records step 1 but runs nothing
     graph.capture_end();
   }
   stream.synchronize();
-  step(eager, ks[0], vs[0], ps[0]);
+  step(eager, ks[0], vs[0], ps[0], qs[0]);
   for (int64_t i = 1; i <= steps; ++i) {
-    step(eager, ks[i], vs[i], ps[i]);
+    step(eager, ks[i], vs[i], ps[i], qs[i]);
     k_in.copy_(ks[i]);
     v_in.copy_(vs[i]);
     p_in.copy_(ps[i]);
+    q_in.copy_(qs[i]);
     graph.replay();
   }
   c10::cuda::getCurrentCUDAStream().synchronize();
@@ -275,6 +289,13 @@ TEST_CASE("a CUDA graph of the steady-state step replays like eager", "[steady_s
   CHECK(at::equal(graphed.values(0), eager.values(0)));
   const auto pos = eager.positions(0).to(at::kCPU);
   CHECK(pos.max().item<int64_t>() == cap + steps);  // the newest token, at its true position
+  if (tier) {
+    for (int64_t r = 0; r < B; ++r) {
+      CHECK(at::equal(graphed.tier_positions(0, r), eager.tier_positions(0, r)));
+      CHECK(at::equal(graphed.tier_rows(0, r).first, eager.tier_rows(0, r).first));
+    }
+    CHECK(eager.stats().tier_recalled > 0);
+  }
 #endif
 }
 
