@@ -1523,9 +1523,9 @@ TEST_CASE("on the tensor path a recall makes no sync, no read and, once its mirr
   }
 }
 
-TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, rows, page digests, member order, picks",
+TEST_CASE("the tier as tensors keeps what the host path's tier keeps: tokens, ranks, rows, page digests, member order, picks",
           "[tier][store][cpu]") {
-  using kvevict::detail::LayerTier;
+  using kvevict::detail::TierHostPath;
   using kvevict::detail::TierKeys;
   using kvevict::detail::TierStore;
   using kvevict::detail::TierWrites;
@@ -1559,7 +1559,7 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
     keys.dtype = dtype;
     keys.page_size = ps;
     keys.shared = latent;
-    LayerTier host(B, budget, W, row_bytes, groups, keys, /*host=*/true, shapes, at::kCPU);
+    TierHostPath host(B, budget, W, row_bytes, groups, keys);
     TierStore store(B, budget, W, shapes, dtype, keys, at::kCPU);
     std::vector<int64_t> next(static_cast<size_t>(B), 0);
     for (int step = 0; step < 30; ++step) {
@@ -1615,13 +1615,13 @@ TEST_CASE("the tier as tensors keeps what the host tier keeps: tokens, ranks, ro
         const int64_t b = uniform(0, B - 1), from = uniform(0, next[b]);
         auto all_from = at::full({B}, std::numeric_limits<int64_t>::max(), at::kLong);
         all_from[b] = from;
-        commit([&](TierWrites& w) { host.drop_from(b, from, w); });
+        commit([&](TierWrites& w) { host.drop_from(w, b, from); });
         commit([&](TierWrites& w) { store.drop_from(w, all_from); });
         next[b] = from;
         ++drops;
       } else {
         const int64_t b = uniform(0, B - 1);
-        commit([&](TierWrites& w) { host.release(b, w); });
+        commit([&](TierWrites& w) { host.release(w, b); });
         commit([&](TierWrites& w) { store.release(w, b); });
       }
       for (int64_t b = 0; b < B; ++b) {

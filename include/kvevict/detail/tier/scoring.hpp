@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -50,6 +51,10 @@ std::pair<int64_t, int64_t> victim_range(const Core& core, const LayerState& L, 
   const auto& e = core.layer_eviction[layer];
   return {e.n_sink(), L.seen[b] - L.last_new[b] - e.n_recent()};
 }
+
+/// More than any position of `L` (its rows' seen tokens, at least 1; host): what sizes the
+/// tensor path's page ids.
+inline int64_t max_position(const LayerState& L) { return std::max<int64_t>(max_of(L.seen), 1); }
 
 /// What recall's plan step gives its swap step: per row b the tier tokens to recall
 /// (`picked[b]`, token indices), the cache slots they replace (`victims[b]`, in the same

@@ -2,8 +2,8 @@
 // The tier as tensors (TierStore): one layer's host tier, every batch row at once, in tensors of
 // fixed shape, so that taking a pass's evicted tokens in, dropping what is over the budget, a
 // truncate and the upkeep of the page digests are tensor ops: no host sync, no host read, no
-// copy between host and device. The tensor path's tier is being moved onto it (issue 28); the
-// host tier (LayerTier over TierRow and PageDigests, tier.hpp) is its reference, token for
+// copy between host and device. It is the tensor path's tier (TierTensorPath); the host path's
+// (TierHostPath over TierRow and PageDigests, tier/host_path.hpp) is its reference, token for
 // token and page for page.
 //
 // Per row b, store slots [0, N) hold its tokens in no particular order (position -1: free) and
@@ -142,7 +142,7 @@ class TierWrites {
 };
 
 /// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
-/// digests as LayerTier's host path gives for the same calls (test: "the tier as tensors keeps
+/// digests as TierHostPath gives for the same calls (test: "the tier as tensors keeps
 /// what the host tier keeps").
 class TierStore {
  public:
@@ -167,6 +167,8 @@ class TierStore {
   /// Page ids the digests have room for per row (the trash page is one more).
   int64_t page_capacity() const noexcept { return P_; }
   const at::Device& device() const noexcept { return device_; }
+  int64_t batch() const noexcept { return B_; }
+  const TierKeys& keys() const noexcept { return keys_; }
   int64_t key_groups() const noexcept { return groups_; }
   int64_t key_width() const noexcept { return width_; }
 
@@ -307,7 +309,7 @@ class TierStore {
     return {digest_[b][page].cpu(), members_[b][page].item<int64_t>()};
   }
 
-  /// recall's pick as tensor ops (LayerTier::pick()'s, every row at once): per row the pages
+  /// recall's pick as tensor ops (TierHostPath::pick()'s, every row at once): per row the pages
   /// by `scores` [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first,
   /// equal scores the smaller page id, a score of 0 or a page without members never; each whole
   /// page that still fits in `limit` [B] int64 (device) tokens is taken. Returns the taken

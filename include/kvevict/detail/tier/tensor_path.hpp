@@ -111,7 +111,7 @@ at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at
 class TierTensorPath {
  public:
   TierTensorPath() = default;
-  explicit TierTensorPath(TierStore store) : store_(std::move(store)) {}
+  explicit TierTensorPath(TierStore store) : keys_(store.keys()), store_(std::move(store)) {}
 
   const TierStore& store() const noexcept { return store_; }
 
@@ -132,8 +132,9 @@ class TierTensorPath {
   /// real query columns come through `mirrors_`. No sync. Throws c10::Error naming `layer`
   /// when an allocation fails (nothing changed but the mirror) or as the reducer does.
   template <class Core>
-  at::Tensor score(const TierKeys& keys, int64_t layer, const at::Tensor& query, double scale, const LayerState& L,
-                   const Core& core) {
+  at::Tensor score(int64_t layer, const at::Tensor& query, double scale, int64_t /*K*/, bool /*pool*/,
+                   const LayerState& L, const Core& core) {
+    const auto& keys = keys_;
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2);
     const auto fail = [&](const std::string& why) {
       KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device, ": ", why);
@@ -173,10 +174,82 @@ class TierTensorPath {
   /// tokens (higher score first, equal scores the older position, never a score of 0). No
   /// sync. Allocates.
   template <class Core>
-  std::pair<TierStore::Picked, RecallScores> plan(const TierKeys& keys, int64_t layer, const at::Tensor& scores,
-                                                  const at::Tensor& query, double scale, int64_t tokens,
-                                                  int64_t rescore, int64_t K, const LayerState& L, const Core& core,
-                                                  const at::Tensor& counters) {
+  std::pair<TierStore::Picked, RecallScores> plan(int64_t layer, const at::Tensor& scores, const at::Tensor& query,
+                                                  double scale, int64_t tokens, int64_t rescore, int64_t K,
+                                                  const LayerState& L, const Core& core, const at::Tensor& counters) {
+    std::pair<TierStore::Picked, RecallScores> out;
+    allocating([&] { out = plan_on_device(layer, scores, query, scale, tokens, rescore, K, L, core, counters); },
+               [&](const std::string& why) {
+                 KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
+               });
+    return out;
+  }
+
+  /// recall's swap step: TierStore::swap() of the picked tokens with the victims (`plan`), the
+  /// policy's side through `exchange`, and the tokens recalled counted; one commit (a throw puts
+  /// back what was written: c10::Error naming recall). Returns the tokens recalled per row ([B]
+  /// int64 on the device). No sync.
+  template <class Ranks, class Exchange>
+  at::Tensor swap(const std::pair<TierStore::Picked, RecallScores>& plan, const LayerState& L,
+                  const std::vector<at::Tensor>& buffers, int64_t layer, Ranks&& ranks, Exchange&& exchange) {
+    const auto& picked = plan.first;
+    const auto& victims = plan.second;
+    TensorUndo undo;
+    TierWrites w(undo);
+    allocating([&] {
+      if (!recalled_.defined()) recalled_ = at::zeros({1}, picked.count.options());
+      store_.swap(w, picked, victims.victims, victims.top, L.position, L.state, buffers, ranks, exchange,
+                  max_position(L));
+      w.add(recalled_, picked.count.sum().view({1}));
+    }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why);
+    });
+    w.commit("recall");
+    return picked.count;
+  }
+
+  /// Plans into `w`: row b's tokens at positions >= `from` leave (a truncate; one upload of the
+  /// rows' limits, a position past every token for the other rows).
+  void drop_from(TierWrites& w, int64_t b, int64_t from) {
+    std::vector<int64_t> limits(static_cast<size_t>(store_.batch()), std::numeric_limits<int64_t>::max());
+    limits[static_cast<size_t>(b)] = from;
+    store_.drop_from(w, at::tensor(limits, at::TensorOptions().dtype(at::kLong)).to(store_.device()));
+  }
+  /// Plans into `w`: row b empty.
+  void release(TierWrites& w, int64_t b) { store_.release(w, b); }
+  /// Room for `tokens` a row and positions below `max_position` (TierStore::reserve()).
+  void reserve(TierWrites& w, int64_t tokens, int64_t max_position) { store_.reserve(w, tokens, max_position); }
+  /// Every row empty, the store's memory given back, the recalled counter cleared. Does not
+  /// throw.
+  void clear() noexcept {
+    store_.clear();
+    recalled_ = at::Tensor();
+    mirrors_ = RecallMirrors{};
+    real_ = at::Tensor();
+  }
+
+  /// The reads (each reads the device: a sync on CUDA).
+  int64_t count_from(int64_t b, int64_t from) const { return store_.count_from(b, from); }
+  int64_t tokens() const { return store_.tokens(); }
+  int64_t bytes() const { return store_.host_bytes(); }
+  int64_t device_bytes() const { return store_.device_bytes(); }
+  int64_t recalled() const { return recalled_.defined() ? recalled_.item<int64_t>() : 0; }
+  at::Tensor positions(int64_t b) const { return store_.tokens(b).position; }
+  at::Tensor ranks(int64_t b) const { return store_.tokens(b).rank; }
+  std::vector<at::Tensor> rows(int64_t b, const std::vector<std::vector<int64_t>>& /*shapes*/,
+                               at::ScalarType /*dtype*/) const {
+    return store_.tokens(b).rows;
+  }
+  int64_t size(int64_t b) const { return store_.tokens(b).position.size(0); }
+
+ private:
+  /// plan()'s work.
+  template <class Core>
+  std::pair<TierStore::Picked, RecallScores> plan_on_device(int64_t layer, const at::Tensor& scores,
+                                                            const at::Tensor& query, double scale, int64_t tokens,
+                                                            int64_t rescore, int64_t K, const LayerState& L,
+                                                            const Core& core, const at::Tensor& counters) {
+    const auto& keys = keys_;
     auto victims = victims_on_device(L, core, counters, layer, K, mirrors_);
     const auto limit = victims.candidates.clamp_max(std::min(tokens, K));
     if (!(tokens > 0 && rescore > tokens)) return {store_.pick(scores, limit, K), victims};
@@ -205,46 +278,7 @@ class TierTensorPath {
     return {out, victims};
   }
 
-  /// recall's swap step: TierStore::swap() of the picked tokens with the victims, the policy's
-  /// side through `exchange`, and the tokens recalled counted; one commit (a throw puts back
-  /// what was written: c10::Error naming recall). Returns the tokens recalled per row ([B]
-  /// int64 on the device). No sync.
-  template <class Ranks, class Exchange>
-  at::Tensor swap(const TierStore::Picked& picked, const RecallScores& victims, const LayerState& L,
-                  const std::vector<at::Tensor>& buffers, Ranks&& ranks, Exchange&& exchange, int64_t max_position,
-                  int64_t layer) {
-    TensorUndo undo;
-    TierWrites w(undo);
-    allocating([&] {
-      if (!recalled_.defined()) recalled_ = at::zeros({1}, picked.count.options());
-      store_.swap(w, picked, victims.victims, victims.top, L.position, L.state, buffers, ranks, exchange, max_position);
-      w.add(recalled_, picked.count.sum().view({1}));
-    }, [&](const std::string& why) {
-      KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why);
-    });
-    w.commit("recall");
-    return picked.count;
-  }
-
-  /// Plans into `w`: row b's tokens at positions >= from[b] leave (a truncate; `from` [B] int64
-  /// on the device, a row not truncated a position past its tokens).
-  void drop_from(TierWrites& w, const at::Tensor& from) { store_.drop_from(w, from); }
-  /// Room for the whole budget and positions below `max_position` (TierStore::reserve()).
-  void reserve(TierWrites& w, int64_t tokens, int64_t max_position) { store_.reserve(w, tokens, max_position); }
-  /// Plans into `w`: row b empty.
-  void release(TierWrites& w, int64_t b) { store_.release(w, b); }
-  /// Empties every row and gives the store's memory back, and the recalled counter's.
-  void release_all() noexcept {
-    store_.clear();
-    recalled_ = at::Tensor();
-    mirrors_ = RecallMirrors{};
-    real_ = at::Tensor();
-  }
-
-  /// Tokens recalled so far (reads the device).
-  int64_t recalled() const { return recalled_.defined() ? recalled_.item<int64_t>() : 0; }
-
- private:
+  TierKeys keys_;
   TierStore store_;
   RecallMirrors mirrors_;
   at::Tensor real_;      // score()'s real query columns [B, Q] bool on the device, for plan()
