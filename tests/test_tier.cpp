@@ -1744,3 +1744,32 @@ TEST_CASE("the tier as tensors takes a pass in and truncates with no sync and no
   CHECK(at::equal(store.tokens(0).position, before.masked_select(before.lt(next - 4))));
   CHECK(store.tokens(1).position.size(0) == 6);
 }
+
+TEST_CASE("reserve_tier sizes the store without making recall pay for it; a free row's finish says what is wrong",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path);
+  at::manual_seed(3);
+  kvevict::MlaCache c(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1).tier_tokens(3).tier_page_size(int64_t{1} << 20),
+                      EvictionOptions(1).n_sink(0).n_recent(1));
+  for (int step = 0; step < 10; ++step) {
+    c.update(0, at::randn({1, 1, 1, 2}), at::randn({1, 1, 1, 1}));
+    c.observe(0, at::softmax(at::randn({1, 1, 1, c.size(0)}), -1));
+    c.evict(0);
+  }
+  // Page ids up to 2^20 on the tensor path (16 MB of digests): the pick's scan stays as wide as
+  // the pages that can hold tokens (3) and the tokens left (2), not the page ids.
+  c.reserve_tier(int64_t{1} << 40);
+  CHECK(c.stats().tier_device_bytes >= (int64_t{1} << 20) * 16 * (tensor_path ? 1 : 0));
+  CHECK(kvevict_test::total(c.recall(0, at::ones({1, 1, 1, 2}), 1.0, 1)) >= 0);
+  const auto msg = [](auto&& f) { return kvevict_test::message_of(f); };
+  CHECK_THAT(msg([&] { c.reserve_tier(0); }), Contains("reserve_tier: positions must be in [1, 2^40], got 0"));
+  c.finish(0);
+  const auto finished = msg([&] { c.finish(0); });
+  CHECK_THAT(finished, Contains("finish: row 0 holds no sequence"));
+  CHECK_THAT(finished, !Contains("commit"));
+  CHECK_THAT(msg([&] { c.reset(0); }), Contains("reset: row 0 holds no sequence"));
+  kvevict::MlaCache none(kvevict::MlaCacheOptions(1, 1).qk_dim(2).v_dim(1), EvictionOptions(1));
+  CHECK_THAT(msg([&] { none.reserve_tier(8); }), Contains("no host tier"));
+}

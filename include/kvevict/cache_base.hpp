@@ -353,7 +353,7 @@ class CacheBase {
   /// allocates nothing and does not throw).
   template <class End>
   void end_row(int64_t row, const char* call, End&& end) {
-    if (tier_tokens_ == 0 || row < 0 || row >= batch_size()) return end();
+    if (tier_tokens_ == 0 || row < 0 || row >= batch_size() || !policy_.active(row)) return end();  // its checks
     TensorUndo undo;
     TierWrites tier_writes(undo);
     for (auto& t : tiers_) t.release(row, tier_writes);

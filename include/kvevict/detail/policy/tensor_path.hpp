@@ -16,6 +16,7 @@
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/checks.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/device_mirror.hpp>
 #include <kvevict/detail/policy/slot_plan.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
@@ -38,23 +39,6 @@ inline bool& force_tensor_path() {
   static thread_local bool force = false;
   return force;
 }
-
-/// A host vector mirrored on a device: uploaded only when its values change, so a steady-state
-/// step (same values every time) makes no copy and keeps the same device tensor (CUDA graphs).
-struct DeviceMirror {
-  std::vector<int64_t> host;
-  at::Tensor device;
-  const at::Tensor& get(const std::vector<int64_t>& values, const at::Device& dev, at::IntArrayRef shape,
-                        at::ScalarType dtype = at::kLong) {
-    if (!device.defined() || values != host || device.sizes() != shape || device.scalar_type() != dtype) {
-      // A copy even to the CPU, so that an op counter sees every upload (aten::to with a device).
-      auto t = at::tensor(values, at::TensorOptions().dtype(at::kLong)).view(shape).to(dev, dtype, false, /*copy=*/true);
-      host = values;  // after the copy: a throw above leaves the mirror as it was
-      device = std::move(t);
-    }
-    return device;
-  }
-};
 
 /// Whether Scorer declares `kUsesObservers = false` (scorers.hpp): its apply() ignores the
 /// observer counts, so the tensor path need not compute them.

@@ -312,18 +312,22 @@ class TierStore {
   /// recall's pick as tensor ops (TierHostPath::pick()'s, every row at once): per row the pages
   /// by `scores` [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first,
   /// equal scores the smaller page id, a score of 0 or a page without members never; each whole
-  /// page that still fits in `limit` [B] int64 (device) tokens is taken. Returns the taken
+  /// page that still fits in `limit` [B] int64 (device) tokens is taken (limit <= K, or K >=
+  /// capacity()). Returns the taken
   /// pages' tokens as store slots [B, K] int64 in recall order (page by page, a page's tokens
   /// newest first: the host list's order), columns past `count` [B] int64 holding the trash
   /// slot. The greedy fill with skips: the pages that fit before the first that does not are a
   /// prefix (a cumsum); after it fewer than page_size tokens are left, and the fill is an
-  /// automaton over those states, composed over the pages by a Hillis-Steele scan (log2 P
-  /// gathers of [B, P, page_size]). No host sync.
+  /// automaton over those states, composed over the pages by a Hillis-Steele scan (log2 P'
+  /// gathers of [B, P', min(page_size, K + 1)], P' = min(P, capacity()): only pages with
+  /// members can be taken, at most one per stored token). No host sync.
   struct Picked {
     at::Tensor slots, count;
   };
   Picked pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
-    const int64_t P = scores.size(1), A = keys_.page_size, N = N_;
+    // The fill's states: the tokens left after the first page that does not fit, fewer than a
+    // page and at most K; the pages it can take: at most one per stored token.
+    const int64_t P = scores.size(1), A = std::min(keys_.page_size, K + 1), N = N_, Pm = std::min(P, N);
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
     Picked out;
     if (N == 0 || P == 0 || K == 0) {
@@ -333,8 +337,9 @@ class TierStore {
     }
     const auto members = members_.narrow(1, 0, P);
     const auto eligible = members.gt(0).logical_and_(scores.gt(0));
+    // Pages in pick order; past the first Pm none has members.
     const auto order = std::get<1>(at::sort(scores.masked_fill(eligible.logical_not(), -1.0), /*stable=*/true, 1,
-                                            /*descending=*/true));
+                                            /*descending=*/true)).narrow(1, 0, Pm);
     const auto m = members.gather(1, order).masked_fill_(eligible.gather(1, order).logical_not(), 0);  // pick order
     const auto total = m.cumsum(1);
     const auto lim = limit.unsqueeze(1);
@@ -344,22 +349,22 @@ class TierStore {
     const auto left_f = lim.sub(before_f).clamp_(0, A - 1);  // < A when a page did not fit
     // After f: page p maps the tokens left l to l - m_p if it fits, else l; the pages up to f
     // map l to l. E[p]: the composition of the maps before p, by doubling.
-    const auto pages = at::arange(P, longs).unsqueeze(0);
+    const auto pages = at::arange(Pm, longs).unsqueeze(0);
     const auto after = pages.gt(f);
     const auto l = at::arange(A, longs).view({1, 1, A});
     const auto mm = m.unsqueeze(2);
-    auto F = at::where(after.unsqueeze(2).logical_and(mm.le(l)), l.sub(mm), l.expand({B_, P, A}));
-    const auto identity = l.expand({B_, P, A});
-    for (int64_t d = 1; d < P; d *= 2) {
-      const auto prev = at::cat({identity.narrow(1, 0, d), F.narrow(1, 0, P - d)}, 1);
+    auto F = at::where(after.unsqueeze(2).logical_and(mm.le(l)), l.sub(mm), l.expand({B_, Pm, A}));
+    const auto identity = l.expand({B_, Pm, A});
+    for (int64_t d = 1; d < Pm; d *= 2) {
+      const auto prev = at::cat({identity.narrow(1, 0, d), F.narrow(1, 0, Pm - d)}, 1);
       F = F.gather(2, prev);
     }
-    const auto E = at::cat({identity.narrow(1, 0, 1), F.narrow(1, 0, P - 1)}, 1);
-    const auto left = E.gather(2, left_f.unsqueeze(2).expand({B_, P, 1})).squeeze(2);
+    const auto E = at::cat({identity.narrow(1, 0, 1), F.narrow(1, 0, Pm - 1)}, 1);
+    const auto left = E.gather(2, left_f.unsqueeze(2).expand({B_, Pm, 1})).squeeze(2);
     const auto taken = prefix.logical_or(after.logical_and(m.le(left))).logical_and_(m.gt(0));
-    // Per page id: taken, and its place in the pick order.
+    // Per page id: taken, and its place in the pick order (pages past Pm: never taken).
     const auto taken_id = at::zeros({B_, P}, taken.options()).scatter_(1, order, taken);
-    const auto place_id = at::empty_like(order).scatter_(1, order, pages.expand({B_, P}));
+    const auto place_id = at::full({B_, P}, Pm, longs).scatter_(1, order, pages.expand({B_, Pm}));
     const auto pos = pos_.narrow(1, 0, N);
     const auto page = pos.div(A, "floor").clamp_(0, P - 1);
     const auto in = taken_id.gather(1, page).logical_and_(pos.ge(0)).logical_and_(pos.lt(P * A));

@@ -12,8 +12,8 @@
 // both paths share, tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/device_mirror.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
-#include <kvevict/detail/policy/tensor_path.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
