@@ -498,7 +498,7 @@ def test_tier_and_recall_hand_worked():
     latent.evict_now(0)
     assert latent.tier_size(0, 0) == 2
     latent.update(0, torch.randn(1, 1, 2), torch.randn(1, 1, 1))
-    assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16) == 1
+    assert latent.recall_absorbed(0, torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 1), 1.0, 16).tolist() == [1]
 
 
 def test_tier_scoring_head_mean_hand_worked():
@@ -517,7 +517,7 @@ def test_tier_scoring_head_mean_hand_worked():
         cache.evict(0)
         cache.update(0, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
         q_absorbed, q_pe = torch.tensor([1., 0.]).view(1, 2, 1, 1), torch.tensor([0., 1.]).view(1, 2, 1, 1)
-        assert cache.recall_absorbed(0, q_absorbed, q_pe, 1.0, 1) == 1
+        assert cache.recall_absorbed(0, q_absorbed, q_pe, 1.0, 1).tolist() == [1]
         assert sorted(cache.positions(0)[0].tolist()) == [0, position, 5]
     expanded = kvevict.MlaCacheOptions(1, 2, qk_dim=1, v_dim=1)
     expanded.tier_scoring = kvevict.TierScoring.kHeadMean
