@@ -124,11 +124,11 @@ class CacheBase {
   ///         tensor parallelism) and stay applied, so that every process stays in step.
   /// \note CPU: no allocation in the steady state (with a host tier: once the tier is full;
   ///       while it fills it grows geometrically). CUDA: tensor ops only, no host sync, static
-  ///       shapes in the steady state. With a host tier the pass also gathers its evicted
-  ///       tokens and copies them to pinned host memory asynchronously; first the host takes
-  ///       into the tier what is on its way from before the latest pass or recall (it waits on
-  ///       their events, which a steady decode has long passed). That host work runs at every
-  ///       pass, so a step with a tier cannot be replayed as a CUDA graph.
+  ///       shapes in the steady state. With a host tier (tensor path) the pass's evicted tokens
+  ///       join the tier's store inside the pass's commit, as tensor ops (their rows written to
+  ///       pinned host memory through its device view): still no sync and no copy, so a step
+  ///       with a tier replays as a CUDA graph once the store has stopped growing
+  ///       (reserve_tier()).
   int64_t evict(int64_t layer) {
     return host_heap("evict", [&] { return run_pass(layer, false); });
   }
