@@ -874,7 +874,8 @@ void def_caches(py::module_& m) {
           "and the best `tokens` of them come back. Call after update() and before attend(). "
           "Returns the tokens recalled per row, a [B] int64 tensor on the cache's device (not read: on CUDA no sync). "
           "Raises IndexError for a bad layer; RuntimeError without a tier, with an open "
-          "observation or on a bad query shape, dtype or device (as every shape error); ValueError for a bad scale, "
+          "observation or on a bad query shape or device (as every shape error); TypeError for a query that is not "
+          "floating (other floating dtypes are converted to fp32); ValueError for a bad scale, "
           "tokens or rescore or a non-finite query; nothing changes then.");
   e.def("__repr__", [](Expanded& s) {
     return with(s, [](auto& x) {
