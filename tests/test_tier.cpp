@@ -1541,7 +1541,7 @@ TEST_CASE("the tier as tensors keeps what the host path's tier keeps: tokens, ra
   const auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   int64_t checked_pages = 0, checked_tokens = 0, drops = 0, picks = 0;
   for (int config = 0; config < 24; ++config) {
-    const int64_t B = uniform(1, 3), W = uniform(1, 2), ps = std::vector<int64_t>{1, 2, 3, 5}[uniform(0, 3)];
+    const int64_t B = uniform(1, 3), W = uniform(1, 2), ps = std::vector<int64_t>{1, 2, 3, 5, 8}[uniform(0, 4)];
     const int64_t budget = std::vector<int64_t>{0, 1, 3, 7, 20, 1000}[uniform(0, 5)];
     CAPTURE(config, B, W, ps, budget);
     // Latent: two key buffers [B, S, 5] and [B, S, 3], one group; expanded: keys [B, 2, S, 4],
@@ -1661,11 +1661,11 @@ TEST_CASE("the tier as tensors keeps what the host path's tier keeps: tokens, ra
       }
       // recall's pick: random page scores (ties, zeros) and limits, the same pages and tokens in
       // the same order as the host's.
-      const int64_t P = std::max<int64_t>(store.page_capacity(), 1), K = 12;
+      const int64_t P = std::max<int64_t>(store.page_capacity(), 1), K = uniform(0, 1) ? 12 : 2;  // K + 1 < a page too
       auto scores = at::empty({B, P}, at::kDouble);
       auto limit = at::empty({B}, at::kLong);
       for (int64_t i = 0; i < scores.numel(); ++i) scores.data_ptr<double>()[i] = uniform(0, 3) * 0.5;
-      for (int64_t b = 0; b < B; ++b) limit[b] = uniform(0, K);
+      for (int64_t b = 0; b < B; ++b) limit[b] = uniform(0, K);  // pick() takes limit <= K
       const auto picked = store.pick(scores, limit, K);
       for (int64_t b = 0; b < B; ++b) {
         CAPTURE(b);

@@ -366,8 +366,8 @@ class TierStore {
     const auto taken_id = at::zeros({B_, P}, taken.options()).scatter_(1, order, taken);
     const auto place_id = at::full({B_, P}, Pm, longs).scatter_(1, order, pages.expand({B_, Pm}));
     const auto pos = pos_.narrow(1, 0, N);
-    const auto page = pos.div(A, "floor").clamp_(0, P - 1);
-    const auto in = taken_id.gather(1, page).logical_and_(pos.ge(0)).logical_and_(pos.lt(P * A));
+    const auto page = pos.div(keys_.page_size, "floor").clamp_(0, P - 1);
+    const auto in = taken_id.gather(1, page).logical_and_(pos.ge(0)).logical_and_(pos.lt(P * keys_.page_size));
     constexpr int64_t kSeq = int64_t{1} << 40;
     const auto key = place_id.gather(1, page).mul_(kSeq).add_(seq_.narrow(1, 0, N).neg().add_(kSeq - 1))
                          .masked_fill_(in.logical_not(), std::numeric_limits<int64_t>::max());
