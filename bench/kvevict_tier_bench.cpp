@@ -2,10 +2,10 @@
 // (issue 15), measured side by side in one run. A timing CLI of our own (std::chrono, printf),
 // like kvevict_bench.
 //
-// One latent-layout layer (H heads, kv_lora_rank 512, qk_rope_dim 64, fp32, CPU host path) at
-// --capacity tokens with a host tier of --tier tokens, filled first: capacity + tier tokens
-// appended in chunks of 512 with random scores, each chunk's pass sending 512 tokens to the tier
-// (untimed). Then per configuration (page size x when):
+// One latent-layout layer (H heads, kv_lora_rank 512, qk_rope_dim 64, fp32, CPU; the host path
+// unless --paths says otherwise) at --capacity tokens with a host tier of --tier tokens, filled
+// first: capacity + tier tokens appended in chunks of 512 with random scores, each chunk's pass
+// sending 512 tokens to the tier (untimed). Then per configuration (page size x when):
 //   every step   each decode step appends one token, recalls up to --recall-tokens tokens with
 //                its queries (Q = 1), attends (attend_absorbed, observing) and evicts;
 //   per question a --question-tokens append (a new user turn) recalls once with its Q queries,
@@ -23,6 +23,10 @@
 // --scoring per_head,head_mean gives each row under each TierScoring (cache option tier_scoring):
 // per head, or by the heads' mean logit (one query per column instead of one per head and
 // column). Default: per_head only.
+// --paths host,tensor gives each row on the host path (the CPU's default: loops over the host
+// tier) and on the tensor path (what a GPU runs: the tier's state in tensors, no host sync; here
+// its ATen ops run on the CPU, so its times say what the ops cost on this CPU, not on a GPU).
+// Default: host only.
 #include "cli.hpp"
 
 #include <kvevict/kvevict.hpp>
@@ -49,18 +53,22 @@ struct Args {
           rescore = 0;
   std::vector<int64_t> pages = {1, 16, 64, 256};
   std::vector<kvevict::TierScoring> scorings = {kvevict::TierScoring::kPerHead};
+  std::vector<bool> tensor_paths = {false};
 };
 
 const char* scoring_name(kvevict::TierScoring s) { return s == kvevict::TierScoring::kHeadMean ? "head_mean" : "per_head"; }
 
 constexpr int64_t kW = 512, kR = 64;
 
-/// A latent cache at capacity with `a.tier` tokens in its tier.
-kvevict::MlaLatentCache filled(const Args& a, int64_t page, kvevict::TierScoring scoring) {
+/// A latent cache at capacity with `a.tier` tokens in its tier, on the tensor path if
+/// `tensor_path`.
+kvevict::MlaLatentCache filled(const Args& a, int64_t page, kvevict::TierScoring scoring, bool tensor_path) {
+  kvevict::detail::force_tensor_path() = tensor_path;  // read when the cache's policy is built
   kvevict::MlaLatentCache cache(
       kvevict::MlaLatentCacheOptions(1, a.heads).kv_lora_rank(kW).qk_rope_dim(kR).tier_tokens(a.tier).tier_page_size(page)
           .tier_scoring(scoring),
       kvevict::EvictionOptions(a.capacity - 20).n_sink(4).n_recent(16));
+  kvevict::detail::force_tensor_path() = false;
   at::manual_seed(3);
   const int64_t chunk = 512;
   for (int64_t done = 0; done < a.capacity + a.tier; done += chunk) {
@@ -124,13 +132,14 @@ void run(const Args& a) {
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
-  std::printf("%6s %10s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "page", "scoring", "when", "recall", "pages",
+  std::printf("%6s %6s %10s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "path", "page", "scoring", "when", "recall", "pages",
               "attend ms", "score ms", "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call",
               "host MiB");
   const double row_bytes = (kW + kR) * 4.0;
   for (const int64_t page : a.pages)
-  for (const auto scoring : a.scorings) {
-    auto cache = filled(a, page, scoring);
+  for (const auto scoring : a.scorings)
+  for (const bool tensor_path : a.tensor_paths) {
+    auto cache = filled(a, page, scoring, tensor_path);
     const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
     const int64_t pool = std::max(a.rescore, page);
     for (const bool two_level : {false, true}) {
@@ -141,8 +150,8 @@ void run(const Args& a) {
         char score[2][16];
         std::snprintf(score[0], sizeof score[0], "%.3f", r.score_ms);
         std::snprintf(score[1], sizeof score[1], "%.1f%%", 100.0 * r.score_ms / r.attend_ms);
-        std::printf("%6lld %10s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
-                    static_cast<long long>(page), scoring_name(scoring), question ? "per question" : "every step",
+        std::printf("%6s %6lld %10s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
+                    tensor_path ? "tensor" : "host", static_cast<long long>(page), scoring_name(scoring), question ? "per question" : "every step",
                     two_level ? "two-level" : "pages", pages, r.attend_ms, two_level ? "-" : score[0],
                     two_level ? "-" : score[1], r.recall_ms, 100.0 * r.recall_ms / r.attend_ms, r.recalled,
                     r.recalled * row_bytes, static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
@@ -170,27 +179,20 @@ int main(int argc, char** argv) {
          {"--pages", [&](auto& f, auto& v) { a.pages = kvevict_cli::parse_int_list(f, v, 1, 1 << 20); }},
          {"--scoring", [&](auto& f, auto& v) {
             a.scorings.clear();
-            std::string rest = v;
-            while (!rest.empty()) {
-              const auto comma = rest.find(',');
-              const std::string s = rest.substr(0, comma);
-              rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
-              if (s == "per_head")
-                a.scorings.push_back(kvevict::TierScoring::kPerHead);
-              else if (s == "head_mean")
-                a.scorings.push_back(kvevict::TierScoring::kHeadMean);
-              else
-                throw kvevict_cli::UsageError(std::string(f) + ": expected per_head or head_mean, got '" + s + "'");
-            }
-            if (a.scorings.empty()) throw kvevict_cli::UsageError(std::string(f) + ": expected per_head,head_mean");
+            for (const auto& s : kvevict_cli::parse_choice_list(f, v, {"per_head", "head_mean"}))
+              a.scorings.push_back(s == "head_mean" ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead);
+          }},
+         {"--paths", [&](auto& f, auto& v) {
+            a.tensor_paths.clear();
+            for (const auto& s : kvevict_cli::parse_choice_list(f, v, {"host", "tensor"})) a.tensor_paths.push_back(s == "tensor");
           }}});
     if (!go) {
       std::printf(
           "usage: kvevict_tier_bench [--heads N] [--capacity N] [--tier N] [--pages 1,16,64,256] [--steps N]\n"
           "                          [--recall-tokens N] [--question-tokens N] [--rescore N] [--threads N]\n"
-          "                          [--scoring per_head,head_mean]\n"
+          "                          [--scoring per_head,head_mean] [--paths host,tensor]\n"
           "Defaults: 64 heads, capacity 4612, tier 32768, pages 1,16,64,256, 20 calls, recall 64 tokens, questions of\n"
-          "16 tokens, no two-level rows (--rescore 0), 1 thread, per_head scoring.\n");
+          "16 tokens, no two-level rows (--rescore 0), 1 thread, per_head scoring, host path.\n");
       return 0;
     }
   } catch (const kvevict_cli::UsageError& e) {

@@ -793,6 +793,59 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK(kvevict_test::total(cache.recall_absorbed(0, qa, qp, 1.0, 4)) >= 0);
 }
 
+TEST_CASE("recall: a reduction across processes that fails comes out as its own error and changes nothing",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  const auto scoring = GENERATE(kvevict::TierScoring::kPerHead, kvevict::TierScoring::kHeadMean);
+  const int64_t rescore = GENERATE(0, 6);  // whole pages, and two-level (a second reduction)
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path, static_cast<int>(scoring), rescore);
+  bool armed = false;  // count the reductions (the recall's), failing the one numbered fail_at
+  int64_t calls = 0, fail_at = 0;
+  const auto build = [&] {
+    at::manual_seed(17);
+    kvevict::MlaLatentCache cache(kvevict::MlaLatentCacheOptions(1, 2)
+                                      .kv_lora_rank(4)
+                                      .qk_rope_dim(2)
+                                      .tier_tokens(20)
+                                      .tier_page_size(2)
+                                      .tier_scoring(scoring)
+                                      .reduce_contributions([&](int64_t, at::Tensor&) {
+                                        KVEVICT_CHECK(!armed || ++calls != fail_at, "reducer down at call ", calls);
+                                      }),
+                                  EvictionOptions(3).n_sink(1).n_recent(1));
+    for (int i = 0; i < 12; ++i) {
+      cache.update(0, at::randn({1, 1, 4}), at::randn({1, 1, 2}));
+      cache.observe(0, at::softmax(at::randn({1, 2, 1, cache.size(0)}), -1));
+      cache.evict(0);
+    }
+    return cache;
+  };
+  const auto qa = at::randn({1, 2, 1, 4}), qp = at::randn({1, 2, 1, 2});
+  auto good = build();
+  armed = true;
+  CHECK(kvevict_test::total(good.recall_absorbed(0, qa, qp, 1.0, 2, rescore)) > 0);
+  const int64_t reductions = calls;
+  CHECK(reductions == (rescore > 0 ? 2 : 1));  // the page scores', and the pool's
+  for (fail_at = 1; fail_at <= reductions; ++fail_at) {
+    CAPTURE(fail_at);
+    armed = false;
+    auto cache = build();
+    armed = true;
+    calls = 0;
+    const auto pos = cache.positions(0), sc = cache.scores(0), ckv = cache.ckv(0).clone();
+    const auto tier = cache.tier_positions(0, 0);
+    const auto msg = kvevict_test::message_of([&] { cache.recall_absorbed(0, qa, qp, 1.0, 2, rescore); });
+    CHECK_THAT(msg, Contains("reducer down at call " + std::to_string(fail_at)));
+    CHECK_THAT(msg, !Contains("allocate"));
+    CHECK(at::equal(cache.positions(0), pos));
+    CHECK(at::equal(cache.scores(0), sc));
+    CHECK(at::equal(cache.ckv(0), ckv));
+    CHECK(at::equal(cache.tier_positions(0, 0), tier));
+    CHECK(cache.stats(0).tier_recalled == 0);
+  }
+}
+
 TEST_CASE("an allocation failure at any point of a recall changes nothing, on both paths", "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
   kvevict_test::ForceTensorPath force(tensor_path);

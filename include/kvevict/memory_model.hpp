@@ -102,9 +102,12 @@ inline int64_t capped_cache_bytes(const MlaMemoryConfig& c, Layout layout, int64
 /// Plus the page digests (cache options' tier_page_size; the tier's digest, detail::TierDigest):
 /// an fp32 min and max per key channel (latent: kv_lora_rank + qk_rope_dim; expanded:
 /// num_heads x qk_dim) for at most min(tier tokens, ceil(seq_len / page_size)) pages per
-/// layer. On the tensor path the cache's
-/// device holds a copy of the digests as well (CacheStats::tier_device_bytes): their part of
-/// this again, up to twice it (its capacity grows geometrically).
+/// layer: the host path's. The tensor path (CUDA) keeps the rows in pinned host memory,
+/// reserved in steps up to tier_tokens per row, and the digests on the device by page id
+/// instead (CacheStats::tier_bytes and tier_device_bytes): per row and layer one digest for
+/// every page up to the largest position seen (ceil(seq_len / page_size)), however many
+/// tokens the tier holds, plus 20 + 4 x state_width device bytes per store slot (position,
+/// rank, insertion number, scorer state).
 /// \throws c10::ValueError if seq_len < 0, capacity < 1, tier_tokens < 0, state_width < 1,
 ///         page_size < 1, or the result overflows int64.
 inline int64_t tier_bytes(const MlaMemoryConfig& c, Layout layout, int64_t seq_len, int64_t capacity,

@@ -252,8 +252,9 @@ struct CacheOptionsBase {
   /// The host tier: evicted tokens a row keeps in host memory per layer (its rows bit for bit,
   /// position, rank and scorer state) instead of dropping them; past this many the lowest-
   /// ranked tier tokens are dropped, in the eviction order. 0: no tier. Both paths: on the
-  /// tensor path (CUDA) a pass copies its evicted tokens to pinned host memory asynchronously,
-  /// and the tier takes them at its next use. Default: 0.
+  /// tensor path (CUDA) the rows sit in pinned host memory and everything else on the device,
+  /// and a pass writes its evicted tokens there inside its own commit, with no host sync.
+  /// Default: 0.
   KVEVICT_ARG_AS(Derived, int64_t, tier_tokens) = 0;
   /// Tokens per page of the host tier's digests: tier tokens at positions [k * tier_page_size,
   /// (k + 1) * tier_page_size) share page k, whose digest (per-channel key min and max, Quest)

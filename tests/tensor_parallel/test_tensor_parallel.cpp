@@ -107,7 +107,7 @@ int worker_main(const Args& a) {
     auto o = run_options(a.lazy, a.steps, recall);
     const auto tp = kvevict::TensorParallel::connect(store, a.rank, a.world, o.dims.heads, at::kCPU,
                                                      std::chrono::milliseconds(a.timeout_ms));
-    // The tensor path (what CUDA runs) on the CPU: hand-overs, recall scored on the digests' copy.
+    // The tensor path (what CUDA runs) on the CPU: the tier as tensors, recall scored by page id.
     kvevict::detail::force_tensor_path() = recall.tensor_path;
     const bool last = a.rank == a.world - 1;
     if (a.mode == "noreduce") o.reduce = false;
@@ -345,7 +345,7 @@ TEST_CASE("2 ranks, a host tier, recall every 3 steps: every rank recalls what o
   check_agreement(2, false, {true, false, false});
 }
 
-TEST_CASE("2 ranks, a host tier on the tensor path (pages scored on the device copy): every rank recalls what one "
+TEST_CASE("2 ranks, a host tier on the tensor path (pages scored on the device): every rank recalls what one "
           "tensor-path process with all heads recalls",
           "[tensor_parallel][agree][tier]") {
   check_agreement(2, false, {true, false, true});

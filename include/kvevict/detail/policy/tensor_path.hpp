@@ -153,7 +153,7 @@ class TensorPath {
   /// [B, T] int64 slot of each column of an append of `counts` (before it), on the device: the
   /// row's length plus the column's offset in the row's tokens; pads get `pad`. A view of the
   /// counters when every row appends one token (then valid only until append()).
-  at::Tensor slot_map(const Core& c, const LayerState& L, int64_t layer, const int64_t* counts, int64_t T, int64_t pad) {
+  at::Tensor slot_map(const Core& c, const LayerState& /*L*/, int64_t layer, const int64_t* counts, int64_t T, int64_t pad) {
     auto& D = scratch_[layer];
     const auto len = D.counters.narrow(1, 0, 1);  // [B, 1]
     if (whole_chunk(c, counts, T)) return T == 1 ? len : len.add(iota(c, T));

@@ -2,11 +2,10 @@
 // The tier's host path (a cache whose policy takes the host path: everything on the CPU):
 // TierHostPath, per batch row a TierRow and its PageDigests, with the steps of its twin
 // TierTensorPath (tier/tensor_path.hpp) under the same names in the same order: take, score,
-// plan, swap, drop_from, release, reserve, clear, and the reads. The page scoring,
-// score_on_host(): per head, or by the heads' mean logit (TierScoring::kHeadMean), reduced
-// across processes like observations; two-level recall's pool scoring, per head or by the
-// heads' mean; the victims, victims_on_host(). The steps both paths share (the reduction, the
-// heads' mean, their order) are tier/scoring.hpp.
+// plan, swap, drop_from, release, reserve, clear, and the reads. Its scoring steps (the
+// pages', score_on_host(); two-level recall's pool; the victims, victims_on_host()) are
+// tier/host_scoring.hpp; the steps both paths share (the reduction, the heads' mean, their
+// order) are tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -15,7 +14,7 @@
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
-#include <kvevict/detail/tier/store.hpp>
+#include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
@@ -59,10 +58,7 @@ class TierHostPath {
     for (size_t b = 0; b < rows_.size(); ++b) digests_.emplace_back(keys_.page_size, key_groups_, key_width_);
   }
 
-  int64_t key_groups() const noexcept { return key_groups_; }
-  int64_t key_width() const noexcept { return key_width_; }
   const PageDigests& digests(int64_t b) const { return digests_[static_cast<size_t>(b)]; }
-  int64_t budget() const { return budget_; }
   const TierRow& row(int64_t b) const { return rows_[static_cast<size_t>(b)]; }
   TierRow& row(int64_t b) { return rows_[static_cast<size_t>(b)]; }
 

@@ -19,7 +19,8 @@
 namespace kvevict {
 namespace detail {
 
-/// The digest the tier's pages keep (LayerTier, TierStore, tier_bytes()).
+/// The digest the tier's pages keep: PageDigests' on the host path, TierStore's by page id on
+/// the tensor path (and tier_bytes()).
 using TierDigest = QuestDigest;
 /// One row's page digests.
 using PageDigests = PageTable<TierDigest>;

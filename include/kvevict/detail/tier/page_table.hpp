@@ -29,7 +29,6 @@ class PageTable {
       : page_(page_size), digest_(groups, width), F_(digest_.floats()), key_(static_cast<size_t>(groups * width)) {}
 
   int64_t page_size() const noexcept { return page_; }
-  const Digest& digest() const noexcept { return digest_; }
   /// Page slots in use or freed (the width P of score()).
   int64_t slots() const noexcept { return static_cast<int64_t>(page_of_.size()); }
   /// Pages with at least one member.
@@ -37,10 +36,9 @@ class PageTable {
   int64_t page_of_slot(int64_t s) const { return page_of_[s]; }
   int64_t members(int64_t s) const { return count_[s]; }
   int64_t head(int64_t s) const { return head_[s]; }
-  /// Slot s's digest: digest().floats() fp32 values laid out as digest().page_shape().
+  /// Slot s's digest: Digest::floats() fp32 values laid out as Digest::page_shape().
   const float* block(int64_t s) const { return blocks_.data() + s * F_; }
   int64_t next(int64_t token) const { return next_[token]; }
-  int64_t slot_of(int64_t position) const { return slot_of_page_[position / page_]; }
   /// The digest bytes held.
   int64_t bytes() const noexcept { return slots() * digest_.bytes(); }
 
@@ -219,7 +217,7 @@ class PageTable {
   std::vector<int64_t> page_of_, count_, head_;      // per page slot (page -1: free)
   std::vector<int64_t> free_, dirty_;                // free slots; slots to rebuild
   std::vector<int64_t> slot_of_page_;                // per page id: its slot, -1 none
-  std::vector<float> blocks_;                        // [slot, digest().page_shape()]
+  std::vector<float> blocks_;                        // [slot, Digest::page_shape()]
   std::vector<float> key_;                           // refresh() scratch
 };
 

@@ -1,6 +1,6 @@
 #pragma once
-// The host tier's page scoring that both paths share (score_on_host() in tier/host_path.hpp,
-// score_on_device() in tier/tensor_path.hpp): which query columns count, the reduction of
+// The host tier's page scoring that both paths share (score_on_host() in tier/host_scoring.hpp,
+// TierTensorPath::score() in tier/tensor_path.hpp): which query columns count, the reduction of
 // scores across processes, TierScoring::kHeadMean's mean over heads around it, and the order
 // of those steps (score_pages()); what recall's steps hand each other (RecallScores,
 // RecallPlan). Neither path file includes the other.
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <utility>
 #include <vector>
 
@@ -29,15 +30,15 @@ struct TierKeys {
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
-/// What recall's score step gives its plan, on the host: the page scores `sums` [B, P] fp64;
-/// for a two-level pool, the queries `query` [B, H, Q, D] fp32 (else undefined); and each
-/// row's victim candidates (neither sinks nor in the recent window as it was before the latest
-/// append): their number `candidates` [B] int64, the slots `victims` [B, K] int64 of the K
-/// lowest-ranked in eviction order (drops_before(); a row's columns past its candidates hold
-/// anything) with their positions `victim_position` [B, K] int64, and `top` [B, W] fp32, the
-/// best-ranked candidate's scorer state (anything for a row without). The host path finds them
-/// with loops over L's own tensors; the tensor path on the device, and its host copies come
-/// with the scores' (one wait for all).
+/// What recall's steps hand each other: the page scores `sums` [B, P] fp64; for a two-level
+/// pool, the queries `query` [B, H, Q, D] fp32 (else undefined); and each row's victim
+/// candidates (neither sinks nor in the recent window as it was before the latest append):
+/// their number `candidates` [B] int64, the slots `victims` [B, K] int64 of the K lowest-ranked
+/// in eviction order (drops_before(); a row's columns past its candidates hold anything), with
+/// their positions `victim_position` [B, K] int64 (the host path only), and `top` [B, W] fp32,
+/// the best-ranked candidate's scorer state (anything for a row without). The host path finds
+/// them with loops over L's own tensors, on the CPU; the tensor path with tensor ops on the
+/// cache's device (victims_on_device()), where they stay.
 struct RecallScores {
   at::Tensor sums, query;
   at::Tensor candidates, victims, victim_position, top;
@@ -103,6 +104,34 @@ void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
   auto on_device = sums.to(core.device);
   reducer(layer, on_device);
   sums = on_device.to(sums.device());
+}
+
+/// An error of reduce_scores() on its way out of allocating(), which would call any c10::Error
+/// an allocation failure: reduce_scores_within() throws it, allocating_with_reductions()
+/// rethrows the error it holds.
+struct ReductionFailed {
+  std::exception_ptr error;
+};
+
+/// reduce_scores() inside allocating_with_reductions(): its error leaves as ReductionFailed.
+template <class Core>
+void reduce_scores_within(int64_t layer, const Core& core, at::Tensor& sums) {
+  try {
+    reduce_scores(layer, core, sums);
+  } catch (...) {
+    throw ReductionFailed{std::current_exception()};
+  }
+}
+
+/// allocating(allocate, fail) around work that reduces with reduce_scores_within(): the
+/// reduction's own error comes out as it was thrown.
+template <class Allocate, class Fail>
+void allocating_with_reductions(Allocate&& allocate, Fail&& fail) {
+  try {
+    allocating(std::forward<Allocate>(allocate), std::forward<Fail>(fail));
+  } catch (const ReductionFailed& r) {
+    std::rethrow_exception(r.error);
+  }
 }
 
 /// TierScoring::kHeadMean's mean over the heads, in two steps around the reduction across

@@ -15,7 +15,6 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
-#include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/selection.hpp>
@@ -67,12 +66,18 @@ class TierStore {
   TierStore(int64_t batch, int64_t budget, int64_t state_width, std::vector<std::vector<int64_t>> shapes,
             at::ScalarType dtype, TierKeys keys, at::Device device)
       : B_(batch), budget_(budget), W_(state_width), shapes_(std::move(shapes)), dtype_(dtype), keys_(std::move(keys)),
-        device_(device), view_(shapes_.size()), host_(shapes_.size()) {
+        device_(device), host_(shapes_.size()), view_(shapes_.size()) {
     const auto& first = shapes_.at(keys_.buffers.at(0));
     groups_ = 1;
     for (size_t d = 0; d + 1 < first.size(); ++d) groups_ *= first[d];
     for (const auto i : keys_.buffers) width_ += shapes_.at(i).back();
   }
+  // Moved, never assigned: a store lets its pinned rows go only through let_go().
+  TierStore(TierStore&&) noexcept = default;
+  TierStore& operator=(TierStore&&) = delete;
+  TierStore(const TierStore&) = delete;
+  TierStore& operator=(const TierStore&) = delete;
+  ~TierStore() { let_go(); }
 
   /// Store slots per row (N; the trash slot is one more). Grows geometrically up to the budget.
   int64_t capacity() const noexcept { return N_; }
@@ -82,7 +87,6 @@ class TierStore {
   int64_t batch() const noexcept { return B_; }
   const TierKeys& keys() const noexcept { return keys_; }
   int64_t key_groups() const noexcept { return groups_; }
-  int64_t key_width() const noexcept { return width_; }
 
   /// A pass's evicted tokens into the tier: of every row b, the cache slots `idx` [B, C] int64
   /// (each row's in the order the host path takes them, which gives their insertion order; a
@@ -135,18 +139,21 @@ class TierStore {
       w.scatter(rank_, 1, slot, new_rank);
       w.scatter(state_, 1, slot.unsqueeze(2).expand({B_, C, W_}), new_state);
       w.scatter(seq_, 1, slot, at::arange(C, longs).add_(seq_next_).expand({B_, C}));
+      std::vector<at::Tensor> rows(buffers.size());
       for (size_t i = 0; i < buffers.size(); ++i) {
         const auto& buf = buffers[i];
         const int64_t dim = buf.dim() - 2;
-        const auto rows = buf.gather(dim, store_index(idx, buf));
-        w.scatter(view_[i], dim, store_index(slot, rows), rows);
+        rows[i] = buf.gather(dim, store_index(idx, buf));
+        w.scatter(view_[i], dim, store_index(slot, rows[i]), rows[i]);
       }
       w.add(seq_next_, at::full({1}, C, longs));
-      // The pages that change: those of the dropped stored tokens and of the kept new ones.
-      const auto touched = at::cat({page_of(old_pos.gather(1, dropped).masked_fill_(is_dropped.logical_not(), -1)),
-                                    page_of(new_pos.masked_fill(keep_new.logical_not(), -1))}, 1);
-      plan_pages(w, touched);
-      bound_ = std::min(budget_, bound_ + C);
+      // The pages that change: the kept new tokens join theirs; those the dropped ones leave
+      // are rebuilt.
+      plan_gains(w, page_of(new_pos.masked_fill(keep_new.logical_not(), -1)), keys_of(rows));
+      plan_pages(w, page_of(old_pos.gather(1, dropped).masked_fill_(is_dropped.logical_not(), -1)));
+      const int64_t bound = std::min(budget_, bound_ + C), before = bound_;
+      w.then([this, bound] { bound_ = bound; });
+      w.undo([this, before] { bound_ = before; });
     });
   }
 
@@ -181,19 +188,21 @@ class TierStore {
   }
 
   /// Row b's tokens as host tensors, by ascending position: positions [n] int64, ranks [n]
-  /// fp32, states [n, W] fp32 and, per buffer, rows [outer..., n, inner]. Reads the device (a
-  /// sync). For tests and the tier's reads.
+  /// fp32, states [n, W] fp32 and, per buffer, rows [outer..., n, inner] (`with_rows`; else
+  /// none). Reads the device (a sync). For tests and the tier's reads.
   struct Tokens {
     at::Tensor slot, position, rank, state, seq;  // slot: each token's store slot
     std::vector<at::Tensor> rows;
   };
-  Tokens tokens(int64_t b) const {
+  Tokens tokens(int64_t b, bool with_rows = true) const {
     Tokens t;
     if (N_ == 0) {
       t.slot = t.position = t.seq = at::zeros({0}, at::TensorOptions().dtype(at::kLong));
       t.rank = at::zeros({0});
       t.state = at::zeros({0, W_});
-      for (const auto& s : shapes_) t.rows.push_back(at::zeros(row_shape(s, 0), at::TensorOptions().dtype(dtype_)));
+      for (const auto& s : shapes_) {
+        if (with_rows) t.rows.push_back(at::zeros(row_shape(s, 0), at::TensorOptions().dtype(dtype_)));
+      }
       return t;
     }
     const auto pos = pos_.select(0, b).narrow(0, 0, N_).cpu();
@@ -206,7 +215,7 @@ class TierStore {
     t.rank = rank_.select(0, b).index_select(0, on).cpu();
     t.state = state_.select(0, b).index_select(0, on).cpu();
     t.seq = seq_.select(0, b).index_select(0, on).cpu();
-    for (size_t i = 0; i < shapes_.size(); ++i) {
+    for (size_t i = 0; i < shapes_.size() && with_rows; ++i) {
       const auto row = host_[i].select(0, b);
       t.rows.push_back(row.index_select(row.dim() - 2, slots));
     }
@@ -235,6 +244,7 @@ class TierStore {
   /// members can be taken, at most one per stored token). No host sync.
   struct Picked {
     at::Tensor slots, count;
+    bool whole_pages = true;  // every taken page taken whole (pick()); false: some in part
   };
   Picked pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
     // The fill's states: the tokens left after the first page that does not fit, fewer than a
@@ -349,11 +359,12 @@ class TierStore {
       const auto out_pos = position.gather(1, ix), out_state = state.gather(1, ix_state);
       const auto in_pos = at::where(pad, out_pos, pos_.gather(1, ts));
       const auto in_state = at::where(pad.unsqueeze(2), out_state, top.unsqueeze(1).expand({B_, K, W_}));
+      std::vector<at::Tensor> out_rows(buffers.size());
       for (size_t i = 0; i < buffers.size(); ++i) {
         const auto& buf = buffers[i];
         const int64_t dim = buf.dim() - 2;
         const auto index = store_index(ix, buf);
-        const auto out = buf.gather(dim, index);
+        const auto out = out_rows[i] = buf.gather(dim, index);
         std::vector<int64_t> shape(static_cast<size_t>(buf.dim()), 1);
         shape[0] = B_;
         shape[static_cast<size_t>(dim)] = K;
@@ -369,7 +380,12 @@ class TierStore {
       w.scatter(state_, 1, ts.unsqueeze(2).expand({B_, K, W_}), out_state);
       w.scatter(seq_, 1, ts, at::arange(K, longs).add_(seq_next_).expand({B_, K}));
       w.add(seq_next_, at::full({1}, K, longs));
-      plan_pages(w, at::cat({page_of(in_pos.masked_fill(pad, -1)), page_of(out_pos.masked_fill(pad, -1))}, 1));
+      // The pages that change: those the recalled tokens leave are emptied (whole pages) or
+      // rebuilt after the victims join theirs (some pages in part).
+      const auto left = page_of(in_pos.masked_fill(pad, -1)), joined = page_of(out_pos.masked_fill(pad, -1));
+      if (picked.whole_pages) plan_emptied(w, left);
+      plan_gains(w, joined, keys_of(out_rows));
+      if (!picked.whole_pages) plan_pages(w, left);
     });
   }
 
@@ -377,8 +393,10 @@ class TierStore {
   at::Tensor positions(const at::Tensor& slots) const { return pos_.gather(1, slots); }
 
   /// Every row empty and the store's memory given back (reset()): the tensors let go, so the
-  /// next take() allocates afresh. Allocates nothing; does not throw.
+  /// next take() allocates afresh. Allocates nothing; does not throw. On a GPU it waits for the
+  /// device first (a sync: kernels may still use the pinned rows).
   void clear() noexcept {
+    let_go();
     N_ = P_ = bound_ = 0;
     pos_ = rank_ = state_ = seq_ = seq_next_ = digest_ = members_ = at::Tensor();
     for (auto& t : host_) t = at::Tensor();
@@ -409,13 +427,18 @@ class TierStore {
   /// Keys of the store slots `slots` [B, n] int64 (device): [B, n, groups, width] fp32, the
   /// key buffers' rows side by side, read through the view. Allocates.
   at::Tensor keys(const at::Tensor& slots) const {
+    std::vector<at::Tensor> rows(view_.size());
+    for (const auto i : keys_.buffers) rows[i] = view_[i].gather(view_[i].dim() - 2, store_index(slots, view_[i], slots.size(1)));
+    return keys_of(rows);
+  }
+
+  /// The keys of `rows` (per buffer [B, outer..., n, inner], defined for the key buffers):
+  /// [B, n, groups, width] fp32, the key buffers' rows side by side. Allocates.
+  at::Tensor keys_of(const std::vector<at::Tensor>& rows) const {
     std::vector<at::Tensor> parts;
-    const int64_t n = slots.size(1);
     for (const auto i : keys_.buffers) {
-      const auto& v = view_[i];
-      const int64_t dim = v.dim() - 2;
-      const auto rows = v.gather(dim, store_index(slots, v, n)).movedim(dim, 1);  // [B, n, outer..., inner]
-      parts.push_back(rows.reshape({B_, n, groups_, -1}).to(at::kFloat));
+      const int64_t dim = rows[i].dim() - 2, n = rows[i].size(dim);
+      parts.push_back(rows[i].movedim(dim, 1).reshape({B_, n, groups_, -1}).to(at::kFloat));  // [B, n, outer..., inner]
     }
     return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
   }
@@ -438,6 +461,7 @@ class TierStore {
     tokens = std::min(tokens, budget_);
     const int64_t pages = (max_position - 1) / keys_.page_size + 1;
     if (tokens <= N_ && pages <= P_ && seq_next_.defined()) return;
+    if (tokens > N_) wait_for_device();  // the old pinned rows are copied on the host, then let go
     const auto opts = at::TensorOptions().device(device_);
     // Every allocation and copy into new tensors first, then the swap (which cannot throw).
     const int64_t N = tokens > N_ ? std::min(budget_, std::max(tokens, 2 * N_)) : N_;
@@ -478,6 +502,22 @@ class TierStore {
     N_ = N;
     P_ = P;
   }
+  /// Waits for the work queued on the device's current stream (a sync; on the CPU, or with no
+  /// rows yet, nothing): kernels write the pinned rows through their views, so the host must
+  /// not read them, nor let the host allocator hand them on, before those kernels are done.
+  /// Throws what the device reports.
+  void wait_for_device() const {
+    if (!device_.is_cpu() && seq_next_.defined() && !host_.empty() && host_[0].defined()) (void)seq_next_.item<int64_t>();
+  }
+  /// wait_for_device() before the pinned rows go (clear(), the destructor); a failure to wait
+  /// is let pass (the device is then lost anyway). Does not throw.
+  void let_go() noexcept {
+    try {
+      wait_for_device();
+    } catch (...) {
+    }
+  }
+
   /// {outer..., n, inner}.
   static std::vector<int64_t> row_shape(const std::vector<int64_t>& s, int64_t n) {
     std::vector<int64_t> out(s.begin(), s.end() - 1);
@@ -551,6 +591,48 @@ class TierStore {
     }
   }
 
+  /// Plans into `w`, after its writes so far: the tokens of `pages` [B, T] (-1: none; duplicates
+  /// allowed), whose keys are `keys` [B, T, groups, width] fp32, join their pages: members + 1,
+  /// and per channel the max with the digest's max and the min with its min, NaN keys left
+  /// out (a page without members starts from none). Exact: what rebuild() would give. Keeps
+  /// their old values.
+  void plan_gains(TierWrites& w, const at::Tensor& pages, const at::Tensor& keys) {
+    const auto at_page = flat_page_ids(pages);
+    const int64_t n = at_page.size(0);
+    const auto digest = digest_.view({-1, groups_, 2 * width_}), members = members_.view(-1);
+    const auto ix = at_page.view({-1, 1, 1}).expand({n, groups_, width_});
+    w.keep(digest, 0, at_page.view({-1, 1, 1}).expand({n, groups_, 2 * width_}));
+    w.keep(members, 0, at_page);
+    const auto k = keys.reshape({n, groups_, width_});
+    const auto nan = at::isnan(k);
+    const float inf = std::numeric_limits<float>::infinity();
+    const auto hi = k.masked_fill(nan, -inf), lo = k.masked_fill(nan, inf);
+    const auto none = at::cat({at::full({1, groups_, width_}, -inf, hi.options()), at::full({1, groups_, width_}, inf, hi.options())}, -1);
+    const auto one = pages.ge(0).to(at::kLong).view(-1);
+    w.then([this, at_page, ix, hi, lo, none, one] {
+      auto digest = digest_.view({-1, groups_, 2 * width_});
+      auto members = members_.view(-1);
+      const auto was_empty = members.index_select(0, at_page).eq(0).view({-1, 1, 1});
+      digest.index_copy_(0, at_page, at::where(was_empty, none, digest.index_select(0, at_page)));
+      digest.narrow(2, 0, width_).scatter_reduce_(0, ix, hi, "amax");
+      digest.narrow(2, width_, width_).scatter_reduce_(0, ix, lo, "amin");
+      members.scatter_add_(0, at_page, one);
+    });
+  }
+
+  /// Plans into `w`: the pages `pages` [B, T] (-1: none; duplicates allowed), every token of
+  /// which has left, without members (their digests mean nothing). Keeps their old values.
+  void plan_emptied(TierWrites& w, const at::Tensor& pages) {
+    const auto at_page = flat_page_ids(pages);
+    w.scatter(members_.view(-1), 0, at_page, at::zeros_like(at_page));
+  }
+
+  /// `pages` [B, T] (-1: none; duplicates allowed) as indices into the rows of the digests
+  /// flattened to [B (P + 1), ...]: [B T] int64, duplicates kept, none on its row's trash page.
+  at::Tensor flat_page_ids(const at::Tensor& pages) const {
+    return pages.masked_fill(pages.lt(0).logical_or_(pages.ge(P_)), P_).add_(at::arange(B_, pages.options()).mul_(P_ + 1).unsqueeze(1)).view(-1);
+  }
+
   /// Plans into `w`, after its writes so far: the digests and members of the pages `pages` [B,
   /// T] (-1: none; duplicates allowed) rebuilt from their members (rebuild(), which allocates
   /// inside the commit); keeps their old values.
@@ -569,7 +651,7 @@ class TierStore {
     const int64_t T = pages.size(1);
     auto page = std::get<0>(at::sort(pages, 1));
     if (T > 1) page.narrow(1, 1, T - 1).masked_fill_(page.narrow(1, 1, T - 1).eq(page.narrow(1, 0, T - 1)), -1);
-    return page.masked_fill_(page.lt(0).logical_or_(page.ge(P_)), P_).add_(at::arange(B_, page.options()).mul_(P_ + 1).unsqueeze(1)).view(-1);
+    return flat_page_ids(page);
   }
 
   /// Rebuilds the digests and members of the pages `at_page` (flat_pages() of `pages`) from

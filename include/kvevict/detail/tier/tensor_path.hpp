@@ -79,7 +79,8 @@ RecallScores victims_on_device(const LayerState& L, const Core& core, const at::
 /// pool of scale * q.k (score_pool()'s, every row at once), or by the heads' mean
 /// (`head_mean`: of the queries with one `shared_key`, else of the logits; reduced across
 /// processes before the softmax, as score_pools_head_mean()); summed over the real columns as
-/// fixed-point terms: [B, R] fp64, 0 past a row's pool. No sync.
+/// fixed-point terms: [B, R] fp64, 0 past a row's pool. No sync. Runs inside
+/// allocating_with_reductions(): a reduction's error leaves as ReductionFailed.
 template <class Core>
 at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at::Tensor& valid, const at::Tensor& query,
                                  const at::Tensor& real, bool shared_key, bool head_mean_scoring, double scale,
@@ -96,11 +97,11 @@ at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at
   if (!head_mean_scoring) {
     const auto q = shared_key ? query.reshape({B, 1, H * Q, D}) : query;
     out = sums(at::matmul(q, k).mul_(scale), TierStore::columns(real, H, shared_key ? 1 : H));
-    reduce_scores(layer, core, out);
+    reduce_scores_within(layer, core, out);
     return out;
   }
   auto sum = head_sum(shared_key ? query : at::matmul(query, k).mul_(scale));  // [B, 1, Q, D | R] fp64
-  reduce_scores(layer, core, sum);
+  reduce_scores_within(layer, core, sum);
   const auto mean = head_mean(sum, core);
   return sums(shared_key ? at::matmul(mean, k).mul_(scale) : mean, TierStore::columns(real, 1, 1));
 }
@@ -112,8 +113,6 @@ class TierTensorPath {
  public:
   TierTensorPath() = default;
   explicit TierTensorPath(TierStore store) : keys_(store.keys()), store_(std::move(store)) {}
-
-  const TierStore& store() const noexcept { return store_; }
 
   /// A pass's evicted tokens (its plan's `evicted_t` [B, columns], pads on the trash slot),
   /// before the moves overwrite their rows: planned into `w`, the pass's commit runs it
@@ -178,7 +177,7 @@ class TierTensorPath {
                                                   double scale, int64_t tokens, int64_t rescore, int64_t K,
                                                   const LayerState& L, const Core& core, const at::Tensor& counters) {
     std::pair<TierStore::Picked, RecallScores> out;
-    allocating([&] { out = plan_on_device(layer, scores, query, scale, tokens, rescore, K, L, core, counters); },
+    allocating_with_reductions([&] { out = plan_on_device(layer, scores, query, scale, tokens, rescore, K, L, core, counters); },
                [&](const std::string& why) {
                  KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
                });
@@ -234,13 +233,13 @@ class TierTensorPath {
   int64_t bytes() const { return store_.host_bytes(); }
   int64_t device_bytes() const { return store_.device_bytes(); }
   int64_t recalled() const { return recalled_.defined() ? recalled_.item<int64_t>() : 0; }
-  at::Tensor positions(int64_t b) const { return store_.tokens(b).position; }
-  at::Tensor ranks(int64_t b) const { return store_.tokens(b).rank; }
+  at::Tensor positions(int64_t b) const { return store_.tokens(b, false).position; }
+  at::Tensor ranks(int64_t b) const { return store_.tokens(b, false).rank; }
   std::vector<at::Tensor> rows(int64_t b, const std::vector<std::vector<int64_t>>& /*shapes*/,
                                at::ScalarType /*dtype*/) const {
     return store_.tokens(b).rows;
   }
-  int64_t size(int64_t b) const { return store_.tokens(b).position.size(0); }
+  int64_t size(int64_t b) const { return store_.count_from(b, 0); }
 
  private:
   /// plan()'s work.
@@ -257,6 +256,7 @@ class TierTensorPath {
     const auto longs = L.position.options();
     const auto pool = store_.pick(scores, at::full({B}, rescore, longs), R);
     TierStore::Picked out;
+    out.whole_pages = false;  // the best tokens of the pool's pages
     if (R == 0) {
       out.slots = at::full({B, K}, N, longs);
       out.count = at::zeros({B}, longs);

@@ -61,11 +61,13 @@ class LayerTier {
   LayerTier(int64_t batch, int64_t budget, int64_t state_width, std::vector<int64_t> row_bytes,
             std::vector<int64_t> groups, TierKeys keys, bool host, std::vector<std::vector<int64_t>> shapes,
             at::Device device)
-      : host_(host), budget_(budget), keys_(keys) {
+      : host_(host),
+        budget_(budget),
+        keys_(keys),
+        tensor_path_(host ? TierTensorPath()
+                          : TierTensorPath(TierStore(batch, budget, state_width, std::move(shapes), keys.dtype, keys, device))) {
     if (host)
       host_path_ = TierHostPath(batch, budget, state_width, std::move(row_bytes), std::move(groups), std::move(keys));
-    else
-      tensor_path_ = TierTensorPath(TierStore(batch, budget, state_width, std::move(shapes), keys.dtype, keys, device));
   }
 
   /// The digests' page size, tokens (cache options' tier_page_size).
@@ -79,7 +81,7 @@ class LayerTier {
   /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
   /// (pick() and pick_tokens() take only scores > 0). Throws c10::Error.
   template <class Core>
-  void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
+  void check_recall(const char* call, int64_t /*layer*/, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore, const LayerState& L, const Core& core) const {
     KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
     KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,

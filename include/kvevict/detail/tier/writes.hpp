@@ -65,7 +65,6 @@ class TierWrites {
   void abandon(std::function<void()> step) { abandon_.push_back(std::move(step)); }
   /// A write of its own, after those planned before.
   void then(std::function<void()> step) { steps_.push_back(std::move(step)); }
-  bool empty() const noexcept { return steps_.empty(); }
 
   /// The writes, in order (inside the commit of the undo log).
   void run() {
