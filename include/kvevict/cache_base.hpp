@@ -327,8 +327,9 @@ class CacheBase {
     // undo log, then the host counters; the host path's tier steps allocate nothing.
     TensorUndo undo;
     TierWrites tier_writes(undo);
-    for (int64_t l = 0; l < num_layers() && tier_tokens_ > 0; ++l)
-      tiers_[l].drop_from(row, policy_.seen_tokens(l, row) - k, tier_writes);
+    for (int64_t l = 0; l < num_layers(); ++l) {  // a layer with no tier token among them: nothing to drop
+      if (in_tier[l] > 0) tiers_[l].drop_from(row, policy_.seen_tokens(l, row) - k, tier_writes);
+    }
     for (int64_t l = 0; l < num_layers() && !host; ++l) {
       policy_.save(undo, l);
       moves[l].save(undo, specs_, buffers_[l]);

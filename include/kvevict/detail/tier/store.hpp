@@ -14,6 +14,7 @@
 // digest memory on the device is (largest position / page_size) x the digest's bytes per row.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
@@ -50,6 +51,17 @@ inline at::Tensor device_view(const at::Tensor& host, const at::Device& device) 
       .target_device(device)
       .options(host.options().device(device))
       .make_tensor();
+}
+
+/// Per query a softmax of `logits` [B, G, M, P] fp32 over the columns `none` [B, 1, 1, P] bool
+/// leaves out, summed as fixed-point terms (fixed_terms, exact in fp64 in any order) over the
+/// queries whose `cols` [B, 1|G, M, 1] bool is set: [B, P] fp64, 0 where `none` is set and in a
+/// row with no columns left or no queries. Writes `logits`. No sync. Pages' scores and
+/// two-level recall's pool scores.
+inline at::Tensor softmax_sums(at::Tensor logits, const at::Tensor& none, const at::Tensor& cols) {
+  logits.masked_fill_(none, -std::numeric_limits<float>::infinity());
+  const auto probs = at::softmax(logits, -1).masked_fill_(none, 0);  // a row with none left: all NaN, then 0
+  return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
 }
 
 /// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
@@ -251,12 +263,7 @@ class TierStore {
     // page and at most K; the pages it can take: at most one per stored token.
     const int64_t P = scores.size(1), A = std::min(keys_.page_size, K + 1), N = N_, Pm = std::min(P, N);
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
-    Picked out;
-    if (N == 0 || P == 0 || K == 0) {
-      out.slots = at::full({B_, K}, N, longs);
-      out.count = at::zeros({B_}, longs);
-      return out;
-    }
+    if (N == 0 || P == 0 || K == 0) return picked(at::Tensor(), at::Tensor(), K, true);
     const auto members = members_.narrow(1, 0, P);
     const auto eligible = members.gt(0).logical_and_(scores.gt(0));
     // Pages in pick order; past the first Pm none has members.
@@ -293,11 +300,25 @@ class TierStore {
     constexpr int64_t kSeq = int64_t{1} << 40;
     const auto key = place_id.gather(1, page).mul_(kSeq).add_(seq_.narrow(1, 0, N).neg().add_(kSeq - 1))
                          .masked_fill_(in.logical_not(), std::numeric_limits<int64_t>::max());
-    const int64_t k = std::min(K, N);
-    out.count = in.sum(1);
-    auto slots = std::get<1>(at::topk(key, k, 1, /*largest=*/false, /*sorted=*/true));
-    slots.masked_fill_(at::arange(k, longs).unsqueeze(0).ge(out.count.unsqueeze(1)), N);
-    out.slots = k == K ? slots : at::cat({slots, at::full({B_, K - k}, N, longs)}, 1);
+    return picked(std::get<1>(at::topk(key, std::min(K, N), 1, /*largest=*/false, /*sorted=*/true)), in.sum(1), K, true);
+  }
+
+  /// A pick of the store slots `slots` [B, k] int64 in recall order (k <= K), `count` [B] int64
+  /// of them a row (device): as [B, K], columns past a row's count on the trash slot.
+  /// `whole_pages`: every page it takes from is taken whole. Undefined slots: nothing taken.
+  Picked picked(at::Tensor slots, at::Tensor count, int64_t K, bool whole_pages) const {
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
+    Picked out;
+    out.whole_pages = whole_pages;
+    if (!slots.defined()) {
+      out.slots = at::full({B_, K}, N_, longs);
+      out.count = at::zeros({B_}, longs);
+      return out;
+    }
+    const int64_t k = slots.size(1);
+    slots.masked_fill_(at::arange(k, longs).unsqueeze(0).ge(count.unsqueeze(1)), N_);
+    out.slots = k == K ? slots : at::cat({slots, at::full({B_, K - k}, N_, longs)}, 1);
+    out.count = std::move(count);
     return out;
   }
 
@@ -316,10 +337,7 @@ class TierStore {
   /// bool is set (columns()): [B, P] fp64 by page id, 0 for a page without members and for a
   /// row without real queries. No sync.
   at::Tensor scores_of(at::Tensor bound, const at::Tensor& cols) const {
-    const auto empty = members_.narrow(1, 0, P_).eq(0).view({B_, 1, 1, P_});
-    bound.masked_fill_(empty, -std::numeric_limits<float>::infinity());
-    const auto probs = at::softmax(bound, -1).masked_fill_(empty, 0);  // a row without pages: all NaN, then 0
-    return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
+    return softmax_sums(std::move(bound), members_.narrow(1, 0, P_).eq(0).view({B_, 1, 1, P_}), cols);
   }
 
   /// The query columns scores_of() counts for `real` [B, Q] bool (on the device; the columns
@@ -442,8 +460,6 @@ class TierStore {
     }
     return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
   }
-
-
 
   /// Makes room for `tokens` a row (at most the budget) and positions below `max_position`, so
   /// that take() and swap() allocate no store until then: a graph captured afterwards stays

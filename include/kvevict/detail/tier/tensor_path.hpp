@@ -88,11 +88,7 @@ at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at
   const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), R = keys.size(1);
   const auto k = keys.permute({0, 2, 3, 1});  // [B, G, D, R]
   const auto none = valid.logical_not().view({B, 1, 1, R});
-  const auto sums = [&](at::Tensor logits, const at::Tensor& cols) {  // [B, G, M, R] -> [B, R]
-    logits.masked_fill_(none, -std::numeric_limits<float>::infinity());
-    const auto probs = at::softmax(logits, -1).masked_fill_(none, 0);  // a row without a pool: NaN, then 0
-    return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
-  };
+  const auto sums = [&](at::Tensor logits, const at::Tensor& cols) { return softmax_sums(std::move(logits), none, cols); };
   at::Tensor out;
   if (!head_mean_scoring) {
     const auto q = shared_key ? query.reshape({B, 1, H * Q, D}) : query;
@@ -252,16 +248,10 @@ class TierTensorPath {
     auto victims = victims_on_device(L, core, counters, layer, K, mirrors_);
     const auto limit = victims.candidates.clamp_max(std::min(tokens, K));
     if (!(tokens > 0 && rescore > tokens)) return {store_.pick(scores, limit, K), victims};
-    const int64_t B = L.position.size(0), R = std::min(rescore, store_.capacity()), N = store_.capacity();
+    const int64_t B = L.position.size(0), R = std::min(rescore, store_.capacity());
     const auto longs = L.position.options();
     const auto pool = store_.pick(scores, at::full({B}, rescore, longs), R);
-    TierStore::Picked out;
-    out.whole_pages = false;  // the best tokens of the pool's pages
-    if (R == 0) {
-      out.slots = at::full({B, K}, N, longs);
-      out.count = at::zeros({B}, longs);
-      return {out, victims};
-    }
+    if (R == 0) return {store_.picked(at::Tensor(), at::Tensor(), K, false), victims};
     const auto valid = at::arange(R, longs).unsqueeze(0).lt(pool.count.unsqueeze(1));
     const auto position = store_.positions(pool.slots).masked_fill_(valid.logical_not(), std::numeric_limits<int64_t>::max());
     const auto by_position = pool.slots.gather(1, std::get<1>(at::sort(position, 1)));
@@ -270,12 +260,10 @@ class TierTensorPath {
     // The best: a stable sort by score, descending (equal scores keep the older position first).
     const auto order = std::get<1>(at::sort(exact.masked_fill(exact.le(0).logical_or_(valid.logical_not()), -1.0),
                                             /*stable=*/true, 1, /*descending=*/true));
-    out.count = exact.gt(0).logical_and_(valid).sum(1).minimum(limit);
-    const int64_t k = std::min(K, R);
-    auto slots = by_position.gather(1, order.narrow(1, 0, k));
-    slots.masked_fill_(at::arange(k, longs).unsqueeze(0).ge(out.count.unsqueeze(1)), N);
-    out.slots = k == K ? slots : at::cat({slots, at::full({B, K - k}, N, longs)}, 1);
-    return {out, victims};
+    // The best tokens of the pool's pages: not whole pages.
+    return {store_.picked(by_position.gather(1, order.narrow(1, 0, std::min(K, R))),
+                          exact.gt(0).logical_and_(valid).sum(1).minimum(limit), K, false),
+            victims};
   }
 
   TierKeys keys_;
