@@ -793,6 +793,35 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
   CHECK(kvevict_test::total(cache.recall_absorbed(0, qa, qp, 1.0, 4)) >= 0);
 }
 
+TEST_CASE("a NaN key is left out of its page's digest, whichever member of the page it is, on both paths",
+          "[tier][recall][cpu]") {
+  // Page 0 holds {NaN, 1} or {1, NaN} (positions 0 and 1), page 1 {2, 3}: the NaN channel is left
+  // out, so page 0's bound is its finite key's and a query recalls both pages alike.
+  const bool nan_first = GENERATE(true, false);
+  CAPTURE(nan_first);
+  std::vector<int64_t> recalled;
+  std::vector<at::Tensor> tiers;
+  for (const bool tensor_path : {false, true}) {
+    CAPTURE(tensor_path);
+    kvevict_test::ForceTensorPath force(tensor_path);
+    kvevict::MlaLatentCache c(
+        kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(1).qk_rope_dim(1).tier_tokens(100).tier_page_size(2),
+        EvictionOptions(3).n_sink(0).n_recent(0));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    c.update(0, at::tensor({nan_first ? nan : 1.f, nan_first ? 1.f : nan, 2.f, 3.f, 0.f, 0.f, 0.f}).view({1, 7, 1}),
+             at::ones({1, 7, 1}));
+    c.add_scores(0, at::tensor({0.f, 0.f, 0.f, 0.f, 1.f, 1.f, 1.f}).view({1, 7}));
+    c.evict(0);  // positions 0..3 go to the tier
+    REQUIRE(c.tier_size(0, 0) == 4);
+    c.update(0, at::zeros({1, 1, 1}), at::zeros({1, 1, 1}));
+    recalled.push_back(kvevict_test::total(c.recall_absorbed(0, at::ones({1, 1, 1, 1}), at::ones({1, 1, 1, 1}), 1.0, 8)));
+    tiers.push_back(c.tier_positions(0, 0));
+  }
+  CHECK(recalled[0] == 2);  // whole pages: the 3 victims make room for one page of 2
+  CHECK(recalled[1] == recalled[0]);
+  CHECK(at::equal(tiers[0], tiers[1]));
+}
+
 TEST_CASE("recall: a reduction across processes that fails comes out as its own error and changes nothing",
           "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)

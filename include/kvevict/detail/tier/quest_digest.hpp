@@ -54,15 +54,14 @@ class QuestDigest {
   /// One page's digest as a tensor's trailing dims: [groups, 2 width] (max, then min).
   std::vector<int64_t> page_shape() const { return {G_, 2 * D_}; }
 
-  /// Digest `d` of a page whose only key is `key` [groups, width].
+  /// Digest `d` of a page whose only key is `key` [groups, width] (a NaN channel left out, as
+  /// insert() leaves it: -inf max, +inf min).
   void start(float* d, const float* key) const {
-    for (int64_t g = 0; g < G_; ++g) {
-      std::copy(key + g * D_, key + (g + 1) * D_, d + 2 * g * D_);        // max
-      std::copy(key + g * D_, key + (g + 1) * D_, d + (2 * g + 1) * D_);  // min
-    }
+    rebuild(d, [&](auto&& add) { add(key); });
   }
 
-  /// Folds keys `key` [groups, width] into digest `d`.
+  /// Folds keys `key` [groups, width] into digest `d`. A NaN channel of `key` is left out
+  /// (std::max(hi, NaN) keeps hi), so the digest does not depend on the order keys come in.
   void insert(float* d, const float* key) const {
     for (int64_t g = 0; g < G_; ++g) {
       float* hi = d + 2 * g * D_;
