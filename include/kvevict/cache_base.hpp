@@ -8,6 +8,7 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/layer_buffers.hpp>
+#include <kvevict/detail/layer_tiers.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/tier.hpp>
 #include <kvevict/eviction_policy.hpp>
@@ -219,10 +220,7 @@ class CacheBase {
   /// copies).
   std::vector<at::Tensor> tier_buffers(int64_t layer, int64_t row) const {
     std::vector<std::vector<int64_t>> shapes;
-    for (const auto& spec : specs_) {
-      shapes.push_back(spec.outer);
-      shapes.back().push_back(spec.inner);
-    }
+    for (const auto& spec : specs_) shapes.push_back(spec.token_shape());
     return tier(layer, row).rows(row, shapes, dtype_);
   }
 
@@ -392,30 +390,8 @@ class CacheBase {
       for (int64_t l = 0; l < num_layers(); ++l) buffers_.push_back(allocate(policy_.base_slots(l)));
       live_views_.resize(buffers_.size());
       if (tier_tokens_ > 0) {
-        std::vector<int64_t> row_bytes, groups;
-        TierKeys keys;
-        keys.dtype = dtype_;
-        keys.page_size = tier_page_size;
-        keys.head_mean = tier_scoring == TierScoring::kHeadMean;
-        for (size_t i = 0; i < specs_.size(); ++i) {
-          const auto& spec = specs_[i];
-          const RowLayout rows(buffers_[0][i], token_dim(i));  // a token's rows: one per group
-          groups.push_back(rows.groups_per_row);
-          row_bytes.push_back(rows.groups_per_row * rows.row_bytes);
-          if (spec.key) {
-            keys.buffers.push_back(i);
-            keys.shared = spec.outer.empty();  // latent: no head dim, every head meets the key
-          }
-        }
-        std::vector<std::vector<int64_t>> shapes;  // per buffer: {outer..., inner}
-        for (const auto& spec : specs_) {
-          shapes.push_back(spec.outer);
-          shapes.back().push_back(spec.inner);
-        }
-        for (int64_t l = 0; l < num_layers(); ++l) {
-          tiers_.emplace_back(batch_size(), tier_tokens_, Policy::W, row_bytes, groups, keys, policy_.host_path(), shapes,
-                              device());
-        }
+        tiers_ = layer_tiers(specs_, dtype_, num_layers(), batch_size(), tier_tokens_, Policy::W, tier_page_size,
+                             tier_scoring, policy_.host_path(), device());
       }
     }, [&](const std::string& why) { fail_allocation(why); });
   }

@@ -30,6 +30,12 @@ struct BufferSpec {
 
   /// The token (slot) dim of the buffer.
   int64_t token_dim() const { return static_cast<int64_t>(outer.size()) + 1; }
+  /// One token's shape in the buffer, {outer..., inner}: its sizes without batch and token dims.
+  std::vector<int64_t> token_shape() const {
+    auto shape = outer;
+    shape.push_back(inner);
+    return shape;
+  }
   /// Elements of one slot of one row.
   int64_t row_elements() const {
     int64_t n = inner;

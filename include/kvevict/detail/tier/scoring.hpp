@@ -7,12 +7,14 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
+#include <kvevict/detail/reduction.hpp>
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -104,6 +106,17 @@ void reduce_scores(int64_t layer, const Core& core, at::Tensor& sums) {
   auto on_device = sums.to(core.device);
   reducer(layer, on_device);
   sums = on_device.to(sums.device());
+}
+
+/// Per query a softmax of `logits` [B, G, M, P] fp32 over the columns `none` [B, 1, 1, P] bool
+/// leaves out, summed as fixed-point terms (fixed_terms, exact in fp64 in any order) over the
+/// queries whose `cols` [B, 1|G, M, 1] bool is set: [B, P] fp64, 0 where `none` is set and in a
+/// row with no columns left or no queries. Writes `logits`. No sync. Pages' scores and
+/// two-level recall's pool scores.
+inline at::Tensor softmax_sums(at::Tensor logits, const at::Tensor& none, const at::Tensor& cols) {
+  logits.masked_fill_(none, -std::numeric_limits<float>::infinity());
+  const auto probs = at::softmax(logits, -1).masked_fill_(none, 0);  // a row with none left: all NaN, then 0
+  return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
 }
 
 /// An error of reduce_scores() on its way out of allocating(), which would call any c10::Error

@@ -14,7 +14,7 @@
 // digest memory on the device is (largest position / page_size) x the digest's bytes per row.
 
 #include <kvevict/check.hpp>
-#include <kvevict/detail/reduction.hpp>
+#include <kvevict/detail/tier/device_view.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
@@ -33,36 +33,6 @@
 
 namespace kvevict {
 namespace detail {
-
-/// A view on `device` of host tensor `host`, pinned when `device` is a CUDA device: device
-/// kernels read and write the host memory through it, over the bus, with no copy. Under CUDA's
-/// unified addressing (every 64-bit platform CUDA supports) a pinned block's host address is
-/// its device address, as cudaHostGetDevicePointer() returns it (vLLM's
-/// get_cuda_view_from_cpu_tensor makes the same view). On the CPU: `host` itself. The view keeps
-/// `host` alive. Allocates a TensorImpl; no sync.
-/// \throws c10::Error when `device` is not the CPU and `host` is not pinned.
-inline at::Tensor device_view(const at::Tensor& host, const at::Device& device) {
-  if (device.is_cpu()) return host;
-  KVEVICT_CHECK(host.is_pinned(), "device_view: the host tensor must be pinned to be seen from ", device);
-  const auto keep = host;
-  return at::for_blob(host.data_ptr(), host.sizes())
-      .strides(host.strides())
-      .deleter([keep](void*) {})
-      .target_device(device)
-      .options(host.options().device(device))
-      .make_tensor();
-}
-
-/// Per query a softmax of `logits` [B, G, M, P] fp32 over the columns `none` [B, 1, 1, P] bool
-/// leaves out, summed as fixed-point terms (fixed_terms, exact in fp64 in any order) over the
-/// queries whose `cols` [B, 1|G, M, 1] bool is set: [B, P] fp64, 0 where `none` is set and in a
-/// row with no columns left or no queries. Writes `logits`. No sync. Pages' scores and
-/// two-level recall's pool scores.
-inline at::Tensor softmax_sums(at::Tensor logits, const at::Tensor& none, const at::Tensor& cols) {
-  logits.masked_fill_(none, -std::numeric_limits<float>::infinity());
-  const auto probs = at::softmax(logits, -1).masked_fill_(none, 0);  // a row with none left: all NaN, then 0
-  return at::sum(fixed_terms(probs).masked_fill_(cols.logical_not(), 0), at::IntArrayRef{1, 2}, false, at::kDouble);
-}
 
 /// One layer's tier as tensors, every row at once: the same tokens, ranks, states, rows and page
 /// digests as TierHostPath gives for the same calls (test: "the tier as tensors keeps
