@@ -120,7 +120,7 @@ Options (default in brackets):
   --evict-every N      timing: a pass every N steps (EvictionOptions::evict_every) [1]
   --recall             timing: also time update + observe + evict with a recall before each
                        step ("u+o+e+recall"), on a cache with a host tier of 4 x capacity tokens
-                       per row, filled first, and the README's recall setting (3 tokens, a pool
+                       per row, filled first, and kvevict.hf's default recall (3 tokens, a pool
                        of 256, pages of 64 scored by the heads' mean)
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
@@ -132,8 +132,8 @@ Options (default in brackets):
                        LseRing at 16; (d) observe_lse(_absorbed) every step, evict_every 1; (e) a
                        ragged batch of 8, evict_every 1 and 16; (f) EvictionPolicy + write_rows +
                        apply_moves on a buffer of one's own, evict_every 1. Per layout,
-                       heads, dtype and capacity; README: --layout latent --heads 128 --dtype bf16
-                       --capacity 4612 --check-observations off
+                       heads, dtype and capacity; docs/performance.md: --layout latent --heads 128
+                       --dtype bf16 --capacity 4612 --check-observations off
   --list-ops           with --count-ops: also print every counted op of each window (part, name,
                        kind, input shapes, int arguments)
   --out-csv PATH       also write the results as CSV
@@ -464,8 +464,8 @@ double graph_step_us(const Config& c, Args a, const kvevict::EvictionOptions& e,
 }
 #endif
 
-/// Microseconds per step of update + observe + evict with a recall before it (the README's
-/// setting: 3 tokens, a pool of 256, pages of 64 by the heads' mean), on a cache whose host
+/// Microseconds per step of update + observe + evict with a recall before it (kvevict.hf's
+/// default: 3 tokens, a pool of 256, pages of 64 by the heads' mean), on a cache whose host
 /// tier (4 x capacity tokens per row) earlier passes filled. Eager: a step with a tier is not
 /// replayable as a CUDA graph.
 template <class Layout>
@@ -760,8 +760,8 @@ kvevict::EvictionOptions eviction_options(const Config& c, const Args& a, int64_
 /// (a), (b), (e): update, attention (apart, observe = false), observe(probs), evict. `lengths`:
 /// each row's tokens before decoding (a ragged batch; empty: one row at capacity).
 /// `tier_tokens` > 0 (g): with a host tier that the passes fill, and a recall before every
-/// step's attention (3 tokens from a pool of 256, pages of 64, scored by the heads' mean: the
-/// README's recall setting), counted apart.
+/// step's attention (3 tokens from a pool of 256, pages of 64, scored by the heads' mean:
+/// kvevict.hf's default recall), counted apart.
 template <class Layout>
 LoopCounts count_attend_loop(const std::string& name, Config c, const Args& a, int64_t evict_every,
                              const std::vector<int64_t>& lengths, int64_t tier_tokens = 0) {
@@ -869,9 +869,9 @@ LoopCounts count_lse_loop(const std::string& name, const Config& c, const Args& 
   return out;
 }
 
-/// (f): caller-owned storage, as the README's "Your own storage" loop: an EvictionPolicy and one
-/// fused latent buffer [1, slots, kv_lora_rank + qk_rope_dim]; append + write_rows, observe of
-/// fixed probabilities, evict + apply_moves.
+/// (f): caller-owned storage, as docs/cpp-guide.md's "Your own storage" loop: an EvictionPolicy
+/// and one fused latent buffer [1, slots, kv_lora_rank + qk_rope_dim]; append + write_rows,
+/// observe of fixed probabilities, evict + apply_moves.
 LoopCounts count_own_storage_loop(const std::string& name, const Config& c, const Args& a, int64_t evict_every) {
   LoopCounts out;
   out.loop = name;

@@ -6,8 +6,8 @@
 # tests with a tier ([tensor_parallel][agree][tier]). Any sanitizer report fails the run.
 #
 # Not part of CI (.ci/run): the sanitized build of kvevict_tests alone takes longer than the
-# ~10 minutes CI has left (see README, "Testing"). Run it by hand after changing the tier, the
-# paths or the slot moves.
+# ~10 minutes CI has left (see docs/building.md, "Sanitizers"). Run it by hand after changing
+# the tier, the paths or the slot moves.
 #
 # Only kvevict is instrumented: LibTorch is Debian's uninstrumented build, so ASan sees our
 # reads and writes of tensor memory (allocated by LibTorch's malloc, which ASan intercepts) but
@@ -23,7 +23,7 @@
 #                                        another DSO; left off so that a report is ours to fix
 # KVEVICT_SANITIZE_JOBS (default 2) sets the build's -j. Measured on the 2-core machine
 # (2026-12-04, shared with other builds, load 5-9): the build 35 min (2,078 s), [tier] 43 s,
-# the tensor-parallel tier tests 2 min 50 s (see README, "Sanitizers").
+# the tensor-parallel tier tests 2 min 50 s (see docs/building.md, "Sanitizers").
 # Usage: scripts/test_sanitizers.sh [extra Catch2 test spec for kvevict_tests, default "[tier]~[cuda]"]
 set -euo pipefail
 cd "$(dirname "$0")/.."

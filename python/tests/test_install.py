@@ -48,7 +48,7 @@ def plain(model):
 
 
 def test_readme_install_example_evicts(model):
-    """Row 4: the README's example evicts, with numbers a reader can check (capacity 4 + 16 + 8 =
+    """Row 4: docs/python.md's example evicts, with numbers a reader can check (capacity 4 + 16 + 8 =
     28 tokens per layer; 14 prompt tokens and 39 generated ones fed back: 25 evicted per layer, 100
     in all)."""
     kv = kvevict.install(model, budget=16, n_sink=4, n_recent=8, scorer="h2o", layout="latent")
@@ -204,7 +204,7 @@ def test_scorer_of_a_wrong_type_is_a_type_error(model):
 
 
 def test_duck_typed_mla_module_installs(model, plain):
-    """Row 18: a module with MLA's methods and config, not a subclass, installs (the README's
+    """Row 18: a module with MLA's methods and config, not a subclass, installs (docs/python.md's
     promise), and generates what the plain model generates at a full budget."""
     class Duck(torch.nn.Module):
         def __init__(self, inner):
@@ -351,7 +351,7 @@ def test_backward_is_refused_clearly(model):
 
 def _readme_block(marker: str) -> str:
     import os
-    text = open(os.path.join(os.path.dirname(WEIGHTS), "..", "..", "README.md")).read()
+    text = open(os.path.join(os.path.dirname(WEIGHTS), "..", "..", "docs", "python.md")).read()
     at = text.index(marker)
     start = text.rindex("```python\n", 0, at) + len("```python\n")
     return text[start:text.index("```", at)]
@@ -363,11 +363,11 @@ def _readme_block(marker: str) -> str:
     ("long_prompt = torch.tensor", ["224 True\n"]),
 ], ids=["install", "cpp_api", "press"])
 def test_readme_python_examples_run_as_printed(marker, expected):
-    """Rows 4-8: the README's Python examples run as written and print what their comments say."""
+    """Rows 4-8: docs/python.md's Python examples run as written and print what their comments say."""
     import contextlib
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(_readme_block(marker), "README.md", "exec"), {"torch": torch, "kvevict": kvevict, "BOS": BOS,
+        exec(compile(_readme_block(marker), "docs/python.md", "exec"), {"torch": torch, "kvevict": kvevict, "BOS": BOS,
                                                                   "Model": Model, "model": Model.load(WEIGHTS)})
     for e in expected:
         assert e in out.getvalue()

@@ -10,7 +10,7 @@ from kvevict.models import BOS, Config, DecodeState, Model
 
 TOL = 1e-5  # Python against C++: the same operations in the same order (the bound)
 # A cached step against the full forward: the same math in products of other shapes, which
-# round differently (README: decode and full forward agree within 2e-5).
+# round differently (examples/quality/README.md: decode and full forward agree within 2e-5).
 TOL_SHAPES = 3e-5
 
 
