@@ -20,6 +20,9 @@ What ``install_kv_eviction`` does, and nothing else:
 - ``generate()`` gets a fresh ``KVEvictCache`` where it would have made a ``DynamicCache``. A
   cache returned by ``generate()`` (``return_dict_in_generate=True``) continues a
   conversation when passed back as ``past_key_values``.
+- Continuous batching (``generate_batch``, ``init_continuous_batching``,
+  ``continuous_batching_context_manager``) is refused on the installed model before any work: it
+  runs through transformers' own ``PagedAttentionCache``, which kvevict does not evict from.
 - A forward pre-hook on the decoder reads the 2-D ``attention_mask`` once per forward: each
   row's real tokens must be the last columns of the chunk (left padding); they become the
   per-row counts kvevict appends, so pads are never stored, scored or attended.
@@ -408,6 +411,30 @@ def _installed_forward(module: nn.Module, *args, **kwargs):
     return handle._attend(module, state, cache, hidden, position_embeddings)
 
 
+#: transformers' continuous batching (``ContinuousMixin``): its three entry points, each of which the
+#: next calls (``generate_batch`` -> ``continuous_batching_context_manager`` -> ``init_continuous_batching``;
+#: ``generate(cache_implementation="paged")`` -> ``generate_batch``). They run the model through their own
+#: ``PagedAttentionCache``, which kvevict cannot evict from; install replaces each on the model with a refusal.
+_CONTINUOUS_BATCHING = ("generate_batch", "continuous_batching_context_manager", "init_continuous_batching")
+
+_NO_CONTINUOUS_BATCHING = ("transformers' continuous batching (generate_batch, init_continuous_batching, "
+                           "continuous_batching_context_manager, cache_implementation='paged') is not supported with "
+                           "eviction installed: it runs through its own PagedAttentionCache, without eviction. Call "
+                           "model.generate(...) per request instead (a left-padded batch of requests works too), or "
+                           "handle.remove() first to batch without eviction")
+
+
+def _refuse_continuous_batching(name: str, *args, **kwargs):
+    """What an installed model's ``generate_batch`` / ``init_continuous_batching`` /
+    ``continuous_batching_context_manager`` is: a refusal before any work."""
+    raise NotImplementedError(f"kvevict: {name}(): {_NO_CONTINUOUS_BATCHING}")
+
+
+def _is_paged(cache: Any) -> bool:
+    """Whether `cache` is continuous batching's PagedAttentionCache (by name: older transformers lack it)."""
+    return any(c.__name__ == "PagedAttentionCache" for c in type(cache).__mro__)
+
+
 class KVEviction:
     """The handle ``install_kv_eviction`` returns.
 
@@ -435,9 +462,16 @@ class KVEviction:
             m.forward = functools.partial(_installed_forward, m)
         self._hooks.append(decoder.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
         self._hooks.append(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
-        self._orig_prepare = model.__dict__.get("_prepare_cache_for_generation")
-        model._prepare_cache_for_generation = self._prepare_cache_for_generation
+        self._saved: Dict[str, Any] = {}  # the model's instance attributes install replaced: name -> old (None: none)
+        self._patch("_prepare_cache_for_generation", self._prepare_cache_for_generation)
+        for name in _CONTINUOUS_BATCHING:
+            if hasattr(type(model), name):
+                self._patch(name, functools.partial(_refuse_continuous_batching, name))
         model.__dict__["_kvevict_handle"] = self
+
+    def _patch(self, name: str, value: Any) -> None:
+        self._saved[name] = self.model.__dict__.get(name)
+        self.model.__dict__[name] = value
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -456,10 +490,12 @@ class KVEviction:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._orig_prepare is None:
-            self.model.__dict__.pop("_prepare_cache_for_generation", None)
-        else:
-            self.model._prepare_cache_for_generation = self._orig_prepare
+        for name, old in self._saved.items():
+            if old is None:
+                self.model.__dict__.pop(name, None)
+            else:
+                self.model.__dict__[name] = old
+        self._saved = {}
         self.model.__dict__.pop("_kvevict_handle", None)
         self._cache = None
 
@@ -546,7 +582,8 @@ class KVEviction:
             raise ValueError(f"kvevict: cache_implementation={impl!r} is not supported with eviction installed "
                              "(kvevict's cache is the cache); leave it unset")
         given = {k: model_kwargs.get(k) for k in ("cache", "past_key_values")}
-        orig = self._orig_prepare or type(self.model)._prepare_cache_for_generation.__get__(self.model)
+        orig = (self._saved.get("_prepare_cache_for_generation")
+                or type(self.model)._prepare_cache_for_generation.__get__(self.model))
         r = orig(generation_config, model_kwargs, *args, **kwargs)
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
@@ -558,6 +595,8 @@ class KVEviction:
 
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and _is_paged(cache):  # a continuous-batching manager built without the entry points
+            raise NotImplementedError(f"kvevict: this forward got a {type(cache).__name__}: {_NO_CONTINUOUS_BATCHING}")
         if not isinstance(cache, KVEvictCache) or cache._handle is not self:
             return None
         x = kwargs.get("input_ids")

@@ -502,3 +502,40 @@ def test_press_snapkv_by_name_takes_window_and_kernel():
             pass
     with hf.press(model, budget=8, n_sink=2, n_recent=8, window=4, kernel=3, scorer="snapkv") as h:
         assert repr(h._compress) == "SnapKV(window=4, kernel=3)"
+
+
+# ---- issue 37: what would run without eviction is refused or said ------------------------------------
+def test_continuous_batching_is_refused_before_any_forward():
+    model = make_model(attn="sdpa")
+    forwards = []
+    model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    h = install_kv_eviction(model, budget=8, n_sink=2, n_recent=4)
+    gc = transformers.GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    entry_points = {
+        "generate_batch": lambda: model.generate_batch([[5, 6, 7], [8, 9]], generation_config=gc),
+        "init_continuous_batching": lambda: model.init_continuous_batching(generation_config=gc),
+        "continuous_batching_context_manager":
+            lambda: model.continuous_batching_context_manager(generation_config=gc).__enter__(),
+        "generate_batch ": lambda: model.generate(torch.tensor([[5, 6, 7]]), cache_implementation="paged",
+                                                  max_new_tokens=3, pad_token_id=0),
+    }
+    for name, call in entry_points.items():
+        with pytest.raises(NotImplementedError, match=rf"kvevict: {name.strip()}\(\).*model\.generate\(\.\.\.\) per "
+                                                      "request"):
+            call()
+    assert forwards == []
+    # a manager built by hand (no entry point) fails its requests at the first forward, with the same advice
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingConfig
+    manager = ContinuousBatchingManager(model=model, generation_config=gc,
+                                        continuous_batching_config=ContinuousBatchingConfig())
+    manager.start()
+    try:
+        manager.add_request([5, 6, 7], max_new_tokens=3)
+        result = manager.get_result(timeout=60)
+    finally:
+        manager.stop(block=True, timeout=5)
+    assert "PagedAttentionCache" in str(result.error) and "per request" in str(result.error)
+    h.remove()
+    assert not {"generate_batch", "init_continuous_batching", "continuous_batching_context_manager"} & set(
+        model.__dict__)
