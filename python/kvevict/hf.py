@@ -15,7 +15,8 @@ What ``install_kv_eviction`` does, and nothing else:
   RoPE, appends the latent to a kvevict cache, attends through ``kvevict.attend_absorbed``
   (W_UK folded into the query, W_UV applied after; DeepSeek-V2, Sec. 2.1.2; nothing is
   re-expanded through ``kv_b_proj``), feeds that attention to the scorer and evicts. With any
-  other cache (or none) it runs the module's own forward. Parameters, buffers and
+  other cache (or none) it runs the module's own forward: silently when the caller passed no
+  cache, with a ``KVEvictWarning`` at every forward (or ``generate()``) that passed one. Parameters, buffers and
   ``state_dict()`` keys are untouched.
 - ``generate()`` gets a fresh ``KVEvictCache`` where it would have made a ``DynamicCache``. A
   cache returned by ``generate()`` (``return_dict_in_generate=True``) continues a
@@ -37,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import warnings
 import weakref
@@ -54,13 +56,55 @@ from . import _kvevict as _k
 from .config import (EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts, make_scorer,
                      tier_scoring)
 
-__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "MemoryReport", "install_kv_eviction",
+__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "KVEvictWarning", "MemoryReport", "install_kv_eviction",
            "reset_eviction_scores", "press"]
 
 #: transformers >= 5.15: ``crop(n)`` takes a negative count of tokens to drop (before: a length to
 #: keep), and DeepSeek attention caches the compressed latent (c_kv, k_pe) instead of the expanded
 #: per-head keys and values. One release changed both; ``memory()`` reads the layout from this too.
 _CROP_COUNTS = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
+
+
+class KVEvictWarning(UserWarning):
+    """A call on an installed model that runs without eviction (a cache kvevict did not make,
+    ``use_cache=False`` in ``generate()``) or without what it asked for (``output_attentions``).
+    Said at every such call: one warning per forward, or per ``generate()`` for all its forwards.
+    An ``"always"`` filter for this category is appended to the warning filters at import, so that
+    Python's default filter does not show it once per line only; any filter of yours comes first
+    (``warnings.filterwarnings("ignore", category=KVEvictWarning)`` silences it)."""
+
+
+warnings.filterwarnings("always", category=KVEvictWarning, append=True)
+
+#: Frames in these folders are the machinery between the user's call and a warning.
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["transformers"])) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _warn(message: str) -> None:
+    """A ``KVEvictWarning`` pointing at the user's line: the first frame outside torch, transformers and kvevict."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, KVEvictWarning, stacklevel=level + 1)
+
+
+try:
+    from transformers.generation.utils import GenerationMixin as _GenerationMixin
+    _GENERATE_CODE = inspect.unwrap(_GenerationMixin.generate).__code__
+except (ImportError, AttributeError):  # pragma: no cover
+    _GENERATE_CODE = None
+
+
+def _in_generate() -> bool:
+    """Whether transformers' ``generate()`` is on this thread's stack (it warns once for all its forwards).
+    Read only on the way to a warning, never on the steady path."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _GENERATE_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _deepseek_attention_classes() -> Dict[type, str]:
@@ -395,11 +439,10 @@ def _installed_forward(module: nn.Module, *args, **kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     handle = state["handle"]() if state["handle"] is not None else None
     if not isinstance(cache, KVEvictCache) or handle is None or cache._handle is not handle:
-        if cache is not None and handle is not None and not state.get("warned"):
-            state["warned"] = True
-            warnings.warn(f"kvevict: layer {state['layer']} got a {type(cache).__name__}, not a KVEvictCache: this "
-                          "forward runs without eviction (generate() makes a KVEvictCache itself; for your own loop "
-                          "use handle.new_cache())", stacklevel=3)
+        # Inside a decoder forward the pre-hook has already said it (or the user passed no cache: the model
+        # made its own, silently); an attention module called by itself says it at every call.
+        if cache is not None and handle is not None and handle._forward is None:
+            _warn(f"kvevict: layer {state['layer']}'s attention got a {_no_eviction(cache)}")
         return state["forward"](*args, **kwargs)
     hidden = args[0] if args else kwargs["hidden_states"]
     position_embeddings = kwargs.get("position_embeddings")
@@ -435,6 +478,20 @@ def _is_paged(cache: Any) -> bool:
     return any(c.__name__ == "PagedAttentionCache" for c in type(cache).__mro__)
 
 
+def _no_eviction(cache: Any) -> str:
+    """The end of a warning: what a forward with `cache` does instead of evicting."""
+    name = type(cache).__name__
+    what = ("a KVEvictCache of another model or install" if isinstance(cache, KVEvictCache)
+            else f"a {name}, not a KVEvictCache")
+    return (f"{what}: it runs the model's own attention, without eviction (generate() makes a KVEvictCache "
+            "itself; for your own loop use handle.new_cache(); pass no cache for a plain forward)")
+
+
+_NO_ATTENTIONS = ("output_attentions=True: the installed attention returns no attention weights (the attentions "
+                  "come back as empty tuples; kvevict's attention feeds them to the scorer instead); "
+                  "handle.remove() first to get transformers' weights, or leave output_attentions off")
+
+
 class KVEviction:
     """The handle ``install_kv_eviction`` returns.
 
@@ -454,6 +511,7 @@ class KVEviction:
         self._cache: Optional[KVEvictCache] = None  # the latest sequence's (held: stats() after generate())
         self._scorer = make_scorer(compress if compress is not None else config.scorer)
         self._hooks = []
+        self._forward: Optional[str] = None  # the decoder forward in progress: "ours", "plain", "other" or None
         ref = weakref.ref(self)
         for layer, m in attns:
             fam = _family(m)
@@ -582,6 +640,14 @@ class KVEviction:
             raise ValueError(f"kvevict: cache_implementation={impl!r} is not supported with eviction installed "
                              "(kvevict's cache is the cache); leave it unset")
         given = {k: model_kwargs.get(k) for k in ("cache", "past_key_values")}
+        for key, c in given.items():
+            if c is not None and not (isinstance(c, KVEvictCache) and c._handle is self):
+                _warn(f"kvevict: generate()'s {key} is {_no_eviction(c)}")
+        if getattr(generation_config, "use_cache", True) is False:
+            _warn("kvevict: generate(use_cache=False) keeps no cache, so it evicts nothing: every step runs the "
+                  "model's own attention over the whole sequence; leave use_cache on")
+        if getattr(generation_config, "output_attentions", False):
+            _warn(f"kvevict: generate(): {_NO_ATTENTIONS}")
         orig = (self._saved.get("_prepare_cache_for_generation")
                 or type(self.model)._prepare_cache_for_generation.__get__(self.model))
         r = orig(generation_config, model_kwargs, *args, **kwargs)
@@ -598,7 +664,14 @@ class KVEviction:
         if cache is not None and _is_paged(cache):  # a continuous-batching manager built without the entry points
             raise NotImplementedError(f"kvevict: this forward got a {type(cache).__name__}: {_NO_CONTINUOUS_BATCHING}")
         if not isinstance(cache, KVEvictCache) or cache._handle is not self:
+            # No cache: the model's own forward (it may make a DynamicCache for itself), silently.
+            self._forward = "plain" if cache is None else "other"
+            if cache is not None and not _in_generate():  # generate() said it once for all its forwards
+                _warn(f"kvevict: this forward got {_no_eviction(cache)}")
             return None
+        self._forward = "ours"
+        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)) and not _in_generate():
+            _warn(f"kvevict: {_NO_ATTENTIONS}")
         x = kwargs.get("input_ids")
         if x is None and args:
             x = args[0]
@@ -611,6 +684,7 @@ class KVEviction:
         return None
 
     def _post_hook(self, module, args, kwargs, output):
+        self._forward = None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVEvictCache) and cache._handle is self:
             cache._end()

@@ -539,3 +539,54 @@ def test_continuous_batching_is_refused_before_any_forward():
     h.remove()
     assert not {"generate_batch", "init_continuous_batching", "continuous_batching_context_manager"} & set(
         model.__dict__)
+
+
+def kvevict_warnings(record):
+    return [str(m.message) for m in record if issubclass(m.category, hf.KVEvictWarning)]
+
+
+def test_a_plain_forward_says_nothing_and_a_run_without_eviction_says_so_every_time():
+    model = make_model()
+    h = install_kv_eviction(model, budget=8, n_sink=2, n_recent=4)
+    x = torch.randint(3, VOCAB, (1, 6))
+    with warnings.catch_warnings(record=True) as w, torch.no_grad():
+        warnings.simplefilter("always")
+        loss = model(x, labels=x).loss  # no cache passed: the model makes its own DynamicCache
+        model(x, use_cache=False)
+        assert loss.isfinite() and kvevict_warnings(w) == []
+        for _ in range(3):  # a cache kvevict did not make: one warning per forward (not per layer, not once)
+            model(x, past_key_values=DynamicCache(config=model.config))
+        said = kvevict_warnings(w)
+        assert len(said) == 3 and all("DynamicCache, not a KVEvictCache" in m and "without eviction" in m for m in said)
+        assert all(m.filename == __file__ for m in w if issubclass(m.category, hf.KVEvictWarning))  # the user's line
+        c = h.new_cache()
+        for _ in range(2):  # attentions are not returned through kvevict's attention: said at every forward
+            out = model(x, past_key_values=c, output_attentions=True)
+        assert all(a.numel() == 0 for a in out.attentions)
+        said = kvevict_warnings(w)[3:]
+        assert len(said) == 2 and all("output_attentions=True" in m and "no attention weights" in m for m in said)
+        # generate(): once per call, for all its forwards
+        for kw, text in [(dict(output_attentions=True, return_dict_in_generate=True), "output_attentions=True"),
+                         (dict(past_key_values=DynamicCache(config=model.config)), "DynamicCache, not a KVEvictCache"),
+                         (dict(use_cache=False), "use_cache=False")]:
+            n = len(kvevict_warnings(w))
+            model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0, **kw)
+            said = kvevict_warnings(w)[n:]
+            assert len(said) == 1 and text in said[0], (kw, said)
+        n = len(kvevict_warnings(w))
+        gen(model, x, None, max_new_tokens=4)  # with eviction: nothing to say
+        assert kvevict_warnings(w)[n:] == []
+
+
+def test_the_warning_shows_at_every_call_under_pythons_default_filters():
+    code = ("import sys, torch; sys.path.insert(0, %r)\n"
+            "from test_hf import make_model, DynamicCache\n"
+            "from kvevict.hf import install_kv_eviction\n"
+            "m = make_model(); install_kv_eviction(m, budget=8, n_sink=2, n_recent=4)\n"
+            "for _ in range(3):\n"
+            "    m(torch.tensor([[5, 6, 7]]), past_key_values=DynamicCache(config=m.config))\n"
+            % os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("KVEvictWarning: kvevict: this forward got a DynamicCache") == 3, r.stderr[-2000:]
