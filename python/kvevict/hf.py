@@ -162,7 +162,8 @@ class KVEvictCache(Cache):
       does not read transformers' mask: it masks by kvevict's per-row positions).
     - ``crop(n)``: drops the newest columns (assisted and speculative decoding): each row's
       ``truncate`` by the real tokens among them. Raises, changing nothing, when one of them
-      was already evicted (keep ``n_recent`` >= the draft length).
+      was already evicted (keep ``n_recent`` >= the draft length; ``generate()`` refuses a longer
+      draft before its first forward).
     - ``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``: beams and batch
       surgery are not supported; they raise ``NotImplementedError``.
     - ``update()``: not used by the installed attention; raises.
@@ -522,6 +523,8 @@ class KVEviction:
         self._hooks.append(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
         self._saved: Dict[str, Any] = {}  # the model's instance attributes install replaced: name -> old (None: none)
         self._patch("_prepare_cache_for_generation", self._prepare_cache_for_generation)
+        if hasattr(type(model), "_get_candidate_generator"):
+            self._patch("_get_candidate_generator", self._get_candidate_generator)
         for name in _CONTINUOUS_BATCHING:
             if hasattr(type(model), name):
                 self._patch(name, functools.partial(_refuse_continuous_batching, name))
@@ -658,6 +661,55 @@ class KVEviction:
             elif isinstance(c, KVEvictCache):
                 self._cache = c
         return r
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' own, then a check of the draft length against ``n_recent``: assisted,
+        prompt-lookup and speculative decoding make their candidate generator before the prefill, so
+        a draft that crop() could not roll back is refused before any forward (crop() checks again)."""
+        orig = (self._saved.get("_get_candidate_generator")
+                or type(self.model)._get_candidate_generator.__get__(self.model))
+        generator = orig(*args, **kwargs)
+        try:
+            bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
+        except TypeError:  # pragma: no cover - a signature of another transformers
+            bound = kwargs
+        model_kwargs = bound.get("model_kwargs") or {}
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if isinstance(cache, KVEvictCache) and cache._handle is self:
+            self._check_draft(generator, bound.get("generation_config"), bound.get("input_ids"))
+        return generator
+
+    def _check_draft(self, generator, generation_config, input_ids) -> None:
+        """Raises ValueError when `generator` may draft more than ``n_recent`` tokens in one step."""
+        n_recent = self.config.n_recent
+        assistant = getattr(generator, "assistant_generation_config", None)
+        if hasattr(generator, "num_output_tokens"):  # prompt lookup
+            name, k = "prompt_lookup_num_tokens", int(generator.num_output_tokens)
+        elif hasattr(generator, "num_assistant_tokens"):
+            name, k = "the assistant's generation_config.num_assistant_tokens", int(generator.num_assistant_tokens)
+        else:
+            name = f"the draft length of {type(generator).__name__}"
+            k = getattr(generator, "num_drafting_tokens", None)
+            if k is None:
+                return  # a generator that says nothing about its drafts: crop() checks each rollback
+            k = int(k)
+        schedule = getattr(assistant, "num_assistant_tokens_schedule", None) or "constant"
+        if schedule != "constant":  # "heuristic": +2 after every step whose draft was all accepted
+            left = None
+            if generation_config is not None and input_ids is not None and generation_config.max_length:
+                left = int(generation_config.max_length) - int(input_ids.shape[-1])
+            if left is None or left > n_recent:
+                raise ValueError(f"kvevict: num_assistant_tokens_schedule={schedule!r} grows the draft past any bound "
+                                 f"(it starts at {k}); with eviction installed a draft must be at most n_recent "
+                                 f"({n_recent}) tokens, so that crop() can roll back a rejected one: set the "
+                                 "assistant's generation_config.num_assistant_tokens_schedule = 'constant' and "
+                                 f"num_assistant_tokens <= {n_recent}, or install with n_recent >= max_new_tokens")
+            return
+        if k > n_recent:
+            raise ValueError(f"kvevict: {name} must be at most n_recent ({n_recent}) with eviction installed, got {k}: "
+                             "a rejected draft is rolled back with crop(), which needs every drafted token still in "
+                             f"the cache, and only the newest n_recent are sure to be; draft at most {n_recent} "
+                             f"tokens, or install with n_recent >= {k}")
 
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))

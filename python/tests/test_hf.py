@@ -590,3 +590,32 @@ def test_the_warning_shows_at_every_call_under_pythons_default_filters():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.count("KVEvictWarning: kvevict: this forward got a DynamicCache") == 3, r.stderr[-2000:]
+
+
+def test_a_draft_longer_than_n_recent_is_refused_before_any_forward():
+    model = make_model()
+    assistant = make_model(seed=1)  # a draft model with the same vocabulary, not installed
+    forwards = []
+    model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    base = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(9))
+    ids = torch.cat([base, base, base[:, :4]], 1)
+    h = install_kv_eviction(model, budget=8, n_sink=2, n_recent=4)
+    with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens must be at most n_recent \(4\) .*got 5"):
+        gen(model, ids, None, max_new_tokens=12, prompt_lookup_num_tokens=5)
+    assert forwards == []
+    with pytest.raises(ValueError, match=r"num_assistant_tokens must be at most n_recent \(4\) .*got 20"):
+        gen(model, ids, None, max_new_tokens=12, assistant_model=assistant)  # transformers' default draft: 20
+    assert forwards == []
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    assistant.generation_config.num_assistant_tokens = 3
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule='heuristic'"):
+        gen(model, ids, None, max_new_tokens=12, assistant_model=assistant)
+    assert forwards == []
+    # drafts within n_recent run, evicting (crop never reaches an evicted token)
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    out = gen(model, ids, None, max_new_tokens=12, assistant_model=assistant)
+    assert out.sequences.shape == (1, ids.size(1) + 12) and h.stats()["tokens_evicted"] > 0
+    gen(model, ids, None, max_new_tokens=12, prompt_lookup_num_tokens=4)
+    # a heuristic schedule is fine when the whole generation fits the recent window
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    gen(model, ids, None, max_new_tokens=4, assistant_model=assistant)
