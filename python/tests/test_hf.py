@@ -417,6 +417,9 @@ def test_seed_example_runs_as_written():
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "kvevict: kept" in r.stdout
+    # after remove() the model is transformers' own under eager attention too (num_key_value_heads set)
+    agree = [l for l in r.stdout.splitlines() if l.startswith("after remove(): eager and sdpa logits agree to ")]
+    assert agree and float(agree[0].rsplit(" ", 1)[1]) < 1e-4, r.stdout
 
 
 def test_crop_past_an_evicted_token_raises_and_changes_nothing():
