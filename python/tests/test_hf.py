@@ -622,3 +622,13 @@ def test_a_draft_longer_than_n_recent_is_refused_before_any_forward():
     # a heuristic schedule is fine when the whole generation fits the recent window
     assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
     gen(model, ids, None, max_new_tokens=4, assistant_model=assistant)
+
+
+def test_the_hf_extra_brings_accelerate_at_transformers_minimum():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+    from transformers.dependency_versions_table import deps
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = {Requirement(r).name: Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["hf"]}
+    assert "accelerate" in extra, "device_map= and tp_plan= need accelerate: pip install 'kvevict[hf]' must bring it"
+    assert str(extra["accelerate"].specifier) == str(Requirement(deps["accelerate"]).specifier)
