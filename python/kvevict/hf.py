@@ -56,7 +56,8 @@ from . import _kvevict as _k
 from .config import (EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts, make_scorer,
                      tier_scoring)
 
-__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "KVEvictWarning", "MemoryReport", "install_kv_eviction",
+__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "KVEvictWarning", "LayerGroups", "MemoryReport",
+           "install_kv_eviction",
            "reset_eviction_scores", "press"]
 
 #: transformers >= 5.15: ``crop(n)`` takes a negative count of tokens to drop (before: a length to
@@ -149,11 +150,117 @@ def _check_attention(module: nn.Module, layer: int) -> None:
                          f"{missing or ['kv_b_proj as nn.Linear']}: not supported")
 
 
+# ---- a model whose layers differ in device or dtype ------------------------------------------------------
+class _SummedStats:
+    """``CacheStats`` summed over a LayerGroups' caches (the same fields)."""
+
+    _FIELDS = ("eviction_events", "tokens_evicted", "bytes_allocated", "tier_tokens", "tier_bytes",
+               "tier_device_bytes", "tier_recalled")
+
+    def __init__(self, stats):
+        for f in self._FIELDS:
+            setattr(self, f, sum(getattr(s, f) for s in stats))
+
+    def __repr__(self) -> str:
+        return "CacheStats(" + ", ".join(f"{f}={getattr(self, f)}" for f in self._FIELDS) + ")"
+
+
+class LayerGroups:
+    """The kvevict caches of a model whose attention layers differ in device or dtype (a model split
+    over GPUs with ``device_map``, a layer kept in another dtype): one ``MlaLatentCache`` (or
+    ``MlaCache``) per device and dtype, each holding its layers in order, on that device, in that
+    dtype. ``KVEvictCache.kv`` is one of these for such a model; a model on one device and dtype
+    gets the kvevict cache itself.
+
+    Reads and writes take the model's layer index, as a single cache's do: ``size(layer, row)``,
+    ``positions(layer)``, ``ckv(layer)``, ``seen_tokens(layer, row)``, ... go to the cache holding
+    that layer; ``stats()`` sums over the caches (``stats(layer)``: that layer's); ``truncate``,
+    ``reset``, ``reserve``, ``finish`` and ``add_sequence`` act on every cache; ``batch_size`` and
+    ``active(row)`` are the same in all. ``layer(l)`` gives (the cache, l's index in it);
+    ``groups()`` gives [(cache, [model layers])]."""
+
+    #: methods whose first argument is a layer (those of MlaLatentCache and MlaCache)
+    _PER_LAYER = frozenset(("update", "ckv", "kpe", "keys", "values", "ordered", "recall", "recall_absorbed",
+                            "eviction", "size", "seen_tokens", "slots", "positions", "scores", "query_positions",
+                            "observe", "add_scores", "flush", "observe_begin", "observe_add", "observe_end",
+                            "observe_discard", "due", "evict", "evict_now", "tier_size", "tier_positions",
+                            "tier_scores", "tier_rows"))
+
+    def __init__(self, caches: List[Any], layers: List[List[int]]):
+        self.caches = caches
+        self._layers = layers
+        self._where = {l: (i, j) for i, ls in enumerate(layers) for j, l in enumerate(ls)}
+
+    def layer(self, layer: int) -> Tuple[Any, int]:
+        """(the kvevict cache holding the model's `layer`, the layer's index in it)."""
+        if layer not in self._where:
+            raise IndexError(f"kvevict: layer must be in [0, {len(self._where)}), got {layer!r}")
+        i, j = self._where[layer]
+        return self.caches[i], j
+
+    def groups(self) -> List[Tuple[Any, List[int]]]:
+        return list(zip(self.caches, self._layers))
+
+    @property
+    def batch_size(self) -> int:
+        return self.caches[0].batch_size
+
+    def active(self, row: int) -> bool:
+        return self.caches[0].active(row)
+
+    def capacity(self, layer: Optional[int] = None) -> int:
+        if layer is None:
+            return max(c.capacity() for c in self.caches)
+        c, j = self.layer(layer)
+        return c.capacity(j)
+
+    def stats(self, layer: Optional[int] = None):
+        if layer is not None:
+            c, j = self.layer(layer)
+            return c.stats(j)
+        return _SummedStats([c.stats() for c in self.caches])
+
+    def truncate(self, row: int, k: int) -> None:
+        for c in self.caches:
+            c.truncate(row, k)
+
+    def reset(self, row: Optional[int] = None) -> None:
+        for c in self.caches:
+            c.reset() if row is None else c.reset(row)
+
+    def reserve(self, tokens: int) -> None:
+        for c in self.caches:
+            c.reserve(tokens)
+
+    def finish(self, row: int) -> None:
+        for c in self.caches:
+            c.finish(row)
+
+    def add_sequence(self) -> int:
+        rows = [c.add_sequence() for c in self.caches]
+        return rows[0]
+
+    def __getattr__(self, name: str):
+        if name in LayerGroups._PER_LAYER:
+            def per_layer(layer, *args, **kwargs):
+                c, j = self.layer(layer)
+                return getattr(c, name)(j, *args, **kwargs)
+            per_layer.__name__ = name
+            return per_layer
+        raise AttributeError(f"kvevict: LayerGroups has no {name!r}: the layers' caches differ in device or dtype; "
+                             "read one through .caches or .layer(l)")
+
+    def __repr__(self) -> str:
+        return "LayerGroups(" + ", ".join(f"{c.device} {str(c.dtype).replace('torch.', '')}: layers {ls}"
+                                          for c, ls in self.groups()) + ")"
+
+
 # ---- the transformers Cache -------------------------------------------------------------------------
 class KVEvictCache(Cache):
     """A ``transformers.Cache`` whose rows live in a kvevict cache (``MlaLatentCache`` or
-    ``MlaCache``, on the model's device and dtype, built at the first forward with that
-    forward's batch size).
+    ``MlaCache``, built at the first forward with that forward's batch size, each layer on its
+    attention's device and in its dtype: one kvevict cache per device and dtype, behind a
+    ``LayerGroups`` when the layers differ).
 
     Protocol, as ``generate()`` uses it:
     - ``get_seq_length()``: columns taken in so far (pads included, as ``DynamicCache``);
@@ -324,8 +431,16 @@ class KVEvictCache(Cache):
     # -- kvevict -------------------------------------------------------------------------------
     @property
     def kv(self):
-        """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward."""
+        """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward. For a
+        model whose attention layers differ in device or dtype: a ``LayerGroups`` (one kvevict cache per
+        device and dtype, read by the model's layer index)."""
         return self._kv
+
+    def _layer(self, layer: int):
+        """(the kvevict cache holding the model's `layer`, the layer's index in it)."""
+        if isinstance(self._kv, LayerGroups):
+            return self._kv.layer(layer)
+        return self._kv, layer
 
     def _begin(self, T: int, batch: int, mask: Optional[torch.Tensor]) -> None:
         """A forward of T columns starts (the decoder's pre-hook)."""
@@ -497,7 +612,7 @@ class KVEviction:
     """The handle ``install_kv_eviction`` returns.
 
     Attributes: ``model``; ``config`` (``EvictionConfig``); ``geometry`` (the model's MLA
-    dimensions, dtype and device); ``cache`` (the ``KVEvictCache`` of the latest sequence, or
+    dimensions, and layer 0's dtype and device: each layer's cache takes its own layer's); ``cache`` (the ``KVEvictCache`` of the latest sequence, or
     None). Methods: ``remove()``, ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``,
     ``memory()``."""
 
@@ -619,11 +734,14 @@ class KVEviction:
         g = self.geometry
         s = c.kv.stats()
         full_layout = "latent" if _CROP_COUNTS else "expanded"
-        cfg = _k.MlaMemoryConfig(num_layers=g.num_layers, num_heads=g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim,
-                                 v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank, qk_rope_dim=g.qk_rope_dim,
-                                 bytes_per_element=torch.finfo(g.dtype).bits // 8)
         lay = _k.Layout.kLatent if full_layout == "latent" else _k.Layout.kExpanded
-        full = _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
+        groups = c.kv.groups() if isinstance(c.kv, LayerGroups) else [(c.kv, list(range(g.num_layers)))]
+        full = 0
+        for kv, layers in groups:  # each group's layers in its own dtype
+            cfg = _k.MlaMemoryConfig(num_layers=len(layers), num_heads=g.num_heads,
+                                     qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank,
+                                     qk_rope_dim=g.qk_rope_dim, bytes_per_element=torch.finfo(kv.dtype).bits // 8)
+            full += _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
         return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=full_layout,
                             tier_bytes=s.tier_bytes, columns=c._columns)
 
@@ -744,18 +862,35 @@ class KVEviction:
 
     # -- the cache ----------------------------------------------------------------------------
     def _make_kv(self, batch: int):
-        w = self._attns[0][1].kv_a_proj_with_mqa.weight  # the model may have moved since install
-        self.geometry = dataclasses.replace(self.geometry, dtype=w.dtype, device=w.device)
+        """The kvevict cache of a new sequence: each layer on its attention's device and in its dtype, read
+        now (the model may have moved since install). One cache when all layers agree (the usual model);
+        otherwise one per (device, dtype), each holding its layers, behind a ``LayerGroups``."""
+        keys, group_of = [], []
+        for _, m in self._attns:
+            w = m.kv_a_proj_with_mqa.weight
+            if (w.device, w.dtype) not in keys:
+                keys.append((w.device, w.dtype))
+            group_of.append(keys.index((w.device, w.dtype)))
+        self.geometry = dataclasses.replace(self.geometry, device=keys[group_of[0]][0], dtype=keys[group_of[0]][1])
+        layers = [[l for l, g in enumerate(group_of) if g == i] for i in range(len(keys))]
+        caches = [self._make_one(batch, layers[i], *keys[i]) for i in range(len(keys))]
+        if len(caches) == 1:
+            return caches[0]
+        return LayerGroups(caches, layers)
+
+    def _make_one(self, batch: int, layers: List[int], device: torch.device, dtype: torch.dtype):
+        """A kvevict cache for the model's `layers` (ascending), on `device` in `dtype`."""
         cfg, g = self.config, self.geometry
         ev = _k.EvictionOptions(cfg.budget, n_sink=cfg.n_sink, n_recent=cfg.n_recent, evict_every=cfg.evict_every)
-        common = dict(batch_size=batch, dtype=g.dtype, device=g.device, layer_budgets=list(cfg.layer_budgets or []),
+        budgets = [cfg.layer_budgets[l] for l in layers] if cfg.layer_budgets else []
+        common = dict(batch_size=batch, dtype=dtype, device=device, layer_budgets=budgets,
                       tier_tokens=cfg.tier_tokens, tier_page_size=cfg.tier_page_size,
                       tier_scoring=tier_scoring(cfg.tier_scoring))
         if cfg.layout == "latent":
-            opts = _k.MlaLatentCacheOptions(g.num_layers, g.num_heads, kv_lora_rank=g.kv_lora_rank,
+            opts = _k.MlaLatentCacheOptions(len(layers), g.num_heads, kv_lora_rank=g.kv_lora_rank,
                                             qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
             return _k.MlaLatentCache(opts, ev, self._scorer)
-        opts = _k.MlaCacheOptions(g.num_layers, g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
+        opts = _k.MlaCacheOptions(len(layers), g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
                                   **common)
         return _k.MlaCache(opts, ev, self._scorer)
 
@@ -763,7 +898,7 @@ class KVEviction:
                 position_embeddings) -> Tuple[torch.Tensor, None]:
         cfg, g = self.config, self.geometry
         layer = state["layer"]
-        kv = cache.kv
+        kv, lk = cache._layer(layer)  # the cache holding this layer (its device and dtype), and its index there
         T, counts = cache._step
         B = hidden.size(0)
         q_nope, q_pe, ckv, kpe = _project(module, state["family"], state["rope"], hidden, position_embeddings, g)
@@ -787,15 +922,15 @@ class KVEviction:
             k_nope, v = torch.split(kvx, [g.qk_nope_dim, g.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(B, g.num_heads, T, g.qk_rope_dim)], -1)
             q = torch.cat([q_nope, q_pe], -1)
-        compress = self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is None
-        if self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is not None:
+        compress = self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is None
+        if self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is not None:
             raise ValueError("kvevict: the press compresses unpadded prompts: this batch has left padding "
                              f"(real tokens per row {counts}); run the rows one by one, or install_kv_eviction() "
                              "without the press")
         if T == 0:  # every row is padding in this chunk
             out = q_nope.new_zeros(B, g.num_heads, 0, g.kv_lora_rank if latent else g.v_dim)
         elif compress:
-            out = self._compress_prompt(kv, layer, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
+            out = self._compress_prompt(kv, lk, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
         else:
             chunk = cfg.prefill_chunk if cfg.prefill_chunk and T > cfg.prefill_chunk else T
             outs = []
@@ -803,18 +938,18 @@ class KVEviction:
                 e = min(T, s + chunk)
                 cc = chunk_counts(T, counts, s, e)
                 if latent:
-                    kv.update(layer, ckv[:, s:e], kpe[:, s:e], cc)
+                    kv.update(lk, ckv[:, s:e], kpe[:, s:e], cc)
                     qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
                     if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall_absorbed(layer, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend_absorbed(qa, qb, kv, layer, scale, observe=cfg.observe))
+                        kv.recall_absorbed(lk, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend_absorbed(qa, qb, kv, lk, scale, observe=cfg.observe))
                 else:
-                    kv.update(layer, k[:, :, s:e], v[:, :, s:e], cc)
+                    kv.update(lk, k[:, :, s:e], v[:, :, s:e], cc)
                     qq = q[:, :, s:e].contiguous()
                     if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall(layer, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend(qq, kv, layer, scale, observe=cfg.observe))
-                kv.evict(layer)
+                        kv.recall(lk, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend(qq, kv, lk, scale, observe=cfg.observe))
+                kv.evict(lk)
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if latent:
             out = _per_head(out, w_uv.transpose(1, 2))  # [B, H, T, v]
@@ -891,7 +1026,7 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
                         **options) -> KVEviction:
     """Installs H2O-style KV-cache eviction on a transformers DeepSeek-V2/V3 model (the seed's call)
     and returns the handle (``KVEviction``). ``model.generate(...)`` then runs through a kvevict
-    cache on the model's device and dtype that keeps, per layer and row, the first `n_sink`
+    cache, each layer's on that layer's device and in its dtype, that keeps, per layer and row, the first `n_sink`
     tokens, the `budget` heavy hitters (attention accumulated across heads) and the newest
     `n_recent` tokens.
 
@@ -909,11 +1044,6 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
 def _install(model: nn.Module, config: EvictionConfig, compress=None) -> KVEviction:
     decoder, attns = _find(model)
     geometry = _geometry(attns)
-    for i, m in attns:
-        if m.kv_a_proj_with_mqa.weight.device != geometry.device or m.kv_a_proj_with_mqa.weight.dtype != geometry.dtype:
-            raise ValueError(f"kvevict: layer {i}'s attention is on {m.kv_a_proj_with_mqa.weight.device} / "
-                             f"{m.kv_a_proj_with_mqa.weight.dtype}, layer 0's on {geometry.device} / {geometry.dtype}: "
-                             "one device and dtype for the whole model")
     ev = _k.EvictionOptions(config.budget, n_sink=config.n_sink, n_recent=config.n_recent,
                             evict_every=config.evict_every)
     ev.validate()

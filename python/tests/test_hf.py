@@ -632,3 +632,66 @@ def test_the_hf_extra_brings_accelerate_at_transformers_minimum():
         extra = {Requirement(r).name: Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["hf"]}
     assert "accelerate" in extra, "device_map= and tp_plan= need accelerate: pip install 'kvevict[hf]' must bring it"
     assert str(extra["accelerate"].specifier) == str(Requirement(deps["accelerate"]).specifier)
+
+
+def model_with_a_bf16_layer(layers=2):
+    """make_model() with decoder layer 1 in bf16; transformers leaves casting between layers of different dtypes to
+    the model's owner, so hooks cast the hidden states (and RoPE's cos/sin) into that layer and back out."""
+    model = make_model(layers=layers)
+    layer = model.model.layers[1].to(torch.bfloat16)
+
+    def into(mod, args, kwargs):
+        kwargs["position_embeddings"] = tuple(t.bfloat16() for t in kwargs["position_embeddings"])
+        return (args[0].bfloat16(),) + tuple(args[1:]), kwargs
+
+    def out_of(mod, args, kwargs, out):
+        return out.float() if isinstance(out, torch.Tensor) else (out[0].float(),) + tuple(out[1:])
+
+    layer.register_forward_pre_hook(into, with_kwargs=True)
+    layer.register_forward_hook(out_of, with_kwargs=True)
+    return model
+
+
+def test_each_layer_s_cache_takes_its_layer_s_dtype():
+    model = model_with_a_bf16_layer()
+    ids, mask = padded_batch()
+    ref = gen(model, ids, mask, max_new_tokens=8)
+    h = install_kv_eviction(model, budget=4096, n_sink=4, n_recent=512)
+    out = gen(model, ids, mask, max_new_tokens=8)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) < 1e-2  # one layer in bf16
+    kv = out.past_key_values.kv
+    assert isinstance(kv, hf.LayerGroups) and len(kv.caches) == 2
+    assert kv.ckv(0).dtype == torch.float32 and kv.ckv(1).dtype == torch.bfloat16
+    assert [p[p >= 0].tolist() for p in h.positions(1)] == [list(range(n + 7)) for n in (12, 8, 5)]
+    mem = h.memory()  # transformers' cache: layer 0's latent rows in fp32, layer 1's in bf16
+    assert mem.full_cache_bytes == 3 * out.past_key_values.get_seq_length() * (32 + 8) * (4 + 2)
+    assert mem.cache_bytes == sum(c.stats().bytes_allocated for c in kv.caches)
+    assert "bfloat16: layers [1]" in repr(kv)
+
+
+def test_a_bf16_layer_evicts_like_the_masked_oracle():
+    model = model_with_a_bf16_layer(layers=3)
+    P, steps = 20, 24
+    ids = torch.randint(3, VOCAB, (1, P), generator=torch.Generator().manual_seed(2))
+    h = install_kv_eviction(model, budget=6, n_sink=2, n_recent=4)  # capacity 12
+    cache = h.new_cache()
+    visible = [[set(range(j + 1)) for j in range(P)] for _ in range(3)]
+    seq, logits = ids, []
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache).logits[:, -1]
+        for t in range(steps):
+            kept = [set(h.positions(l)[0][h.positions(l)[0] >= 0].tolist()) for l in range(3)]
+            nxt = out.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            for l in range(3):
+                visible[l].append(kept[l] | {seq.size(1) - 1})
+            out = model(nxt, past_key_values=cache).logits[:, -1]
+            logits.append(out[0])
+        cache.crop(-2)  # rollback across both caches
+    assert cache.get_seq_length() == P + steps - 2
+    assert all(h.positions(l)[0].max().item() == P + steps - 3 for l in range(3))
+    assert h.stats()["tokens_evicted"] > 0
+    h.remove()
+    ref = masked_reference_logits(model, seq, visible)[P:]
+    assert (torch.stack(logits) - ref).abs().max().item() < 1e-2
