@@ -527,18 +527,12 @@ def test_continuous_batching_is_refused_before_any_forward():
                                                       "request"):
             call()
     assert forwards == []
-    # a manager built by hand (no entry point) fails its requests at the first forward, with the same advice
-    from transformers.generation.continuous_batching import ContinuousBatchingManager
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingConfig
-    manager = ContinuousBatchingManager(model=model, generation_config=gc,
-                                        continuous_batching_config=ContinuousBatchingConfig())
-    manager.start()
-    try:
-        manager.add_request([5, 6, 7], max_new_tokens=3)
-        result = manager.get_result(timeout=60)
-    finally:
-        manager.stop(block=True, timeout=5)
-    assert "PagedAttentionCache" in str(result.error) and "per request" in str(result.error)
+    # a manager built by hand (no entry point) runs the model with its PagedAttentionCache: refused at the
+    # decoder, before any attention (a bare instance: the real one needs the manager's memory planning)
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    paged = PagedAttentionCache.__new__(PagedAttentionCache)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="got a PagedAttentionCache.*per request"):
+        model(torch.tensor([[5, 6, 7]]), past_key_values=paged)
     h.remove()
     assert not {"generate_batch", "init_continuous_batching", "continuous_batching_context_manager"} & set(
         model.__dict__)
@@ -664,8 +658,9 @@ def test_each_layer_s_cache_takes_its_layer_s_dtype():
     assert isinstance(kv, hf.LayerGroups) and len(kv.caches) == 2
     assert kv.ckv(0).dtype == torch.float32 and kv.ckv(1).dtype == torch.bfloat16
     assert [p[p >= 0].tolist() for p in h.positions(1)] == [list(range(n + 7)) for n in (12, 8, 5)]
-    mem = h.memory()  # transformers' cache: layer 0's latent rows in fp32, layer 1's in bf16
-    assert mem.full_cache_bytes == 3 * out.past_key_values.get_seq_length() * (32 + 8) * (4 + 2)
+    mem = h.memory()  # transformers' cache: layer 0's rows in fp32, layer 1's in bf16
+    per_token = (32 + 8) if LATENT_CACHE else 4 * (16 + 8 + 16)  # latent c_kv + k_pe, or H x (k + v)
+    assert mem.full_cache_bytes == 3 * out.past_key_values.get_seq_length() * per_token * (4 + 2)
     assert mem.cache_bytes == sum(c.stats().bytes_allocated for c in kv.caches)
     assert "bfloat16: layers [1]" in repr(kv)
 
