@@ -612,9 +612,9 @@ class KVEviction:
     """The handle ``install_kv_eviction`` returns.
 
     Attributes: ``model``; ``config`` (``EvictionConfig``); ``geometry`` (the model's MLA
-    dimensions, and layer 0's dtype and device: each layer's cache takes its own layer's); ``cache`` (the ``KVEvictCache`` of the latest sequence, or
-    None). Methods: ``remove()``, ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``,
-    ``memory()``."""
+    dimensions, and layer 0's dtype and device: each layer's cache takes its own layer's);
+    ``cache`` (the ``KVEvictCache`` of the latest sequence, or None). Methods: ``remove()``,
+    ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``, ``memory()``."""
 
     def __init__(self, model: nn.Module, attns: List[Tuple[int, nn.Module]], decoder: nn.Module,
                  config: EvictionConfig, geometry: _Geometry, compress: Optional[Any] = None):

@@ -692,10 +692,11 @@ def test_a_bf16_layer_evicts_like_the_masked_oracle():
     assert (torch.stack(logits) - ref).abs().max().item() < 1e-2
 
 
-@pytest.mark.xfail(strict=True, reason="speculative decoding is exact only while nothing is evicted: the verify forward "
-                   "appends the draft as one chunk (each draft query sees tokens greedy would already have evicted), "
-                   "adds the rejected drafts' attention to the scores and evicts once for the chunk, and crop() rolls "
-                   "back only the appended tokens, not the scores or the evictions they caused (issue 37, item 7)")
+@pytest.mark.xfail(strict=True, reason="speculative decoding is exact only while nothing is evicted: the verify "
+                   "forward appends the draft as one chunk (each draft query sees tokens greedy would already have "
+                   "evicted), adds the rejected drafts' attention to the scores and evicts once for the chunk, and "
+                   "crop() rolls back only the appended tokens, not the scores or the evictions they caused "
+                   "(issue 37, item 7)")
 def test_prompt_lookup_equals_greedy_under_eviction():
     model = make_model()
     base = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
