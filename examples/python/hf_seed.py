@@ -14,7 +14,8 @@ from kvevict.hf import install_kv_eviction, reset_eviction_scores
 
 torch.manual_seed(0)
 config = DeepseekV3Config(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,  # MLA: one per head
+                          q_lora_rank=64, kv_lora_rank=64,
                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
                           num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=8192)
 model = DeepseekV3ForCausalLM(config).eval()
@@ -34,3 +35,11 @@ print(f"kvevict: cache {mem.cache_bytes:,} bytes; transformers' own cache would 
       f"({mem.full_layout} layout)")
 reset_eviction_scores(model)  # the seed's reset between independent generations
 handle.remove()               # the model attends in full again
+
+# transformers' own attention, under any implementation (eager needs num_key_value_heads to divide the heads)
+logits = {}
+for impl in ("eager", "sdpa"):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        logits[impl] = model(prompt[:, :64]).logits
+print(f"after remove(): eager and sdpa logits agree to {(logits['eager'] - logits['sdpa']).abs().max().item():.1e}")

@@ -15,11 +15,15 @@ What ``install_kv_eviction`` does, and nothing else:
   RoPE, appends the latent to a kvevict cache, attends through ``kvevict.attend_absorbed``
   (W_UK folded into the query, W_UV applied after; DeepSeek-V2, Sec. 2.1.2; nothing is
   re-expanded through ``kv_b_proj``), feeds that attention to the scorer and evicts. With any
-  other cache (or none) it runs the module's own forward. Parameters, buffers and
+  other cache (or none) it runs the module's own forward: silently when the caller passed no
+  cache, with a ``KVEvictWarning`` at every forward (or ``generate()``) that passed one. Parameters, buffers and
   ``state_dict()`` keys are untouched.
 - ``generate()`` gets a fresh ``KVEvictCache`` where it would have made a ``DynamicCache``. A
   cache returned by ``generate()`` (``return_dict_in_generate=True``) continues a
   conversation when passed back as ``past_key_values``.
+- Continuous batching (``generate_batch``, ``init_continuous_batching``,
+  ``continuous_batching_context_manager``) is refused on the installed model before any work: it
+  runs through transformers' own ``PagedAttentionCache``, which kvevict does not evict from.
 - A forward pre-hook on the decoder reads the 2-D ``attention_mask`` once per forward: each
   row's real tokens must be the last columns of the chunk (left padding); they become the
   per-row counts kvevict appends, so pads are never stored, scored or attended.
@@ -34,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import warnings
 import weakref
@@ -51,13 +56,56 @@ from . import _kvevict as _k
 from .config import (EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts, make_scorer,
                      tier_scoring)
 
-__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "MemoryReport", "install_kv_eviction",
+__all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "KVEvictWarning", "LayerGroups", "MemoryReport",
+           "install_kv_eviction",
            "reset_eviction_scores", "press"]
 
 #: transformers >= 5.15: ``crop(n)`` takes a negative count of tokens to drop (before: a length to
 #: keep), and DeepSeek attention caches the compressed latent (c_kv, k_pe) instead of the expanded
 #: per-head keys and values. One release changed both; ``memory()`` reads the layout from this too.
 _CROP_COUNTS = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
+
+
+class KVEvictWarning(UserWarning):
+    """A call on an installed model that runs without eviction (a cache kvevict did not make,
+    ``use_cache=False`` in ``generate()``) or without what it asked for (``output_attentions``).
+    Said at every such call: one warning per forward, or per ``generate()`` for all its forwards.
+    An ``"always"`` filter for this category is appended to the warning filters at import, so that
+    Python's default filter does not show it once per line only; any filter of yours comes first
+    (``warnings.filterwarnings("ignore", category=KVEvictWarning)`` silences it)."""
+
+
+warnings.filterwarnings("always", category=KVEvictWarning, append=True)
+
+#: Frames in these folders are the machinery between the user's call and a warning.
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["transformers"])) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _warn(message: str) -> None:
+    """A ``KVEvictWarning`` pointing at the user's line: the first frame outside torch, transformers and kvevict."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, KVEvictWarning, stacklevel=level + 1)
+
+
+try:
+    from transformers.generation.utils import GenerationMixin as _GenerationMixin
+    _GENERATE_CODE = inspect.unwrap(_GenerationMixin.generate).__code__
+except (ImportError, AttributeError):  # pragma: no cover
+    _GENERATE_CODE = None
+
+
+def _in_generate() -> bool:
+    """Whether transformers' ``generate()`` is on this thread's stack (it warns once for all its forwards).
+    Read only on the way to a warning, never on the steady path."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _GENERATE_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _deepseek_attention_classes() -> Dict[type, str]:
@@ -102,11 +150,117 @@ def _check_attention(module: nn.Module, layer: int) -> None:
                          f"{missing or ['kv_b_proj as nn.Linear']}: not supported")
 
 
+# ---- a model whose layers differ in device or dtype ------------------------------------------------------
+class _SummedStats:
+    """``CacheStats`` summed over a LayerGroups' caches (the same fields)."""
+
+    _FIELDS = ("eviction_events", "tokens_evicted", "bytes_allocated", "tier_tokens", "tier_bytes",
+               "tier_device_bytes", "tier_recalled")
+
+    def __init__(self, stats):
+        for f in self._FIELDS:
+            setattr(self, f, sum(getattr(s, f) for s in stats))
+
+    def __repr__(self) -> str:
+        return "CacheStats(" + ", ".join(f"{f}={getattr(self, f)}" for f in self._FIELDS) + ")"
+
+
+class LayerGroups:
+    """The kvevict caches of a model whose attention layers differ in device or dtype (a model split
+    over GPUs with ``device_map``, a layer kept in another dtype): one ``MlaLatentCache`` (or
+    ``MlaCache``) per device and dtype, each holding its layers in order, on that device, in that
+    dtype. ``KVEvictCache.kv`` is one of these for such a model; a model on one device and dtype
+    gets the kvevict cache itself.
+
+    Reads and writes take the model's layer index, as a single cache's do: ``size(layer, row)``,
+    ``positions(layer)``, ``ckv(layer)``, ``seen_tokens(layer, row)``, ... go to the cache holding
+    that layer; ``stats()`` sums over the caches (``stats(layer)``: that layer's); ``truncate``,
+    ``reset``, ``reserve``, ``finish`` and ``add_sequence`` act on every cache; ``batch_size`` and
+    ``active(row)`` are the same in all. ``layer(l)`` gives (the cache, l's index in it);
+    ``groups()`` gives [(cache, [model layers])]."""
+
+    #: methods whose first argument is a layer (those of MlaLatentCache and MlaCache)
+    _PER_LAYER = frozenset(("update", "ckv", "kpe", "keys", "values", "ordered", "recall", "recall_absorbed",
+                            "eviction", "size", "seen_tokens", "slots", "positions", "scores", "query_positions",
+                            "observe", "add_scores", "flush", "observe_begin", "observe_add", "observe_end",
+                            "observe_discard", "due", "evict", "evict_now", "tier_size", "tier_positions",
+                            "tier_scores", "tier_rows"))
+
+    def __init__(self, caches: List[Any], layers: List[List[int]]):
+        self.caches = caches
+        self._layers = layers
+        self._where = {l: (i, j) for i, ls in enumerate(layers) for j, l in enumerate(ls)}
+
+    def layer(self, layer: int) -> Tuple[Any, int]:
+        """(the kvevict cache holding the model's `layer`, the layer's index in it)."""
+        if layer not in self._where:
+            raise IndexError(f"kvevict: layer must be in [0, {len(self._where)}), got {layer!r}")
+        i, j = self._where[layer]
+        return self.caches[i], j
+
+    def groups(self) -> List[Tuple[Any, List[int]]]:
+        return list(zip(self.caches, self._layers))
+
+    @property
+    def batch_size(self) -> int:
+        return self.caches[0].batch_size
+
+    def active(self, row: int) -> bool:
+        return self.caches[0].active(row)
+
+    def capacity(self, layer: Optional[int] = None) -> int:
+        if layer is None:
+            return max(c.capacity() for c in self.caches)
+        c, j = self.layer(layer)
+        return c.capacity(j)
+
+    def stats(self, layer: Optional[int] = None):
+        if layer is not None:
+            c, j = self.layer(layer)
+            return c.stats(j)
+        return _SummedStats([c.stats() for c in self.caches])
+
+    def truncate(self, row: int, k: int) -> None:
+        for c in self.caches:
+            c.truncate(row, k)
+
+    def reset(self, row: Optional[int] = None) -> None:
+        for c in self.caches:
+            c.reset() if row is None else c.reset(row)
+
+    def reserve(self, tokens: int) -> None:
+        for c in self.caches:
+            c.reserve(tokens)
+
+    def finish(self, row: int) -> None:
+        for c in self.caches:
+            c.finish(row)
+
+    def add_sequence(self) -> int:
+        rows = [c.add_sequence() for c in self.caches]
+        return rows[0]
+
+    def __getattr__(self, name: str):
+        if name in LayerGroups._PER_LAYER:
+            def per_layer(layer, *args, **kwargs):
+                c, j = self.layer(layer)
+                return getattr(c, name)(j, *args, **kwargs)
+            per_layer.__name__ = name
+            return per_layer
+        raise AttributeError(f"kvevict: LayerGroups has no {name!r}: the layers' caches differ in device or dtype; "
+                             "read one through .caches or .layer(l)")
+
+    def __repr__(self) -> str:
+        return "LayerGroups(" + ", ".join(f"{c.device} {str(c.dtype).replace('torch.', '')}: layers {ls}"
+                                          for c, ls in self.groups()) + ")"
+
+
 # ---- the transformers Cache -------------------------------------------------------------------------
 class KVEvictCache(Cache):
     """A ``transformers.Cache`` whose rows live in a kvevict cache (``MlaLatentCache`` or
-    ``MlaCache``, on the model's device and dtype, built at the first forward with that
-    forward's batch size).
+    ``MlaCache``, built at the first forward with that forward's batch size, each layer on its
+    attention's device and in its dtype: one kvevict cache per device and dtype, behind a
+    ``LayerGroups`` when the layers differ).
 
     Protocol, as ``generate()`` uses it:
     - ``get_seq_length()``: columns taken in so far (pads included, as ``DynamicCache``);
@@ -115,7 +269,8 @@ class KVEvictCache(Cache):
       does not read transformers' mask: it masks by kvevict's per-row positions).
     - ``crop(n)``: drops the newest columns (assisted and speculative decoding): each row's
       ``truncate`` by the real tokens among them. Raises, changing nothing, when one of them
-      was already evicted (keep ``n_recent`` >= the draft length).
+      was already evicted (keep ``n_recent`` >= the draft length; ``generate()`` refuses a longer
+      draft before its first forward).
     - ``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``: beams and batch
       surgery are not supported; they raise ``NotImplementedError``.
     - ``update()``: not used by the installed attention; raises.
@@ -276,8 +431,16 @@ class KVEvictCache(Cache):
     # -- kvevict -------------------------------------------------------------------------------
     @property
     def kv(self):
-        """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward."""
+        """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward. For a
+        model whose attention layers differ in device or dtype: a ``LayerGroups`` (one kvevict cache per
+        device and dtype, read by the model's layer index)."""
         return self._kv
+
+    def _layer(self, layer: int):
+        """(the kvevict cache holding the model's `layer`, the layer's index in it)."""
+        if isinstance(self._kv, LayerGroups):
+            return self._kv.layer(layer)
+        return self._kv, layer
 
     def _begin(self, T: int, batch: int, mask: Optional[torch.Tensor]) -> None:
         """A forward of T columns starts (the decoder's pre-hook)."""
@@ -392,11 +555,10 @@ def _installed_forward(module: nn.Module, *args, **kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     handle = state["handle"]() if state["handle"] is not None else None
     if not isinstance(cache, KVEvictCache) or handle is None or cache._handle is not handle:
-        if cache is not None and handle is not None and not state.get("warned"):
-            state["warned"] = True
-            warnings.warn(f"kvevict: layer {state['layer']} got a {type(cache).__name__}, not a KVEvictCache: this "
-                          "forward runs without eviction (generate() makes a KVEvictCache itself; for your own loop "
-                          "use handle.new_cache())", stacklevel=3)
+        # Inside a decoder forward the pre-hook has already said it (or the user passed no cache: the model
+        # made its own, silently); an attention module called by itself says it at every call.
+        if cache is not None and handle is not None and handle._forward is None:
+            _warn(f"kvevict: layer {state['layer']}'s attention got a {_no_eviction(cache)}")
         return state["forward"](*args, **kwargs)
     hidden = args[0] if args else kwargs["hidden_states"]
     position_embeddings = kwargs.get("position_embeddings")
@@ -408,13 +570,51 @@ def _installed_forward(module: nn.Module, *args, **kwargs):
     return handle._attend(module, state, cache, hidden, position_embeddings)
 
 
+#: transformers' continuous batching (``ContinuousMixin``): its three entry points, each of which the
+#: next calls (``generate_batch`` -> ``continuous_batching_context_manager`` -> ``init_continuous_batching``;
+#: ``generate(cache_implementation="paged")`` -> ``generate_batch``). They run the model through their own
+#: ``PagedAttentionCache``, which kvevict cannot evict from; install replaces each on the model with a refusal.
+_CONTINUOUS_BATCHING = ("generate_batch", "continuous_batching_context_manager", "init_continuous_batching")
+
+_NO_CONTINUOUS_BATCHING = ("transformers' continuous batching (generate_batch, init_continuous_batching, "
+                           "continuous_batching_context_manager, cache_implementation='paged') is not supported with "
+                           "eviction installed: it runs through its own PagedAttentionCache, without eviction. Call "
+                           "model.generate(...) per request instead (a left-padded batch of requests works too), or "
+                           "handle.remove() first to batch without eviction")
+
+
+def _refuse_continuous_batching(name: str, *args, **kwargs):
+    """What an installed model's ``generate_batch`` / ``init_continuous_batching`` /
+    ``continuous_batching_context_manager`` is: a refusal before any work."""
+    raise NotImplementedError(f"kvevict: {name}(): {_NO_CONTINUOUS_BATCHING}")
+
+
+def _is_paged(cache: Any) -> bool:
+    """Whether `cache` is continuous batching's PagedAttentionCache (by name: older transformers lack it)."""
+    return any(c.__name__ == "PagedAttentionCache" for c in type(cache).__mro__)
+
+
+def _no_eviction(cache: Any) -> str:
+    """The end of a warning: what a forward with `cache` does instead of evicting."""
+    name = type(cache).__name__
+    what = ("a KVEvictCache of another model or install" if isinstance(cache, KVEvictCache)
+            else f"a {name}, not a KVEvictCache")
+    return (f"{what}: it runs the model's own attention, without eviction (generate() makes a KVEvictCache "
+            "itself; for your own loop use handle.new_cache(); pass no cache for a plain forward)")
+
+
+_NO_ATTENTIONS = ("output_attentions=True: the installed attention returns no attention weights (the attentions "
+                  "come back as empty tuples; kvevict's attention feeds them to the scorer instead); "
+                  "handle.remove() first to get transformers' weights, or leave output_attentions off")
+
+
 class KVEviction:
     """The handle ``install_kv_eviction`` returns.
 
     Attributes: ``model``; ``config`` (``EvictionConfig``); ``geometry`` (the model's MLA
-    dimensions, dtype and device); ``cache`` (the ``KVEvictCache`` of the latest sequence, or
-    None). Methods: ``remove()``, ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``,
-    ``memory()``."""
+    dimensions, and layer 0's dtype and device: each layer's cache takes its own layer's);
+    ``cache`` (the ``KVEvictCache`` of the latest sequence, or None). Methods: ``remove()``,
+    ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``, ``memory()``."""
 
     def __init__(self, model: nn.Module, attns: List[Tuple[int, nn.Module]], decoder: nn.Module,
                  config: EvictionConfig, geometry: _Geometry, compress: Optional[Any] = None):
@@ -427,6 +627,7 @@ class KVEviction:
         self._cache: Optional[KVEvictCache] = None  # the latest sequence's (held: stats() after generate())
         self._scorer = make_scorer(compress if compress is not None else config.scorer)
         self._hooks = []
+        self._forward: Optional[str] = None  # the decoder forward in progress: "ours", "plain", "other" or None
         ref = weakref.ref(self)
         for layer, m in attns:
             fam = _family(m)
@@ -435,9 +636,18 @@ class KVEviction:
             m.forward = functools.partial(_installed_forward, m)
         self._hooks.append(decoder.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
         self._hooks.append(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
-        self._orig_prepare = model.__dict__.get("_prepare_cache_for_generation")
-        model._prepare_cache_for_generation = self._prepare_cache_for_generation
+        self._saved: Dict[str, Any] = {}  # the model's instance attributes install replaced: name -> old (None: none)
+        self._patch("_prepare_cache_for_generation", self._prepare_cache_for_generation)
+        if hasattr(type(model), "_get_candidate_generator"):
+            self._patch("_get_candidate_generator", self._get_candidate_generator)
+        for name in _CONTINUOUS_BATCHING:
+            if hasattr(type(model), name):
+                self._patch(name, functools.partial(_refuse_continuous_batching, name))
         model.__dict__["_kvevict_handle"] = self
+
+    def _patch(self, name: str, value: Any) -> None:
+        self._saved[name] = self.model.__dict__.get(name)
+        self.model.__dict__[name] = value
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -456,10 +666,12 @@ class KVEviction:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._orig_prepare is None:
-            self.model.__dict__.pop("_prepare_cache_for_generation", None)
-        else:
-            self.model._prepare_cache_for_generation = self._orig_prepare
+        for name, old in self._saved.items():
+            if old is None:
+                self.model.__dict__.pop(name, None)
+            else:
+                self.model.__dict__[name] = old
+        self._saved = {}
         self.model.__dict__.pop("_kvevict_handle", None)
         self._cache = None
 
@@ -522,11 +734,14 @@ class KVEviction:
         g = self.geometry
         s = c.kv.stats()
         full_layout = "latent" if _CROP_COUNTS else "expanded"
-        cfg = _k.MlaMemoryConfig(num_layers=g.num_layers, num_heads=g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim,
-                                 v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank, qk_rope_dim=g.qk_rope_dim,
-                                 bytes_per_element=torch.finfo(g.dtype).bits // 8)
         lay = _k.Layout.kLatent if full_layout == "latent" else _k.Layout.kExpanded
-        full = _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
+        groups = c.kv.groups() if isinstance(c.kv, LayerGroups) else [(c.kv, list(range(g.num_layers)))]
+        full = 0
+        for kv, layers in groups:  # each group's layers in its own dtype
+            cfg = _k.MlaMemoryConfig(num_layers=len(layers), num_heads=g.num_heads,
+                                     qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank,
+                                     qk_rope_dim=g.qk_rope_dim, bytes_per_element=torch.finfo(kv.dtype).bits // 8)
+            full += _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
         return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=full_layout,
                             tier_bytes=s.tier_bytes, columns=c._columns)
 
@@ -546,7 +761,16 @@ class KVEviction:
             raise ValueError(f"kvevict: cache_implementation={impl!r} is not supported with eviction installed "
                              "(kvevict's cache is the cache); leave it unset")
         given = {k: model_kwargs.get(k) for k in ("cache", "past_key_values")}
-        orig = self._orig_prepare or type(self.model)._prepare_cache_for_generation.__get__(self.model)
+        for key, c in given.items():
+            if c is not None and not (isinstance(c, KVEvictCache) and c._handle is self):
+                _warn(f"kvevict: generate()'s {key} is {_no_eviction(c)}")
+        if getattr(generation_config, "use_cache", True) is False:
+            _warn("kvevict: generate(use_cache=False) keeps no cache, so it evicts nothing: every step runs the "
+                  "model's own attention over the whole sequence; leave use_cache on")
+        if getattr(generation_config, "output_attentions", False):
+            _warn(f"kvevict: generate(): {_NO_ATTENTIONS}")
+        orig = (self._saved.get("_prepare_cache_for_generation")
+                or type(self.model)._prepare_cache_for_generation.__get__(self.model))
         r = orig(generation_config, model_kwargs, *args, **kwargs)
         for key in ("cache", "past_key_values"):
             c = model_kwargs.get(key)
@@ -556,10 +780,68 @@ class KVEviction:
                 self._cache = c
         return r
 
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' own, then a check of the draft length against ``n_recent``: assisted,
+        prompt-lookup and speculative decoding make their candidate generator before the prefill, so
+        a draft that crop() could not roll back is refused before any forward (crop() checks again)."""
+        orig = (self._saved.get("_get_candidate_generator")
+                or type(self.model)._get_candidate_generator.__get__(self.model))
+        generator = orig(*args, **kwargs)
+        try:
+            bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
+        except TypeError:  # pragma: no cover - a signature of another transformers
+            bound = kwargs
+        model_kwargs = bound.get("model_kwargs") or {}
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if isinstance(cache, KVEvictCache) and cache._handle is self:
+            self._check_draft(generator, bound.get("generation_config"), bound.get("input_ids"))
+        return generator
+
+    def _check_draft(self, generator, generation_config, input_ids) -> None:
+        """Raises ValueError when `generator` may draft more than ``n_recent`` tokens in one step."""
+        n_recent = self.config.n_recent
+        assistant = getattr(generator, "assistant_generation_config", None)
+        if hasattr(generator, "num_output_tokens"):  # prompt lookup
+            name, k = "prompt_lookup_num_tokens", int(generator.num_output_tokens)
+        elif hasattr(generator, "num_assistant_tokens"):
+            name, k = "the assistant's generation_config.num_assistant_tokens", int(generator.num_assistant_tokens)
+        else:
+            name = f"the draft length of {type(generator).__name__}"
+            k = getattr(generator, "num_drafting_tokens", None)
+            if k is None:
+                return  # a generator that says nothing about its drafts: crop() checks each rollback
+            k = int(k)
+        schedule = getattr(assistant, "num_assistant_tokens_schedule", None) or "constant"
+        if schedule != "constant":  # "heuristic": +2 after every step whose draft was all accepted
+            left = None
+            if generation_config is not None and input_ids is not None and generation_config.max_length:
+                left = int(generation_config.max_length) - int(input_ids.shape[-1])
+            if left is None or left > n_recent:
+                raise ValueError(f"kvevict: num_assistant_tokens_schedule={schedule!r} grows the draft past any bound "
+                                 f"(it starts at {k}); with eviction installed a draft must be at most n_recent "
+                                 f"({n_recent}) tokens, so that crop() can roll back a rejected one: set the "
+                                 "assistant's generation_config.num_assistant_tokens_schedule = 'constant' and "
+                                 f"num_assistant_tokens <= {n_recent}, or install with n_recent >= max_new_tokens")
+            return
+        if k > n_recent:
+            raise ValueError(f"kvevict: {name} must be at most n_recent ({n_recent}) with eviction installed, got {k}: "
+                             "a rejected draft is rolled back with crop(), which needs every drafted token still in "
+                             f"the cache, and only the newest n_recent are sure to be; draft at most {n_recent} "
+                             f"tokens, or install with n_recent >= {k}")
+
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and _is_paged(cache):  # a continuous-batching manager built without the entry points
+            raise NotImplementedError(f"kvevict: this forward got a {type(cache).__name__}: {_NO_CONTINUOUS_BATCHING}")
         if not isinstance(cache, KVEvictCache) or cache._handle is not self:
+            # No cache: the model's own forward (it may make a DynamicCache for itself), silently.
+            self._forward = "plain" if cache is None else "other"
+            if cache is not None and not _in_generate():  # generate() said it once for all its forwards
+                _warn(f"kvevict: this forward got {_no_eviction(cache)}")
             return None
+        self._forward = "ours"
+        if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)) and not _in_generate():
+            _warn(f"kvevict: {_NO_ATTENTIONS}")
         x = kwargs.get("input_ids")
         if x is None and args:
             x = args[0]
@@ -572,6 +854,7 @@ class KVEviction:
         return None
 
     def _post_hook(self, module, args, kwargs, output):
+        self._forward = None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVEvictCache) and cache._handle is self:
             cache._end()
@@ -579,18 +862,35 @@ class KVEviction:
 
     # -- the cache ----------------------------------------------------------------------------
     def _make_kv(self, batch: int):
-        w = self._attns[0][1].kv_a_proj_with_mqa.weight  # the model may have moved since install
-        self.geometry = dataclasses.replace(self.geometry, dtype=w.dtype, device=w.device)
+        """The kvevict cache of a new sequence: each layer on its attention's device and in its dtype, read
+        now (the model may have moved since install). One cache when all layers agree (the usual model);
+        otherwise one per (device, dtype), each holding its layers, behind a ``LayerGroups``."""
+        keys, group_of = [], []
+        for _, m in self._attns:
+            w = m.kv_a_proj_with_mqa.weight
+            if (w.device, w.dtype) not in keys:
+                keys.append((w.device, w.dtype))
+            group_of.append(keys.index((w.device, w.dtype)))
+        self.geometry = dataclasses.replace(self.geometry, device=keys[group_of[0]][0], dtype=keys[group_of[0]][1])
+        layers = [[l for l, g in enumerate(group_of) if g == i] for i in range(len(keys))]
+        caches = [self._make_one(batch, layers[i], *keys[i]) for i in range(len(keys))]
+        if len(caches) == 1:
+            return caches[0]
+        return LayerGroups(caches, layers)
+
+    def _make_one(self, batch: int, layers: List[int], device: torch.device, dtype: torch.dtype):
+        """A kvevict cache for the model's `layers` (ascending), on `device` in `dtype`."""
         cfg, g = self.config, self.geometry
         ev = _k.EvictionOptions(cfg.budget, n_sink=cfg.n_sink, n_recent=cfg.n_recent, evict_every=cfg.evict_every)
-        common = dict(batch_size=batch, dtype=g.dtype, device=g.device, layer_budgets=list(cfg.layer_budgets or []),
+        budgets = [cfg.layer_budgets[l] for l in layers] if cfg.layer_budgets else []
+        common = dict(batch_size=batch, dtype=dtype, device=device, layer_budgets=budgets,
                       tier_tokens=cfg.tier_tokens, tier_page_size=cfg.tier_page_size,
                       tier_scoring=tier_scoring(cfg.tier_scoring))
         if cfg.layout == "latent":
-            opts = _k.MlaLatentCacheOptions(g.num_layers, g.num_heads, kv_lora_rank=g.kv_lora_rank,
+            opts = _k.MlaLatentCacheOptions(len(layers), g.num_heads, kv_lora_rank=g.kv_lora_rank,
                                             qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
             return _k.MlaLatentCache(opts, ev, self._scorer)
-        opts = _k.MlaCacheOptions(g.num_layers, g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
+        opts = _k.MlaCacheOptions(len(layers), g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
                                   **common)
         return _k.MlaCache(opts, ev, self._scorer)
 
@@ -598,7 +898,7 @@ class KVEviction:
                 position_embeddings) -> Tuple[torch.Tensor, None]:
         cfg, g = self.config, self.geometry
         layer = state["layer"]
-        kv = cache.kv
+        kv, lk = cache._layer(layer)  # the cache holding this layer (its device and dtype), and its index there
         T, counts = cache._step
         B = hidden.size(0)
         q_nope, q_pe, ckv, kpe = _project(module, state["family"], state["rope"], hidden, position_embeddings, g)
@@ -622,15 +922,15 @@ class KVEviction:
             k_nope, v = torch.split(kvx, [g.qk_nope_dim, g.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(B, g.num_heads, T, g.qk_rope_dim)], -1)
             q = torch.cat([q_nope, q_pe], -1)
-        compress = self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is None
-        if self._compress is not None and kv.seen_tokens(layer) == 0 and T > 1 and counts is not None:
+        compress = self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is None
+        if self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is not None:
             raise ValueError("kvevict: the press compresses unpadded prompts: this batch has left padding "
                              f"(real tokens per row {counts}); run the rows one by one, or install_kv_eviction() "
                              "without the press")
         if T == 0:  # every row is padding in this chunk
             out = q_nope.new_zeros(B, g.num_heads, 0, g.kv_lora_rank if latent else g.v_dim)
         elif compress:
-            out = self._compress_prompt(kv, layer, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
+            out = self._compress_prompt(kv, lk, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
         else:
             chunk = cfg.prefill_chunk if cfg.prefill_chunk and T > cfg.prefill_chunk else T
             outs = []
@@ -638,18 +938,18 @@ class KVEviction:
                 e = min(T, s + chunk)
                 cc = chunk_counts(T, counts, s, e)
                 if latent:
-                    kv.update(layer, ckv[:, s:e], kpe[:, s:e], cc)
+                    kv.update(lk, ckv[:, s:e], kpe[:, s:e], cc)
                     qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
                     if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall_absorbed(layer, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend_absorbed(qa, qb, kv, layer, scale, observe=cfg.observe))
+                        kv.recall_absorbed(lk, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend_absorbed(qa, qb, kv, lk, scale, observe=cfg.observe))
                 else:
-                    kv.update(layer, k[:, :, s:e], v[:, :, s:e], cc)
+                    kv.update(lk, k[:, :, s:e], v[:, :, s:e], cc)
                     qq = q[:, :, s:e].contiguous()
                     if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall(layer, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend(qq, kv, layer, scale, observe=cfg.observe))
-                kv.evict(layer)
+                        kv.recall(lk, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
+                    outs.append(_k.attend(qq, kv, lk, scale, observe=cfg.observe))
+                kv.evict(lk)
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if latent:
             out = _per_head(out, w_uv.transpose(1, 2))  # [B, H, T, v]
@@ -726,7 +1026,7 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
                         **options) -> KVEviction:
     """Installs H2O-style KV-cache eviction on a transformers DeepSeek-V2/V3 model (the seed's call)
     and returns the handle (``KVEviction``). ``model.generate(...)`` then runs through a kvevict
-    cache on the model's device and dtype that keeps, per layer and row, the first `n_sink`
+    cache, each layer's on that layer's device and in its dtype, that keeps, per layer and row, the first `n_sink`
     tokens, the `budget` heavy hitters (attention accumulated across heads) and the newest
     `n_recent` tokens.
 
@@ -744,11 +1044,6 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
 def _install(model: nn.Module, config: EvictionConfig, compress=None) -> KVEviction:
     decoder, attns = _find(model)
     geometry = _geometry(attns)
-    for i, m in attns:
-        if m.kv_a_proj_with_mqa.weight.device != geometry.device or m.kv_a_proj_with_mqa.weight.dtype != geometry.dtype:
-            raise ValueError(f"kvevict: layer {i}'s attention is on {m.kv_a_proj_with_mqa.weight.device} / "
-                             f"{m.kv_a_proj_with_mqa.weight.dtype}, layer 0's on {geometry.device} / {geometry.dtype}: "
-                             "one device and dtype for the whole model")
     ev = _k.EvictionOptions(config.budget, n_sink=config.n_sink, n_recent=config.n_recent,
                             evict_every=config.evict_every)
     ev.validate()
