@@ -87,6 +87,7 @@ struct Args {
   bool tensor_path = false;  // CPU: time the tensor-op path CUDA takes instead of the host loops
   int64_t evict_every = 1;   // timing: passes every N steps
   bool recall = false;       // timing: also a step with a host tier and a recall every step
+  bool reference = false;    // the tier's ATen reference forms instead of its compiled kernels
   bool count_ops = false;    // count the ATen ops of the decode loops instead of timing
   bool list_ops = false;     // with count_ops: also print every counted op
   std::string out_csv, out_json;
@@ -122,6 +123,8 @@ Options (default in brackets):
                        step ("u+o+e+recall"), on a cache with a host tier of 4 x capacity tokens
                        per row, filled first, and kvevict.hf's default recall (3 tokens, a pool
                        of 256, pages of 64 scored by the heads' mean)
+  --reference          the tier's ops in their ATen reference forms, not the compiled kernels
+                       (kvevict::kernels) this build links: for side-by-side runs
   --tensor-path        on CPU, time the tensor-op path (the one CUDA takes) instead of the
                        host loops
   --count-ops          instead of timing: count what the decode loops (a)-(g) ask of LibTorch per
@@ -131,7 +134,9 @@ Options (default in brackets):
                        attention (apart, observe=false), evict_every 1; (b) the same at 16; (c)
                        LseRing at 16; (d) observe_lse(_absorbed) every step, evict_every 1; (e) a
                        ragged batch of 8, evict_every 1 and 16; (f) EvictionPolicy + write_rows +
-                       apply_moves on a buffer of one's own, evict_every 1. Per layout,
+                       apply_moves on a buffer of one's own, evict_every 1; (g) (b) with a host
+                       tier and a recall every step, with the compiled kernels and beside it
+                       with the reference forms. Per layout,
                        heads, dtype and capacity; docs/performance.md: --layout latent --heads 128
                        --dtype bf16 --capacity 4612 --check-observations off
   --list-ops           with --count-ops: also print every counted op of each window (part, name,
@@ -186,6 +191,7 @@ bool parse_args(int argc, char** argv, Args& a) {
           {"--count-ops", [&] { a.count_ops = true; }},
           {"--list-ops", [&] { a.list_ops = true; }},
           {"--recall", [&] { a.recall = true; }},
+          {"--reference", [&] { a.reference = true; }},
       });
   if (!run) return false;
   if (a.list_ops && !a.count_ops) throw UsageError("--list-ops needs --count-ops");
@@ -1004,13 +1010,25 @@ std::vector<LoopCounts> count_ops(const Config& c, const Args& a) {
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 1, ragged));
   loops.push_back(count_attend_loop<Layout>("(e) " + layout + ", ragged", c, a, 16, ragged));
   loops.push_back(count_own_storage_loop("(f) EvictionPolicy + write_rows + apply_moves", c, a, 1));
-  loops.push_back(count_attend_loop<Layout>("(g) " + layout + " + recall every step", c, a, 16, {}, 4 * c.capacity));
+  // (g) with the tier's compiled kernels where this build has them (kvevict::kernels), and
+  // beside it with their ATen reference forms.
+  const bool kernels = kvevict::kernels_available(c.device.type()) && kvevict::kernels_enabled();
+  loops.push_back(count_attend_loop<Layout>("(g) " + layout + " + recall every step" +
+                                                (kernels ? ", compiled kernels" : ", no compiled kernels here"),
+                                            c, a, 16, {}, 4 * c.capacity));
+  if (kernels) {
+    kvevict::set_kernels_enabled(false);
+    loops.push_back(count_attend_loop<Layout>("(g) " + layout + " + recall every step, reference forms", c, a, 16, {},
+                                              4 * c.capacity));
+    kvevict::set_kernels_enabled(true);
+  }
   kvevict::detail::force_tensor_path() = a.tensor_path;
   return loops;
 }
 
 int run(const Args& a) {
   at::set_num_threads(static_cast<int>(a.threads));
+  kvevict::set_kernels_enabled(!a.reference);
   at::manual_seed(0);
   kvevict::detail::force_tensor_path() = a.tensor_path;
   const auto device = kvevict_cli::make_device(a.device);

@@ -23,10 +23,11 @@
 // --scoring per_head,head_mean gives each row under each TierScoring (cache option tier_scoring):
 // per head, or by the heads' mean logit (one query per column instead of one per head and
 // column). Default: per_head only.
-// --paths host,tensor gives each row on the host path (the CPU's default: loops over the host
+// --paths host,tensor,reference gives each row on the host path (the CPU's default: loops over the host
 // tier) and on the tensor path (what a GPU runs: the tier's state in tensors, no host sync; here
-// its ATen ops run on the CPU, so its times say what the ops cost on this CPU, not on a GPU).
-// Default: host only.
+// its ops run on the CPU, so its times say what the ops cost on this CPU, not on a GPU), with
+// the tier's compiled kernels where this build has them (kvevict::kernels); `reference` is the
+// tensor path with their ATen reference forms instead. Default: host only.
 #include "cli.hpp"
 
 #include <kvevict/kvevict.hpp>
@@ -53,7 +54,7 @@ struct Args {
           rescore = 0;
   std::vector<int64_t> pages = {1, 16, 64, 256};
   std::vector<kvevict::TierScoring> scorings = {kvevict::TierScoring::kPerHead};
-  std::vector<bool> tensor_paths = {false};
+  std::vector<std::string> paths = {"host"};
 };
 
 const char* scoring_name(kvevict::TierScoring s) { return s == kvevict::TierScoring::kHeadMean ? "head_mean" : "per_head"; }
@@ -132,13 +133,15 @@ void run(const Args& a) {
               static_cast<long long>(a.heads), static_cast<long long>(a.capacity), static_cast<long long>(a.tier),
               static_cast<long long>(a.threads), static_cast<long long>(a.recall_tokens),
               static_cast<long long>(a.question), static_cast<long long>(a.steps));
-  std::printf("%6s %6s %10s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "path", "page", "scoring", "when", "recall", "pages",
+  std::printf("%9s %6s %10s %13s %10s %7s %10s %10s %10s %10s %11s %12s %15s %9s\n", "path", "page", "scoring", "when", "recall", "pages",
               "attend ms", "score ms", "score/att", "recall ms", "recall/att", "tokens/call", "H2D bytes/call",
               "host MiB");
   const double row_bytes = (kW + kR) * 4.0;
   for (const int64_t page : a.pages)
   for (const auto scoring : a.scorings)
-  for (const bool tensor_path : a.tensor_paths) {
+  for (const auto& path : a.paths) {
+    const bool tensor_path = path != "host";
+    kvevict::set_kernels_enabled(path != "reference");
     auto cache = filled(a, page, scoring, tensor_path);
     const auto pages = static_cast<long long>(a.tier / page + (a.tier % page != 0));
     const int64_t pool = std::max(a.rescore, page);
@@ -150,8 +153,8 @@ void run(const Args& a) {
         char score[2][16];
         std::snprintf(score[0], sizeof score[0], "%.3f", r.score_ms);
         std::snprintf(score[1], sizeof score[1], "%.1f%%", 100.0 * r.score_ms / r.attend_ms);
-        std::printf("%6s %6lld %10s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
-                    tensor_path ? "tensor" : "host", static_cast<long long>(page), scoring_name(scoring), question ? "per question" : "every step",
+        std::printf("%9s %6lld %10s %13s %10s %7lld %10.3f %10s %10s %10.3f %10.1f%% %12.1f %15.0f %9.1f\n",
+                    path.c_str(), static_cast<long long>(page), scoring_name(scoring), question ? "per question" : "every step",
                     two_level ? "two-level" : "pages", pages, r.attend_ms, two_level ? "-" : score[0],
                     two_level ? "-" : score[1], r.recall_ms, 100.0 * r.recall_ms / r.attend_ms, r.recalled,
                     r.recalled * row_bytes, static_cast<double>(cache.stats(0).tier_bytes) / (1024.0 * 1024.0));
@@ -183,14 +186,13 @@ int main(int argc, char** argv) {
               a.scorings.push_back(s == "head_mean" ? kvevict::TierScoring::kHeadMean : kvevict::TierScoring::kPerHead);
           }},
          {"--paths", [&](auto& f, auto& v) {
-            a.tensor_paths.clear();
-            for (const auto& s : kvevict_cli::parse_choice_list(f, v, {"host", "tensor"})) a.tensor_paths.push_back(s == "tensor");
+            a.paths = kvevict_cli::parse_choice_list(f, v, {"host", "tensor", "reference"});
           }}});
     if (!go) {
       std::printf(
           "usage: kvevict_tier_bench [--heads N] [--capacity N] [--tier N] [--pages 1,16,64,256] [--steps N]\n"
           "                          [--recall-tokens N] [--question-tokens N] [--rescore N] [--threads N]\n"
-          "                          [--scoring per_head,head_mean] [--paths host,tensor]\n"
+          "                          [--scoring per_head,head_mean] [--paths host,tensor,reference]\n"
           "Defaults: 64 heads, capacity 4612, tier 32768, pages 1,16,64,256, 20 calls, recall 64 tokens, questions of\n"
           "16 tokens, no two-level rows (--rescore 0), 1 thread, per_head scoring, host path.\n");
       return 0;

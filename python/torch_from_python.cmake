@@ -11,12 +11,12 @@
 # another interpreter, e.g. one in a separate build venv, finds no torch either way: then the
 # error says to install with --no-build-isolation.)
 #
-# Sets TORCH_LIBRARIES (the target kvevict_python_torch), KVEVICT_TORCH_DIR, KVEVICT_TORCH_VERSION
-# and Python_* (FindPython: the interpreter and the extension module's development files).
+# Sets TORCH_LIBRARIES (the target kvevict_python_torch), KVEVICT_TORCH_DIR, KVEVICT_TORCH_VERSION,
+# KVEVICT_TORCH_CUDA (torch.version.cuda, empty for a CPU build) and Python_* (FindPython: the interpreter and the extension module's development files).
 
 find_package(Python 3.8 REQUIRED COMPONENTS Interpreter Development.Module)
 
-set(_kvevict_probe "import os, torch; print('KVEVICT_TORCH', os.path.dirname(torch.__file__), torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI), sep='|')")
+set(_kvevict_probe "import os, torch; print('KVEVICT_TORCH', os.path.dirname(torch.__file__), torch.__version__, int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda or '', sep='|')")
 set(_kvevict_torch_out "")
 foreach(_kvevict_flags IN ITEMS "" "-I")
   execute_process(COMMAND ${Python_EXECUTABLE} ${_kvevict_flags} -c "${_kvevict_probe}"
@@ -41,6 +41,7 @@ string(REPLACE "|" ";" _kvevict_torch_out "${_kvevict_torch_out}")
 list(GET _kvevict_torch_out 0 KVEVICT_TORCH_DIR)
 list(GET _kvevict_torch_out 1 KVEVICT_TORCH_VERSION)
 list(GET _kvevict_torch_out 2 _kvevict_cxx11_abi)
+list(GET _kvevict_torch_out 3 KVEVICT_TORCH_CUDA)  # the CUDA version of a CUDA build, else empty
 
 add_library(kvevict_python_torch INTERFACE)
 target_include_directories(kvevict_python_torch SYSTEM INTERFACE

@@ -3,9 +3,12 @@
 # works), CMake and a C++ compiler, offline and without Catch2, fmt or Google Benchmark:
 #   1. configure (examples off: they need fmt; tests use third_party/catch2; bench has no deps),
 #   2. build the tests and the benchmark,
-#   3. run the tests tagged [cuda], then the full suite (kvevict_tests, then ctest),
+#   3. run the tests tagged [cuda] (the tier's CUDA kernels against their reference forms, the
+#      CUDA graph replays against eager), then the CPU [steady_state] and [ops] tests,
 #   4. run the benchmark's CUDA configurations (CUDA graph replay timing included), and the
-#      layer-step with a recall every step at evict_every 1 and 16 (issue 28's figures).
+#      layer-step with a recall every step at evict_every 1 and 16, with the tier's compiled
+#      kernels and with their reference forms.
+# Sized for one call of at most 8 minutes on a 16-core machine with one GPU.
 # Never calls apt or the network. Logs and results go to $OUT (default: $BUILD_DIR/gpu_check).
 #
 # Usage: scripts/gpu_check.sh [--cpu-dry-run]
@@ -111,13 +114,13 @@ tests="$build/tests/kvevict_tests"
 bench="$build/bench/kvevict_bench"
 
 # --- tests --------------------------------------------------------------------------------------
+# [cuda]: every CUDA test, the tier's CUDA kernels against their reference forms and the CUDA
+# graph replays of a decode step (with a recall every step among them) against eager; then the
+# CPU steady-state and kernel tests. The full suite is CI's (scripts/test.sh), not this one's:
+# the whole check fits in one 8-minute call.
 step "tests [cuda]" tests_cuda.log "$tests" "[cuda]" --warn NoTests
-if [ "$dry_run" = 1 ]; then
-  step "tests [steady_state]" tests_steady_state.log "$tests" "[steady_state]" --warn NoTests
-else
-  step "tests, full suite" tests_all.log "$tests"
-  step "ctest" ctest.log ctest --test-dir "$build" --output-on-failure -j "$jobs"
-fi
+step "tests [steady_state]" tests_steady_state.log "$tests" "[steady_state]~[cuda]" --warn NoTests
+step "tests [ops]" tests_ops.log "$tests" "[ops]~[cuda]" --warn NoTests
 
 # --- benchmark ----------------------------------------------------------------------------------
 if [ "$dry_run" = 1 ]; then
@@ -127,23 +130,21 @@ if [ "$dry_run" = 1 ]; then
     --layout latent --evict-every 16 --recall --tensor-path --check-observations off --no-naive --min-time 0.05 --reps 3
 else
   # DeepSeek-V3's layer at 64 and 128 heads, both layouts, bf16, sync-free (observation checks
-  # off, the CUDA default, as a CUDA graph needs); then fp32, and checks on for comparison.
+  # off, the CUDA default, as a CUDA graph needs).
   step "bench CUDA bf16" bench_cuda_bf16.txt "$bench" --device cuda --layout expanded,latent --heads 64,128 \
     --dtype bf16 --capacity 1024,4612,16384 --check-observations off --min-time 0.1 \
     --out-csv "$out/bench_cuda_bf16.csv" --out-json "$out/bench_cuda_bf16.json"
-  step "bench CUDA fp32" bench_cuda_fp32.txt "$bench" --device cuda --layout expanded --heads 64 \
-    --dtype fp32 --capacity 1024,4612,16384 --check-observations off --min-time 0.1 \
-    --out-csv "$out/bench_cuda_fp32.csv" --out-json "$out/bench_cuda_fp32.json"
-  step "bench CUDA checks on" bench_cuda_checks.txt "$bench" --device cuda --layout expanded --heads 64 \
-    --dtype bf16 --capacity 4612 --check-observations on --min-time 0.1 --no-naive \
-    --out-csv "$out/bench_cuda_checks.csv" --out-json "$out/bench_cuda_checks.json"
-  # Issue 28's figures: one latent layer-step at capacity 4,612, 128 heads, bf16, evict_every 1
+  # The recall figures: one latent layer-step at capacity 4,612, 128 heads, bf16, evict_every 1
   # and 16, graphed without a tier ("u+o+e graph", per step of a replayed window) and eager with
-  # a recall every step ("u+o+e+recall": a step with a tier does not replay as a graph yet).
+  # a recall every step ("u+o+e+recall"), with the tier's compiled kernels and with their ATen
+  # reference forms (--reference), side by side.
   for ee in 1 16; do
-    step "bench CUDA recall, evict_every $ee" "bench_cuda_recall_ee$ee.txt" "$bench" --device cuda --layout latent \
-      --heads 128 --dtype bf16 --capacity 4612 --check-observations off --evict-every "$ee" --recall --no-naive \
-      --min-time 0.1 --out-csv "$out/bench_cuda_recall_ee$ee.csv" --out-json "$out/bench_cuda_recall_ee$ee.json"
+    for form in kernels reference; do
+      flag=(); [ "$form" = reference ] && flag=(--reference)
+      step "bench CUDA recall, evict_every $ee, $form" "bench_cuda_recall_ee${ee}_$form.txt" "$bench" --device cuda \
+        --layout latent --heads 128 --dtype bf16 --capacity 4612 --check-observations off --evict-every "$ee" --recall \
+        --no-naive --min-time 0.1 "${flag[@]}" --out-csv "$out/bench_cuda_recall_ee${ee}_$form.csv"
+    done
   done
 fi
 

@@ -14,3 +14,4 @@
 #include <kvevict/lse_scores.hpp>
 #include <kvevict/prefill.hpp>
 #include <kvevict/memory_model.hpp>
+#include <kvevict/kernels.hpp>

@@ -538,3 +538,26 @@ def test_observe_discard_leaves_the_scores_as_they_were():
     with pytest.raises(RuntimeError, match="no observation is open"):
         cache.observe_end(0)
     assert cache.scores(0).tolist() == [[1., 2., 3.]]
+
+
+def test_the_tiers_compiled_kernels_are_registered_and_pick_a_hand_worked_example():
+    # The extension carries the tier's CPU kernels as PyTorch custom ops (torch.ops.kvevict.*).
+    assert kvevict.kernels_available("cpu")
+    assert kvevict.kernels_enabled()
+    # One row, pages of 2: page 0 holds positions 0, 1; page 1 holds 2, 3; page 2 holds 5.
+    # Store slots 0..4 and the trash slot 5; insertion numbers = slot numbers.
+    position = torch.tensor([[0, 1, 2, 3, 5, -1]])
+    seq = torch.tensor([[0, 1, 2, 3, 4, 0]])
+    members = torch.tensor([[2, 2, 1, 0]])
+    scores = torch.tensor([[0.5, 0.9, 0.7]], dtype=torch.float64)
+    # Limit 3: page 1 (best, 2 tokens) fits, page 0 (2 tokens) does not, page 2 (1 token) does.
+    slots, count = torch.ops.kvevict.pick_pages(scores, members, position, seq, torch.tensor([3]), 4, 2)
+    assert slots.tolist() == [[3, 2, 4, 5]]  # page by page, a page's newest first; the trash slot past the count
+    assert count.tolist() == [3]
+    with pytest.raises(RuntimeError, match="page_size must be > 0, got 0"):
+        torch.ops.kvevict.pick_pages(scores, members, position, seq, torch.tensor([3]), 4, 0)
+    kvevict.set_kernels_enabled(False)
+    try:
+        assert not kvevict.kernels_enabled()
+    finally:
+        kvevict.set_kernels_enabled(True)

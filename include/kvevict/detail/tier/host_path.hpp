@@ -91,7 +91,7 @@ class TierHostPath {
   RecallScores score(int64_t layer, const at::Tensor& query, double scale, int64_t K, bool pool, const LayerState& L,
                      const Core& core) {
     RecallScores out;
-    out.sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core);
+    out.sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core, out.mean_query);
     allocating([&] {
       if (pool) out.query = query.contiguous();
       victims_on_host(out, L, core, layer, K);
@@ -133,8 +133,13 @@ class TierHostPath {
       if (keys_.head_mean) {
         std::vector<at::Tensor> keys;  // per row: its pool's keys
         for (int64_t b = 0; b < B; ++b) keys.push_back(pool_keys(b, pool[static_cast<size_t>(b)]));
-        exact = score_pools_head_mean(layer, keys, row_queries, keys_.shared, query.size(1), query.size(2), N, scale,
-                                      core);
+        if (keys_.shared && scores.mean_query.defined()) {  // the page scoring's mean query, reduced once
+          exact = score_pools_of_mean(
+              keys, [&](int64_t b) { return real_queries(core, L, scores.mean_query, b, true); }, N, scale);
+        } else {
+          exact = score_pools_head_mean(layer, keys, row_queries, keys_.shared, query.size(1), query.size(2), N, scale,
+                                        core);
+        }
       } else {
         exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
         for (int64_t b = 0; b < B; ++b) {

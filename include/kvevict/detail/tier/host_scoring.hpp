@@ -30,9 +30,13 @@ namespace detail {
 /// slots of any row (at least 1), 0 past a row's pages and for a row without real queries.
 /// Throws c10::Error naming `layer` when an allocation fails (nothing has changed then) or as
 /// the reducer does. Allocates its temporaries; syncs nothing.
+/// `mean_query`: set to the heads' mean query [B, 1, Q, D] fp32 (reduced across processes)
+/// when it scores by the heads' mean with a shared key, for the pool's scores
+/// (score_pools_of_mean()).
 template <class Core>
 at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_key, bool head_mean_scoring,
-                         int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
+                         int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core,
+                         at::Tensor& mean_query) {
   const auto B = static_cast<int64_t>(digests.size());
   const int64_t H = query.size(1), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
@@ -63,6 +67,7 @@ at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_ke
     return bounds;
   };
   const auto of_mean = [&](const at::Tensor& mean) {  // latent [B, 1, Q, D], expanded [B, 1, Q, P]
+    if (shared_key) mean_query = mean;
     for (int64_t b = 0; b < B; ++b) {
       const auto& dg = digests[static_cast<size_t>(b)];
       const auto m = real_queries(core, L, mean, b, shared_key);  // latent [1, Qr, D], expanded [1, Qr, P]
@@ -85,6 +90,27 @@ inline void score_pool(const at::Tensor& keys, const at::Tensor& q, double scale
   const auto logits = at::matmul(q, keys.permute({1, 2, 0})).mul_(scale);  // [G, M, n]
   out.narrow(0, 0, keys.size(0))
       .copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0, 1}, false, at::kDouble));
+}
+
+/// Two-level recall's exact scores under TierScoring::kHeadMean with one shared key (the latent
+/// layout), from the heads' mean query the page scoring computed and reduced: `row_mean(b)`
+/// row b's real columns of it ([1, Qr, width] fp32, undefined for none; real_queries()), per
+/// row its logits over the pool keys `keys[b]` [n_b, 1, width], one softmax, summed over the
+/// columns as fixed-point terms: [B, N] fp64, what score_pools_head_mean() gives, without
+/// computing or reducing the mean again. Allocates its temporaries; syncs nothing.
+template <class RowMean>
+at::Tensor score_pools_of_mean(const std::vector<at::Tensor>& keys, RowMean&& row_mean, int64_t N, double scale) {
+  const auto B = static_cast<int64_t>(keys.size());
+  auto exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& k = keys[static_cast<size_t>(b)];
+    const auto m = row_mean(b);
+    const int64_t n = k.size(0);
+    if (!m.defined() || n == 0) continue;
+    const auto logits = at::matmul(m[0], k.view({n, k.size(2)}).t()).mul_(scale);  // [Qr, n]
+    exact.select(0, b).narrow(0, 0, n).copy_(at::sum(fixed_terms(at::softmax(logits, -1)), at::IntArrayRef{0}, false, at::kDouble));
+  }
+  return exact;
 }
 
 /// Two-level recall's exact scores under TierScoring::kHeadMean: per row b and real query

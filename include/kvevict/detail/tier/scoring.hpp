@@ -43,6 +43,8 @@ struct TierKeys {
 /// cache's device (victims_on_device()), where they stay.
 struct RecallScores {
   at::Tensor sums, query;
+  at::Tensor mean_query;  // kHeadMean with a shared key (latent): the heads' mean query [B, 1, Q,
+                          // D] fp32, reduced across processes once, which the pool's scores reuse
   at::Tensor candidates, victims, victim_position, top;
 };
 
@@ -78,6 +80,18 @@ at::Tensor real_queries(const Core& core, const LayerState& L, const at::Tensor&
   if (first >= Q) return at::Tensor();
   auto r = q.select(0, b).narrow(1, first, Q - first);  // [Hq, Qr, W]
   return (shared_key ? r.reshape({1, Hq * (Q - first), q.size(3)}) : r).contiguous();
+}
+
+/// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows
+/// are not), as B x Q flags (1: real) in a host vector: no ATen call (the tensor path's mirror
+/// of them is uploaded only when they change).
+template <class Core>
+std::vector<int64_t> real_flags(const Core& core, const LayerState& L, int64_t B, int64_t Q) {
+  std::vector<int64_t> flags(static_cast<size_t>(B * Q), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t q = core.first_real(L, b, Q); q < Q; ++q) flags[static_cast<size_t>(b * Q + q)] = 1;
+  }
+  return flags;
 }
 
 /// Which of `Q` query columns are real, per row of `L` (core.first_real(): pads and free rows

@@ -15,6 +15,7 @@
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/tier/device_view.hpp>
+#include <kvevict/detail/tier/ops/ops.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
 #include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
@@ -212,65 +213,30 @@ class TierStore {
     return {digest_[b][page].cpu(), members_[b][page].item<int64_t>()};
   }
 
-  /// recall's pick as tensor ops (TierHostPath::pick()'s, every row at once): per row the pages
-  /// by `scores` [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first,
-  /// equal scores the smaller page id, a score of 0 or a page without members never; each whole
-  /// page that still fits in `limit` [B] int64 (device) tokens is taken (limit <= K, or K >=
-  /// capacity()). Returns the taken
-  /// pages' tokens as store slots [B, K] int64 in recall order (page by page, a page's tokens
-  /// newest first: the host list's order), columns past `count` [B] int64 holding the trash
-  /// slot. The greedy fill with skips: the pages that fit before the first that does not are a
-  /// prefix (a cumsum); after it fewer than page_size tokens are left, and the fill is an
-  /// automaton over those states, composed over the pages by a Hillis-Steele scan (log2 P'
-  /// gathers of [B, P', min(page_size, K + 1)], P' = min(P, capacity()): only pages with
-  /// members can be taken, at most one per stored token). No host sync.
+  /// recall's pick (TierHostPath::pick()'s, every row at once): per row the pages by `scores`
+  /// [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first, equal
+  /// scores the smaller page id, a score of 0 or a page without members never; each whole page
+  /// that still fits in `limit` [B] int64 (device) tokens is taken (limit <= K, or K >=
+  /// capacity()). Returns the taken pages' tokens as store slots [B, K] int64 in recall order
+  /// (page by page, a page's tokens newest first: the host list's order), columns past `count`
+  /// [B] int64 holding the trash slot: ops::pick_pages(), one compiled op or its reference. No
+  /// host sync.
   struct Picked {
     at::Tensor slots, count;
     bool whole_pages = true;  // every taken page taken whole (pick()); false: some in part
   };
   Picked pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
-    // The fill's states: the tokens left after the first page that does not fit, fewer than a
-    // page and at most K; the pages it can take: at most one per stored token.
-    const int64_t P = scores.size(1), A = std::min(keys_.page_size, K + 1), N = N_, Pm = std::min(P, N);
-    const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
-    if (N == 0 || P == 0 || K == 0) return picked(at::Tensor(), at::Tensor(), K, true);
-    const auto members = members_.narrow(1, 0, P);
-    const auto eligible = members.gt(0).logical_and_(scores.gt(0));
-    // Pages in pick order; past the first Pm none has members.
-    const auto order = std::get<1>(at::sort(scores.masked_fill(eligible.logical_not(), -1.0), /*stable=*/true, 1,
-                                            /*descending=*/true)).narrow(1, 0, Pm);
-    const auto m = members.gather(1, order).masked_fill_(eligible.gather(1, order).logical_not(), 0);  // pick order
-    const auto total = m.cumsum(1);
-    const auto lim = limit.unsqueeze(1);
-    const auto prefix = total.le(lim);  // a prefix: total only grows
-    const auto f = prefix.sum(1, /*keepdim=*/true);  // the first page that does not fit (P: none)
-    const auto before_f = total.gather(1, f.sub(1).clamp_min_(0)).masked_fill_(f.eq(0), 0);
-    const auto left_f = lim.sub(before_f).clamp_(0, A - 1);  // < A when a page did not fit
-    // After f: page p maps the tokens left l to l - m_p if it fits, else l; the pages up to f
-    // map l to l. E[p]: the composition of the maps before p, by doubling.
-    const auto pages = at::arange(Pm, longs).unsqueeze(0);
-    const auto after = pages.gt(f);
-    const auto l = at::arange(A, longs).view({1, 1, A});
-    const auto mm = m.unsqueeze(2);
-    auto F = at::where(after.unsqueeze(2).logical_and(mm.le(l)), l.sub(mm), l.expand({B_, Pm, A}));
-    const auto identity = l.expand({B_, Pm, A});
-    for (int64_t d = 1; d < Pm; d *= 2) {
-      const auto prev = at::cat({identity.narrow(1, 0, d), F.narrow(1, 0, Pm - d)}, 1);
-      F = F.gather(2, prev);
-    }
-    const auto E = at::cat({identity.narrow(1, 0, 1), F.narrow(1, 0, Pm - 1)}, 1);
-    const auto left = E.gather(2, left_f.unsqueeze(2).expand({B_, Pm, 1})).squeeze(2);
-    const auto taken = prefix.logical_or(after.logical_and(m.le(left))).logical_and_(m.gt(0));
-    // Per page id: taken, and its place in the pick order (pages past Pm: never taken).
-    const auto taken_id = at::zeros({B_, P}, taken.options()).scatter_(1, order, taken);
-    const auto place_id = at::full({B_, P}, Pm, longs).scatter_(1, order, pages.expand({B_, Pm}));
-    const auto pos = pos_.narrow(1, 0, N);
-    const auto page = pos.div(keys_.page_size, "floor").clamp_(0, P - 1);
-    const auto in = taken_id.gather(1, page).logical_and_(pos.ge(0)).logical_and_(pos.lt(P * keys_.page_size));
-    constexpr int64_t kSeq = int64_t{1} << 40;
-    const auto key = place_id.gather(1, page).mul_(kSeq).add_(seq_.narrow(1, 0, N).neg().add_(kSeq - 1))
-                         .masked_fill_(in.logical_not(), std::numeric_limits<int64_t>::max());
-    return picked(std::get<1>(at::topk(key, std::min(K, N), 1, /*largest=*/false, /*sorted=*/true)), in.sum(1), K, true);
+    if (N_ == 0 || scores.size(1) == 0 || K == 0) return picked(at::Tensor(), at::Tensor(), K, true);
+    auto out = ops::pick_pages(scores, members_, pos_, seq_, limit, K, keys_.page_size);
+    return {std::move(std::get<0>(out)), std::move(std::get<1>(out)), true};
+  }
+
+  /// Two-level recall's pool (pick()'s `pool`, R columns) by ascending position, with its keys
+  /// and valid columns (ops::pool_gather(): by_position [B, R] int64, keys [B, R, groups, width]
+  /// fp32, valid [B, R] bool). No host sync.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> pool(const Picked& pool) const {
+    return ops::pool_gather(pool.slots, pool.count, pos_, view_, keys_.buffers, groups_,
+                            [this](const at::Tensor& slots) { return keys(slots); });
   }
 
   /// A pick of the store slots `slots` [B, k] int64 in recall order (k <= K), `count` [B] int64
@@ -335,10 +301,21 @@ class TierStore {
   template <class Ranks, class Exchange>
   void swap(TierWrites& w, const Picked& picked, const at::Tensor& victims, const at::Tensor& top, const at::Tensor& position,
             const at::Tensor& state, const std::vector<at::Tensor>& buffers, Ranks&& ranks, Exchange&& exchange,
-            int64_t max_position) {
+            int64_t max_position, const at::Tensor& recalled) {
     const int64_t K = victims.size(1), S = position.size(1);
     if (K == 0 || N_ == 0) return;
     growing(w, N_, max_position, [&] {
+      if (ops::recall_swap_compiled(position, state, buffers, keys_.buffers)) {
+        // One compiled op, which writes now (it cannot fail once its scratch is allocated):
+        // nothing joins the undo log but the store's growth.
+        const auto slot_ranks = ranks(state);
+        ops::recall_swap(picked.slots, picked.count, victims, top, slot_ranks, picked.whole_pages, keys_.page_size,
+                         keys_.buffers, position, state, buffers, view_, pos_, rank_, state_, seq_, seq_next_, digest_,
+                         members_, recalled);
+        return;
+      }
+      // The reference form: tensor ops planned into `w`.
+      w.add(recalled, picked.count.sum().view({1}));
       const auto longs = pos_.options();
       const auto pad = at::arange(K, longs).unsqueeze(0).ge(picked.count.unsqueeze(1));  // [B, K]
       const auto ix = victims.masked_fill(pad, S - 1);
@@ -376,9 +353,6 @@ class TierStore {
       if (!picked.whole_pages) plan_pages(w, left);
     });
   }
-
-  /// Positions of the store slots `slots` [B, n] int64 (device; the trash slot's: -1). A gather.
-  at::Tensor positions(const at::Tensor& slots) const { return pos_.gather(1, slots); }
 
   /// Every row empty and the store's memory given back (reset()): the tensors let go, so the
   /// next take() allocates afresh. Allocates nothing; does not throw. On a GPU it waits for the

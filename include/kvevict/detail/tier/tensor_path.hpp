@@ -16,6 +16,7 @@
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
+#include <kvevict/detail/tier/ops/ops.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/store.hpp>
 #include <kvevict/selection.hpp>
@@ -44,7 +45,8 @@ struct RecallMirrors {
 /// best-ranked one's scorer state (top [B, W] fp32), as victims_on_host() finds them, slot for
 /// slot. The candidates lie in victim_range(): from n_sink to the recent window as it was before
 /// the latest append, = `counters` [B, 3] (the policy's device counters: length, seen, seen -
-/// n_recent) column 2 minus the latest append (`mirrors`); a free row has none. Allocates.
+/// n_recent) column 2 minus the latest append (`mirrors`); a free row has none:
+/// ops::recall_victims(), one compiled op or its reference. Allocates.
 template <class Core>
 RecallScores victims_on_device(const LayerState& L, const Core& core, const at::Tensor& counters, int64_t layer,
                                int64_t K, RecallMirrors& mirrors) {
@@ -64,12 +66,11 @@ RecallScores victims_on_device(const LayerState& L, const Core& core, const at::
     max_seen = std::max(max_seen, L.seen[b]);
   }
   const auto& latest = mirrors.last_new.get(last_new, core.device, {B, 1});
-  const int64_t n_sink = core.layer_eviction[layer].n_sink();
-  const auto recent_from = at::where(latest.ge(0), counters.narrow(1, 2, 1).sub(latest), at::full({B, 1}, n_sink, longs));
-  auto c = recall_candidates(core.scorer.rank(L.state), L.position, n_sink, recent_from, K, max_seen);
-  out.candidates = c.count;
-  out.victims = c.lowest;
-  out.top = L.state.gather(1, c.best.unsqueeze(2).expand({B, 1, W})).squeeze(1);
+  auto v = ops::recall_victims(core.scorer.rank(L.state), L.position, L.state, counters, latest,
+                               core.layer_eviction[layer].n_sink(), K, max_seen);
+  out.victims = std::move(std::get<0>(v));
+  out.candidates = std::move(std::get<1>(v));
+  out.top = std::move(std::get<2>(v));
   return out;
 }
 
@@ -81,10 +82,12 @@ RecallScores victims_on_device(const LayerState& L, const Core& core, const at::
 /// processes before the softmax, as score_pools_head_mean()); summed over the real columns as
 /// fixed-point terms: [B, R] fp64, 0 past a row's pool. No sync. Runs inside
 /// allocating_with_reductions(): a reduction's error leaves as ReductionFailed.
+/// `mean_query` [B, 1, Q, D] fp32: the heads' mean query the score step computed and reduced
+/// (kHeadMean with a shared key), used as it is: neither computed nor reduced again.
 template <class Core>
 at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at::Tensor& valid, const at::Tensor& query,
-                                 const at::Tensor& real, bool shared_key, bool head_mean_scoring, double scale,
-                                 const Core& core) {
+                                 const at::Tensor& mean_query, const at::Tensor& real, bool shared_key,
+                                 bool head_mean_scoring, double scale, const Core& core) {
   const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3), R = keys.size(1);
   const auto k = keys.permute({0, 2, 3, 1});  // [B, G, D, R]
   const auto none = valid.logical_not().view({B, 1, 1, R});
@@ -96,6 +99,7 @@ at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at
     reduce_scores_within(layer, core, out);
     return out;
   }
+  if (shared_key && mean_query.defined()) return sums(at::matmul(mean_query, k).mul_(scale), TierStore::columns(real, 1, 1));
   auto sum = head_sum(shared_key ? query : at::matmul(query, k).mul_(scale));  // [B, 1, Q, D | R] fp64
   reduce_scores_within(layer, core, sum);
   const auto mean = head_mean(sum, core);
@@ -123,21 +127,22 @@ class TierTensorPath {
   /// recall's score step: every row's pages by page id, scored on the device with `query`
   /// [B, H, Q, D] (fp32, on core.device) per head (reduced across processes) or by the heads'
   /// mean (the mean query's bound with one `shared_key`, the latent layout; the mean of the
-  /// heads' bounds otherwise; reduced before the softmax): [B, P] fp64 (score_pages()). The
-  /// real query columns come through `mirrors_`. No sync. Throws c10::Error naming `layer`
+  /// heads' bounds otherwise; reduced before the softmax): RecallScores' sums [B, P] fp64
+  /// (score_pages()) and, by the heads' mean with a shared key, the mean query (mean_query),
+  /// which a two-level pool's scoring takes as it is (one reduction, not two). The real query
+  /// columns come through `mirrors_`. No sync. Throws c10::Error naming `layer`
   /// when an allocation fails (nothing changed but the mirror) or as the reducer does.
   template <class Core>
-  at::Tensor score(int64_t layer, const at::Tensor& query, double scale, int64_t /*K*/, bool /*pool*/,
-                   const LayerState& L, const Core& core) {
+  RecallScores score(int64_t layer, const at::Tensor& query, double scale, int64_t /*K*/, bool /*pool*/,
+                     const LayerState& L, const Core& core) {
     const auto& keys = keys_;
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2);
     const auto fail = [&](const std::string& why) {
       KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device, ": ", why);
     };
     allocating([&] {
-      const auto columns = real_columns(core, L, B, Q);  // a mirror: the same in a steady decode
-      const std::vector<int64_t> flags(columns.template data_ptr<bool>(), columns.template data_ptr<bool>() + B * Q);
-      real_ = mirrors_.real.get(flags, core.device, {B, Q}, at::kBool);
+      // A mirror: the same in a steady decode.
+      real_ = mirrors_.real.get(real_flags(core, L, B, Q), core.device, {B, Q}, at::kBool);
     }, fail);
     const int64_t G = store_.key_groups();
     // An empty tier (nothing taken yet) scores one page 0, through the same steps (and the same
@@ -146,7 +151,8 @@ class TierTensorPath {
     const auto zeros = [&](at::IntArrayRef shape, at::ScalarType dtype) {
       return at::zeros(shape, query.options().dtype(dtype));
     };
-    return score_pages(
+    RecallScores out;
+    out.sums = score_pages(
         keys.head_mean, layer, core, fail,
         [&] {
           return empty ? zeros({B, 1}, at::kDouble)
@@ -156,9 +162,11 @@ class TierTensorPath {
           return keys.shared ? query : empty ? zeros({B, H, Q, 1}, at::kFloat) : store_.bound(query, scale);
         },
         [&](const at::Tensor& mean) {
+          if (keys.shared) out.mean_query = mean;  // the pool's scoring takes it as it is
           if (empty) return zeros({B, 1}, at::kDouble);
           return store_.scores_of(keys.shared ? store_.bound(mean, scale) : mean, TierStore::columns(real_, 1, 1));
         });
+    return out;
   }
 
   /// recall's plan step: the victims (victims_on_device(): the `K` lowest-ranked candidates,
@@ -169,7 +177,7 @@ class TierTensorPath {
   /// tokens (higher score first, equal scores the older position, never a score of 0). No
   /// sync. Allocates.
   template <class Core>
-  std::pair<TierStore::Picked, RecallScores> plan(int64_t layer, const at::Tensor& scores, const at::Tensor& query,
+  std::pair<TierStore::Picked, RecallScores> plan(int64_t layer, const RecallScores& scores, const at::Tensor& query,
                                                   double scale, int64_t tokens, int64_t rescore, int64_t K,
                                                   const LayerState& L, const Core& core, const at::Tensor& counters) {
     std::pair<TierStore::Picked, RecallScores> out;
@@ -194,8 +202,7 @@ class TierTensorPath {
     allocating([&] {
       if (!recalled_.defined()) recalled_ = at::zeros({1}, picked.count.options());
       store_.swap(w, picked, victims.victims, victims.top, L.position, L.state, buffers, ranks, exchange,
-                  max_position(L));
-      w.add(recalled_, picked.count.sum().view({1}));
+                  max_position(L), recalled_);
     }, [&](const std::string& why) {
       KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why);
     });
@@ -240,30 +247,28 @@ class TierTensorPath {
  private:
   /// plan()'s work.
   template <class Core>
-  std::pair<TierStore::Picked, RecallScores> plan_on_device(int64_t layer, const at::Tensor& scores,
+  std::pair<TierStore::Picked, RecallScores> plan_on_device(int64_t layer, const RecallScores& scores,
                                                             const at::Tensor& query, double scale, int64_t tokens,
                                                             int64_t rescore, int64_t K, const LayerState& L,
                                                             const Core& core, const at::Tensor& counters) {
     const auto& keys = keys_;
     auto victims = victims_on_device(L, core, counters, layer, K, mirrors_);
     const auto limit = victims.candidates.clamp_max(std::min(tokens, K));
-    if (!(tokens > 0 && rescore > tokens)) return {store_.pick(scores, limit, K), victims};
+    if (!(tokens > 0 && rescore > tokens)) return {store_.pick(scores.sums, limit, K), victims};
     const int64_t B = L.position.size(0), R = std::min(rescore, store_.capacity());
     const auto longs = L.position.options();
-    const auto pool = store_.pick(scores, at::full({B}, rescore, longs), R);
+    const auto pool = store_.pick(scores.sums, at::full({B}, rescore, longs), R);
     if (R == 0) return {store_.picked(at::Tensor(), at::Tensor(), K, false), victims};
-    const auto valid = at::arange(R, longs).unsqueeze(0).lt(pool.count.unsqueeze(1));
-    const auto position = store_.positions(pool.slots).masked_fill_(valid.logical_not(), std::numeric_limits<int64_t>::max());
-    const auto by_position = pool.slots.gather(1, std::get<1>(at::sort(position, 1)));
-    const auto exact = score_pools_on_device(layer, store_.keys(by_position), valid, query, real_, keys.shared,
-                                             keys.head_mean, scale, core);
-    // The best: a stable sort by score, descending (equal scores keep the older position first).
-    const auto order = std::get<1>(at::sort(exact.masked_fill(exact.le(0).logical_or_(valid.logical_not()), -1.0),
-                                            /*stable=*/true, 1, /*descending=*/true));
-    // The best tokens of the pool's pages: not whole pages.
-    return {store_.picked(by_position.gather(1, order.narrow(1, 0, std::min(K, R))),
-                          exact.gt(0).logical_and_(valid).sum(1).minimum(limit), K, false),
-            victims};
+    const auto sorted = store_.pool(pool);  // by position, their keys, valid columns
+    const auto& by_position = std::get<0>(sorted);
+    const auto& valid = std::get<2>(sorted);
+    const auto exact =
+        score_pools_on_device(layer, std::get<1>(sorted), valid, query, scores.mean_query, real_, keys.shared,
+                              keys.head_mean, scale, core);
+    // The best tokens of the pool's pages (not whole pages): higher score first, equal scores
+    // the older position.
+    auto best = ops::pick_tokens(exact, valid, by_position, limit, K, store_.capacity());
+    return {TierStore::Picked{std::move(std::get<0>(best)), std::move(std::get<1>(best)), false}, victims};
   }
 
   TierKeys keys_;
