@@ -1100,6 +1100,7 @@ def _geometry(attns) -> _Geometry:
                   v_dim=int(m.v_head_dim), dtype=w.dtype, device=w.device, total_heads=int(m.num_heads))
     per_layer = [_heads_of(a, layer, g) for layer, a in attns]
     heads, tp = per_layer[0]
+
     def where(t):
         return f"a group of {t.size}" if t else "no tensor parallelism"
 

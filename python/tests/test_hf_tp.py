@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from hf_tp_worker import run_case  # noqa: E402
 from test_hf import VOCAB, make_model  # noqa: E402
+from kvevict.hf import install_kv_eviction  # noqa: E402
 
 WORLD = 2
 PROMPT = 40
@@ -132,3 +133,60 @@ def test_tp_settings_that_differ_across_ranks_and_the_press_are_refused(tp_run):
         msg = res["mismatch"]
         assert "budget differs across the 2 ranks" in msg and "rank 0: 8" in msg and "rank 1: 9" in msg, (r, msg)
         assert "press() on a tensor-parallel model (tp_size 2) is not supported" in res["press"], (r, res["press"])
+
+
+# ---- the sharding kvevict refuses, read from the weights (no process group needed) -----------------------
+class _FakeShard(torch.nn.Parameter):
+    """A weight as transformers' tensor parallelism leaves it (a DTensor's placements, device_mesh and
+    to_local()), over a local tensor: enough for install's checks, which raise before any collective."""
+
+    def __new__(cls, local, placements, mesh):
+        p = super().__new__(cls, local, requires_grad=False)
+        p.placements, p.device_mesh = placements, mesh
+        return p
+
+    def to_local(self):
+        return self.data
+
+
+class _FakeMesh:
+    ndim = 1
+
+    def size(self):
+        return WORLD
+
+
+MESH = _FakeMesh()
+
+
+def _shard(module_linear, placement, rows=None):
+    w = module_linear.weight.data
+    local = w[: (rows if rows is not None else w.size(0) // WORLD)] if placement.is_shard(0) else w
+    if placement.is_shard(1):
+        local = w[:, : w.size(1) // WORLD]
+    module_linear.weight = _FakeShard(local.clone(), (placement,), MESH)
+
+
+def test_tp_layouts_kvevict_cannot_follow_are_refused_naming_the_weights():
+    pytest.importorskip("torch.distributed.tensor")
+    from torch.distributed.tensor import Shard
+
+    model = make_model("v3", "eager", layers=2)
+    for layer in model.model.layers:  # colwise q_b_proj and kv_b_proj, but o_proj left whole
+        _shard(layer.self_attn.q_b_proj, Shard(0))
+        _shard(layer.self_attn.kv_b_proj, Shard(0))
+    with pytest.raises(ValueError, match=r"layer 0's self_attn is tensor-parallel in a layout kvevict does not "
+                                         r"support: .* got \{'kv_b_proj': 'Shard\(dim=0\)', 'q_b_proj': "
+                                         r"'Shard\(dim=0\)', 'o_proj': 'not a DTensor'"):
+        install_kv_eviction(model, budget=8, n_sink=2, n_recent=8)
+    for layer in model.model.layers:
+        _shard(layer.self_attn.o_proj, Shard(1))
+        _shard(layer.self_attn.kv_b_proj, Shard(0), rows=48)  # 1.5 heads of 32 rows
+    with pytest.raises(ValueError, match=r"layer 0's self_attn: this rank's shards must hold whole heads, the same "
+                                         r"in kv_b_proj and q_b_proj: kv_b_proj has 48 rows \(heads of 32"):
+        install_kv_eviction(model, budget=8, n_sink=2, n_recent=8)
+    model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight = _FakeShard(
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.data[:20].clone(), (Shard(0),), MESH)
+    with pytest.raises(ValueError, match=r"the latent \(kv_a_proj_with_mqa\) replicated"):
+        install_kv_eviction(model, budget=8, n_sink=2, n_recent=8)
+    assert "_kvevict_handle" not in model.__dict__  # nothing installed
