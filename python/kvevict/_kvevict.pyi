@@ -4,7 +4,7 @@ Kept by hand; python/tests/test_stubs.py fails when a name, a parameter or a key
 marker here differs from the binding's own signatures.
 """
 
-from typing import ClassVar, List, Literal, Optional, Tuple, Union, overload
+from typing import Callable, ClassVar, List, Literal, Optional, Tuple, Union, overload
 
 import torch
 
@@ -32,6 +32,9 @@ class EvictionPolicyOptions:
     layer_budgets: List[int]
     total_heads: int
     lazy_reduction: bool
+    #: None, or reduce(layer, sums) replacing sums (contiguous fp64) in place by their sum over the
+    #: tensor-parallel ranks, e.g. torch.distributed.all_reduce(sums, group=g); with total_heads.
+    reduce_contributions: Optional[Callable[[int, torch.Tensor], None]]
     def validate(self) -> None: ...
 
 
@@ -48,6 +51,9 @@ class MlaCacheOptions:
     layer_budgets: List[int]
     total_heads: int
     lazy_reduction: bool
+    #: None, or reduce(layer, sums) replacing sums (contiguous fp64) in place by their sum over the
+    #: tensor-parallel ranks, e.g. torch.distributed.all_reduce(sums, group=g); with total_heads.
+    reduce_contributions: Optional[Callable[[int, torch.Tensor], None]]
     tier_tokens: int
     tier_page_size: int
     tier_scoring: TierScoring
@@ -68,6 +74,9 @@ class MlaLatentCacheOptions:
     layer_budgets: List[int]
     total_heads: int
     lazy_reduction: bool
+    #: None, or reduce(layer, sums) replacing sums (contiguous fp64) in place by their sum over the
+    #: tensor-parallel ranks, e.g. torch.distributed.all_reduce(sums, group=g); with total_heads.
+    reduce_contributions: Optional[Callable[[int, torch.Tensor], None]]
     tier_tokens: int
     tier_page_size: int
     tier_scoring: TierScoring

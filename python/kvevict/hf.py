@@ -24,6 +24,12 @@ What ``install_kv_eviction`` does, and nothing else:
 - Continuous batching (``generate_batch``, ``init_continuous_batching``,
   ``continuous_batching_context_manager``) is refused on the installed model before any work: it
   runs through transformers' own ``PagedAttentionCache``, which kvevict does not evict from.
+- A model loaded with transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``
+  under ``torchrun``): each rank's cache holds the heads its sharded ``kv_b_proj`` holds (read
+  from the weights, not the config) and its scores are summed over the weights' process group
+  (``torch.distributed.all_reduce``, one per layer and forward) before they are applied, so every
+  rank keeps the same tokens. ``install_kv_eviction`` is then a collective: every rank calls it
+  with the same settings (checked).
 - A forward pre-hook on the decoder reads the 2-D ``attention_mask`` once per forward: each
   row's real tokens must be the last columns of the chunk (left padding); they become the
   per-row counts kvevict appends, so pads are never stored, scored or attended.
@@ -132,15 +138,31 @@ def _family(module: nn.Module) -> Optional[Tuple[str, Any]]:
 
 # ---- the model's geometry ---------------------------------------------------------------------------
 @dataclasses.dataclass
+class _TensorParallel:
+    """transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``), as read from the
+    attention's sharded weights: the process group of their device mesh, this rank and the group's size."""
+    group: Any
+    rank: int
+    size: int
+
+    def reduce(self, layer: int, sums: torch.Tensor) -> None:
+        """The kvevict caches' ``reduce_contributions``: sums this rank's head sums (fixed point, fp64) with
+        the other ranks' in place, so that every rank applies the scores of every head."""
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=self.group)
+
+
+@dataclasses.dataclass
 class _Geometry:
     num_layers: int
-    num_heads: int
+    num_heads: int  # this rank's heads (all of them without tensor parallelism)
     kv_lora_rank: int
     qk_rope_dim: int
     qk_nope_dim: int
     v_dim: int
     dtype: torch.dtype
     device: torch.device
+    total_heads: int = 0  # every rank's heads (the scores' divisor); num_heads without tensor parallelism
+    tp: Optional[_TensorParallel] = None  # None: one process holds every head
 
 
 def _check_attention(module: nn.Module, layer: int) -> None:
@@ -504,9 +526,20 @@ class KVEvictCache(Cache):
 
 
 # ---- the installed attention --------------------------------------------------------------------------
+def _is_dtensor(w: Any) -> bool:
+    """Whether `w` is a DTensor (a weight transformers' tensor parallelism sharded or replicated)."""
+    return hasattr(w, "placements") and hasattr(w, "device_mesh") and hasattr(w, "to_local")
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a weight tensor parallelism made a DTensor (``to_local()``, no copy); else `w`."""
+    return w.to_local() if _is_dtensor(w) else w
+
+
 def _absorbed_weights(module: nn.Module, g: _Geometry) -> Tuple[torch.Tensor, torch.Tensor]:
-    """W_UK [H, nope, r] and W_UV [H, v, r]: views of kv_b_proj.weight, no copy."""
-    w = module.kv_b_proj.weight.view(g.num_heads, g.qk_nope_dim + g.v_dim, g.kv_lora_rank)
+    """W_UK [H, nope, r] and W_UV [H, v, r] of this rank's H heads: views of kv_b_proj.weight (its local
+    shard under tensor parallelism), no copy."""
+    w = _local(module.kv_b_proj.weight).view(g.num_heads, g.qk_nope_dim + g.v_dim, g.kv_lora_rank)
     return w[:, : g.qk_nope_dim], w[:, g.qk_nope_dim:]
 
 
@@ -889,10 +922,13 @@ class KVEviction:
         if cfg.layout == "latent":
             opts = _k.MlaLatentCacheOptions(len(layers), g.num_heads, kv_lora_rank=g.kv_lora_rank,
                                             qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
-            return _k.MlaLatentCache(opts, ev, self._scorer)
-        opts = _k.MlaCacheOptions(len(layers), g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
-                                  **common)
-        return _k.MlaCache(opts, ev, self._scorer)
+        else:
+            opts = _k.MlaCacheOptions(len(layers), g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
+                                      **common)
+        if g.tp is not None:  # this rank's heads; scores summed over the ranks, averaged over every head
+            opts.total_heads = g.total_heads
+            opts.reduce_contributions = g.tp.reduce
+        return (_k.MlaLatentCache if cfg.layout == "latent" else _k.MlaCache)(opts, ev, self._scorer)
 
     def _attend(self, module: nn.Module, state: dict, cache: KVEvictCache, hidden: torch.Tensor,
                 position_embeddings) -> Tuple[torch.Tensor, None]:
@@ -1014,12 +1050,84 @@ def _find(model: nn.Module):
     return decoder, out
 
 
+def _heads_of(module: nn.Module, layer: int, g: _Geometry) -> Tuple[int, Optional[_TensorParallel]]:
+    """(this rank's heads, the tensor-parallel group or None) of one attention, read from its weights:
+    kv_b_proj (and q_proj / q_b_proj) column-sharded over the heads (``"colwise"``: DTensor, Shard(0)),
+    o_proj row-sharded (``"rowwise"``: Shard(1), its output summed over the ranks), the latent's
+    projection replicated. Raises ValueError naming the module, the expected and the actual layout."""
+    name = f"layer {layer}'s self_attn"
+    q = module.q_proj if getattr(module, "q_lora_rank", None) is None else module.q_b_proj
+    q_name = "q_proj" if getattr(module, "q_lora_rank", None) is None else "q_b_proj"
+    weights = {"kv_b_proj": module.kv_b_proj.weight, q_name: q.weight, "o_proj": module.o_proj.weight,
+               "kv_a_proj_with_mqa": module.kv_a_proj_with_mqa.weight}
+    sharded = {n: w for n, w in weights.items() if _is_dtensor(w)}
+    if not sharded:
+        return g.total_heads, None
+    want = {"kv_b_proj": 0, q_name: 0, "o_proj": 1}  # the dim sharded
+    got = {n: ", ".join(repr(p) for p in w.placements) if n in sharded else "not a DTensor" for n, w in weights.items()}
+    bad = [n for n, d in want.items() if n not in sharded or len(sharded[n].placements) != 1
+           or not sharded[n].placements[0].is_shard(dim=d)]
+    if "kv_a_proj_with_mqa" in sharded and any(not p.is_replicate() for p in sharded["kv_a_proj_with_mqa"].placements):
+        bad.append("kv_a_proj_with_mqa")
+    if bad:
+        raise ValueError(f"kvevict: {name} is tensor-parallel in a layout kvevict does not support: expected "
+                         "kv_b_proj and the query projection sharded over the heads (colwise, Shard(dim=0)), o_proj "
+                         "rowwise (Shard(dim=1)) and the latent (kv_a_proj_with_mqa) replicated, as DeepSeek's "
+                         f"base_model_tp_plan; got {got}")
+    mesh = sharded["kv_b_proj"].device_mesh
+    if mesh.ndim != 1 or any(w.device_mesh != mesh for n, w in sharded.items()):
+        raise ValueError(f"kvevict: {name}'s sharded weights must share one 1-D device mesh (transformers' tensor-"
+                         f"parallel mesh), got {[(n, w.device_mesh) for n, w in sharded.items()]}")
+    kv_rows = int(_local(module.kv_b_proj.weight).shape[0])
+    q_rows = int(_local(q.weight).shape[0])
+    per_kv, per_q = g.qk_nope_dim + g.v_dim, g.qk_nope_dim + g.qk_rope_dim
+    if kv_rows % per_kv or q_rows % per_q or kv_rows // per_kv != q_rows // per_q or kv_rows == 0:
+        raise ValueError(f"kvevict: {name}: this rank's shards must hold whole heads, the same in kv_b_proj and "
+                         f"{q_name}: kv_b_proj has {kv_rows} rows (heads of {per_kv}: qk_nope_head_dim + v_head_dim), "
+                         f"{q_name} {q_rows} rows (heads of {per_q}: qk_nope_head_dim + qk_rope_head_dim); "
+                         f"the model's {g.total_heads} heads must divide evenly by the tensor-parallel size "
+                         f"{mesh.size()}")
+    group = mesh.get_group()
+    return kv_rows // per_kv, _TensorParallel(group=group, rank=torch.distributed.get_rank(group),
+                                              size=torch.distributed.get_world_size(group))
+
+
 def _geometry(attns) -> _Geometry:
     m = attns[0][1]
     w = m.kv_a_proj_with_mqa.weight
-    return _Geometry(num_layers=len(attns), num_heads=int(m.num_heads), kv_lora_rank=int(m.kv_lora_rank),
-                     qk_rope_dim=int(m.qk_rope_head_dim), qk_nope_dim=int(m.qk_nope_head_dim),
-                     v_dim=int(m.v_head_dim), dtype=w.dtype, device=w.device)
+    g = _Geometry(num_layers=len(attns), num_heads=int(m.num_heads), kv_lora_rank=int(m.kv_lora_rank),
+                  qk_rope_dim=int(m.qk_rope_head_dim), qk_nope_dim=int(m.qk_nope_head_dim),
+                  v_dim=int(m.v_head_dim), dtype=w.dtype, device=w.device, total_heads=int(m.num_heads))
+    per_layer = [_heads_of(a, layer, g) for layer, a in attns]
+    heads, tp = per_layer[0]
+
+    def where(t):
+        return f"a group of {t.size}" if t else "no tensor parallelism"
+
+    for layer, (h, t) in enumerate(per_layer):
+        if h != heads or (t is None) != (tp is None) or (t is not None and t.group != tp.group):
+            raise ValueError(f"kvevict: every layer must hold the same heads in the same tensor-parallel group: layer "
+                             f"0 holds {heads} of {g.total_heads} heads ({where(tp)}), layer {layer} {h} ({where(t)})")
+    if tp is not None and heads * tp.size != g.total_heads:
+        raise ValueError(f"kvevict: each of the {tp.size} tensor-parallel ranks must hold num_attention_heads / "
+                         f"{tp.size} = {g.total_heads / tp.size:g} heads; this rank (rank {tp.rank}) holds {heads}")
+    return dataclasses.replace(g, num_heads=heads, tp=tp)
+
+
+def _check_ranks_agree(tp: _TensorParallel, config: EvictionConfig, geometry: _Geometry) -> None:
+    """Under tensor parallelism every rank must install the same eviction (a collective: one all-gather of the
+    settings), or the ranks would keep different tokens; raises ValueError on every rank naming the first
+    setting that differs."""
+    fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    fields.update(num_heads=str(geometry.num_heads), num_layers=str(geometry.num_layers))
+    everyone: List[Any] = [None] * tp.size
+    torch.distributed.all_gather_object(everyone, fields, group=tp.group)
+    for name in fields:
+        values = [e[name] for e in everyone]
+        if len(set(values)) > 1:
+            raise ValueError(f"kvevict: install_kv_eviction under tensor parallelism: {name} differs across the "
+                             f"{tp.size} ranks ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}); every "
+                             "rank must install the same settings")
 
 
 def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512,
@@ -1033,7 +1141,10 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
     options: the other fields of ``EvictionConfig`` (scorer, evict_every, layer_budgets, layout,
     tier_tokens, tier_page_size, recall_tokens, recall_rescore, tier_scoring, prefill_chunk,
     observe). Raises ValueError / TypeError naming a bad option, or an unsupported model (naming
-    its attention class); the model is unchanged then."""
+    its attention class); the model is unchanged then.
+
+    Under transformers' tensor parallelism (``tp_plan="auto"``, DeepSeek's plan) every rank calls it
+    with the same settings: it all-gathers them and raises ValueError on every rank when one differs."""
     unknown = set(options) - {f.name for f in dataclasses.fields(EvictionConfig)}
     if unknown:
         raise TypeError(f"kvevict: install_kv_eviction got unknown options {sorted(unknown)}; "
@@ -1050,6 +1161,12 @@ def _install(model: nn.Module, config: EvictionConfig, compress=None) -> KVEvict
     if config.layer_budgets is not None and len(config.layer_budgets) != geometry.num_layers:
         raise ValueError(f"kvevict: layer_budgets must have one budget per layer ({geometry.num_layers}), "
                          f"got {len(config.layer_budgets)}")
+    if geometry.tp is not None:
+        if compress is not None:
+            raise NotImplementedError(f"kvevict: press() on a tensor-parallel model (tp_size {geometry.tp.size}) is "
+                                      "not supported: its prompt compression scores each rank's heads alone; use "
+                                      "install_kv_eviction(), whose scores are summed over the ranks")
+        _check_ranks_agree(geometry.tp, config, geometry)
     return KVEviction(model, attns, decoder, config, geometry, compress)
 
 

@@ -6,9 +6,10 @@
 // to (c10::ValueError -> ValueError, IndexError, TypeError, NotImplementedError; any other
 // c10::Error -> RuntimeError) with kvevict's message, without the C++ backtrace.
 //
-// Not bound (see README "Python"): tensor parallelism (tensor_parallel.hpp), the
-// reduce_contributions hook, custom scorers written in Python, and the cache-only protocol
-// the caches use internally (Pass, plan/commit, append_index, ...).
+// Not bound (see README "Python"): TensorParallel (tensor_parallel.hpp: from Python, the options'
+// reduce_contributions property takes a callable, e.g. over torch.distributed, with total_heads),
+// custom scorers written in Python, and the cache-only protocol the caches use internally (Pass,
+// plan/commit, append_index, ...).
 
 #include <kvevict/kvevict.hpp>
 
@@ -17,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
+#include <pybind11/typing.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -251,6 +253,7 @@ std::string options_tail(const O& o) {
   if (!o.layer_budgets().empty()) s << ", layer_budgets=" << ints_repr(o.layer_budgets());
   if (o.total_heads() != 0) s << ", total_heads=" << o.total_heads();
   if (o.lazy_reduction()) s << ", lazy_reduction=True";
+  if (o.reduce_contributions()) s << ", reduce_contributions=<set>";
   return s.str();
 }
 template <class O>
@@ -559,6 +562,67 @@ void def_policy(py::module_& m) {
   def_state_common(c);
 }
 
+// ---- tensor parallelism from Python: the reduce_contributions hook -----------------------------------
+/// A Python callable `reduce(layer, sums)` as a kv::ContributionReducer: it must replace `sums`
+/// ([B, S] fp64, or recall's page scores, on the cache's device; contiguous) in place by their
+/// sum over the tensor-parallel ranks, e.g. torch.distributed.all_reduce(sums, group=g), and
+/// return None (or `sums` itself, as an in-place op does). Called with the GIL (taken if a caller
+/// released it). The callable is held by a shared_ptr whose deleter takes the GIL, so options and
+/// caches may be copied and destroyed anywhere.
+struct PyReducer {
+  std::shared_ptr<py::object> fn;
+
+  void operator()(int64_t layer, at::Tensor& sums) const {
+    py::gil_scoped_acquire gil;
+    at::Tensor t = sums.is_contiguous() ? sums : sums.contiguous();
+    const auto sizes = t.sizes().vec();
+    const auto dtype = t.scalar_type();
+    py::object r = (*fn)(layer, t);  // a Python exception propagates as py::error_already_set
+    const bool returned_sums = THPVariable_Check(r.ptr()) && THPVariable_Unpack(r.ptr()).is_same(t);  // sums.add_(x)
+    KVEVICT_CHECK_TYPE(r.is_none() || returned_sums, "reduce_contributions(layer=", layer, ", sums) must reduce ",
+                       "`sums` in place and return None or sums itself (torch.distributed.all_reduce(sums, group=...), ",
+                       "not async_op=True), got ", std::string(py::str(py::type::of(r).attr("__name__"))));
+    KVEVICT_CHECK_VALUE(t.sizes().vec() == sizes && t.scalar_type() == dtype, "reduce_contributions(layer=", layer,
+                        ", sums) must keep sums' shape ", ints_repr(sizes), " and dtype ", dtype, ", got ",
+                        ints_repr(t.sizes().vec()), " ", t.scalar_type());
+    if (!t.is_same(sums)) sums.copy_(t);
+  }
+};
+
+kv::ContributionReducer reducer_of(const py::object& fn, const char* owner) {
+  if (fn.is_none()) return nullptr;
+  KVEVICT_CHECK_TYPE(PyCallable_Check(fn.ptr()), owner, ".reduce_contributions must be a callable reduce(layer, sums) "
+                     "or None, got ", std::string(py::str(py::type::of(fn).attr("__name__"))));
+  auto held = std::shared_ptr<py::object>(new py::object(fn), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  return PyReducer{std::move(held)};
+}
+
+/// The property's type in signatures: Optional[Callable[[int, torch.Tensor], None]].
+using ReducerArg = py::typing::Optional<py::typing::Callable<void(int64_t, at::Tensor)>>;
+
+ReducerArg reducer_object(const kv::ContributionReducer& r) {
+  if (!r) return py::reinterpret_borrow<ReducerArg>(py::none());
+  if (const auto* p = r.target<PyReducer>()) return py::reinterpret_borrow<ReducerArg>(*p->fn);
+  return py::reinterpret_borrow<ReducerArg>(py::str("<C++ reducer>"));
+}
+
+/// The `reduce_contributions` property of an options class (EvictionPolicyOptions, MlaCacheOptions,
+/// MlaLatentCacheOptions): None or a Python callable reduce(layer, sums); with total_heads (every
+/// rank's heads) it makes ranks that each hold some of the heads keep the same tokens.
+template <class O>
+void def_reduce_contributions(py::class_<O>& c, const char* owner) {
+  c.def_property(
+      "reduce_contributions", [](const O& o) { return reducer_object(o.reduce_contributions()); },
+      [owner](O& o, const ReducerArg& fn) { o.reduce_contributions(reducer_of(fn, owner)); },
+      "None (the default: nothing reduced) or a callable reduce(layer: int, sums: torch.Tensor) -> None that "
+      "replaces sums (contiguous fp64 on the cache's device: [B, S] per observation, or recall's page scores) in "
+      "place by their sum over the tensor-parallel ranks, e.g. lambda layer, t: torch.distributed.all_reduce(t, "
+      "group=g). With total_heads set to every rank's heads, every rank then keeps the same tokens.");
+}
+
 // ---- options ------------------------------------------------------------------------------------------
 template <class O>
 void def_cache_options_common(py::class_<O>& c) {
@@ -582,6 +646,7 @@ void def_cache_options_common(py::class_<O>& c) {
       .def_property("tier_scoring", [](const O& o) { return o.tier_scoring(); },
                     [](O& o, kv::TierScoring v) { o.tier_scoring(v); })
       .def("validate", [](const O& o) { o.validate(); }, "Raises ValueError naming a bad value.");
+  def_reduce_contributions(c, options_name<O>());
 }
 
 void def_options(py::module_& m) {
@@ -666,6 +731,7 @@ void def_options(py::module_& m) {
           << ", batch_size=" << o.batch_size() << ", device='" << o.device().str() << "'" << options_tail(o) << ")";
         return s.str();
       });
+  def_reduce_contributions(po, "EvictionPolicyOptions");
 
   py::class_<kv::MlaCacheOptions> eo(m, "MlaCacheOptions",
                                      "Shape, dtype and device of an expanded-layout cache (MlaCache): per layer, keys "
