@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <functional>
 #include <new>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,9 @@ struct AllocFault {
   AllocFault(const AllocFault&) = delete;
   AllocFault& operator=(const AllocFault&) = delete;
   static bool fired() { return t_fired; }
+  /// Allocations counted since armed (an AllocFault(kNever) counts without failing).
+  static int64_t count() { return t_count; }
+  static constexpr int64_t kNever = INT64_MAX;
 };
 
 }  // namespace alloc_fault
@@ -364,18 +368,58 @@ inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int6
   return o;
 }
 
+/// How many host allocations `call` makes when none fails.
+inline int64_t allocations_of(const std::function<void()>& call) {
+  AllocFault counting(AllocFault::kNever);
+  call();
+  return AllocFault::count();
+}
+
+/// The failure points a run checks, of a call that makes `n` allocations: every one in the long
+/// run (KVEVICT_LONG_TESTS=1, the ctest alloc_failure_long) and where n <= 48; else the first 8,
+/// the last 8 and one drawn (fixed seed) from each stretch of kStride: every run of kStride x 2 - 1
+/// or more consecutive points (e.g. a commit's writes, undone by TensorUndo) is met.
+inline std::vector<int64_t> failure_points(int64_t n) {
+  constexpr int64_t kStride = 8, kEdge = 8;
+  std::vector<int64_t> ks;
+  if (kvevict_test::long_run() || n <= 6 * kEdge) {
+    for (int64_t k = 1; k <= n; ++k) ks.push_back(k);
+    return ks;
+  }
+  std::mt19937_64 rng(38 + static_cast<uint64_t>(n));
+  for (int64_t k = 1; k <= kEdge; ++k) ks.push_back(k);
+  for (int64_t lo = kEdge + 1; lo <= n - kEdge; lo += kStride) {
+    const int64_t width = std::min(kStride, n - kEdge - lo + 1);
+    ks.push_back(lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(width)));
+  }
+  for (int64_t k = n - kEdge + 1; k <= n; ++k) ks.push_back(k);
+  return ks;
+}
+
+/// The points of failure_points(n), then n + 1, n + 2, ...: the loops below go on until the
+/// call succeeds, should it make more allocations than counted.
+struct FailurePoints {
+  explicit FailurePoints(int64_t n) : ks(failure_points(n)), n(n) {}
+  int64_t at(size_t i) const { return i < ks.size() ? ks[i] : n + 1 + static_cast<int64_t>(i - ks.size()); }
+  std::vector<int64_t> ks;
+  int64_t n;
+};
+
 /// For k = 1, 2, ... until the call succeeds: the k-th host allocation of the call fails; the
 /// call must throw c10::Error and leave the cache as it was, and then succeed, giving what the
 /// uninterrupted call gives. Returns the allocations the call makes (k where it first succeeded).
+/// k runs over failure_points(): a fixed-seed sample in the default run, every k in the long run.
 template <class Cache>
-int64_t check_scenario(const Scenario<Cache>& s, bool tensor_path, int64_t& restored) {
+int64_t check_scenario(const Scenario<Cache>& s, bool tensor_path, int64_t& restored, int64_t& checked) {
   constexpr int64_t kMaxAllocations = 4000;  // a bound on the loop, far above what any call makes
   auto ref = make_cache<Cache>(tensor_path);
   auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
-  ref_call();
+  const FailurePoints points(allocations_of(ref_call));
   const auto after = full_snapshot(ref);
-  for (int64_t k = 1; k <= kMaxAllocations; ++k) {
+  for (size_t i = 0; points.at(i) <= kMaxAllocations; ++i) {
+    const int64_t k = points.at(i);
+    ++checked;
     auto c = make_cache<Cache>(tensor_path);
     const auto call = prepared(s, c);
     const auto o = run_with_fault(call, k);
@@ -414,8 +458,8 @@ template <class Cache>
 void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
   for (const auto& s : all) {
     CAPTURE(s.name);
-    int64_t restored = 0;
-    const int64_t n = check_scenario(s, tensor_path, restored);
+    int64_t restored = 0, checked = 0;
+    const int64_t n = check_scenario(s, tensor_path, restored, checked);
     INFO(s.name << ": " << n - 1 << " allocation points, " << restored << " of them among the tensor path's writes");
     CHECK(n >= 1);
     // The undo log is exercised where the tensor path writes in place, and only there.
@@ -425,7 +469,7 @@ void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
       CHECK(restored > 0);
     }
     WARN(s.name << (tensor_path ? " (tensor path)" : " (host path)") << ": " << n - 1 << " allocation points, "
-                << restored << " undone");
+                << checked - 1 << " of them failed, " << restored << " undone");
   }
 }
 
@@ -443,8 +487,10 @@ void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window,
   auto ref = make_cache<Cache>(tensor_path);
   auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
+  const FailurePoints points(allocations_of(ref_call));
   int64_t partly = 0;
-  for (int64_t k = 1; k <= kMaxAllocations; ++k) {
+  for (size_t i = 0; points.at(i) <= kMaxAllocations; ++i) {
+    const int64_t k = points.at(i);
     auto c = make_cache<Cache>(tensor_path);
     const auto o = run_with_fault(prepared(s, c), k, window);
     if (!o.fired) return;
