@@ -155,6 +155,8 @@ bool same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
 }
 
 constexpr int64_t kLayers = 2, kB = 2, kH = 2;
+int64_t g_tier_tokens = 16;  // the caches' tier_tokens
+bool g_all_points = false;   // failure_points(): every point, as in the long run
 
 /// A cache on `tensor_path`, with a tier, capacity 6 (1 sink, 3 heavy hitters, 2 recent), a
 /// pass every 2 appends: 9 slots per row (8 tokens and the trash slot).
@@ -163,7 +165,7 @@ Cache make_cache(bool tensor_path);
 template <>
 kvevict::MlaCache make_cache<kvevict::MlaCache>(bool tensor_path) {
   kvevict_test::ForceTensorPath force(tensor_path);
-  return kvevict::MlaCache(kvevict::MlaCacheOptions(kLayers, kH).batch_size(kB).qk_dim(4).v_dim(3).tier_tokens(16)
+  return kvevict::MlaCache(kvevict::MlaCacheOptions(kLayers, kH).batch_size(kB).qk_dim(4).v_dim(3).tier_tokens(g_tier_tokens)
                                .tier_page_size(2),
                            EvictionOptions(3).n_sink(1).n_recent(2).evict_every(2));
 }
@@ -171,7 +173,7 @@ template <>
 kvevict::MlaLatentCache make_cache<kvevict::MlaLatentCache>(bool tensor_path) {
   kvevict_test::ForceTensorPath force(tensor_path);
   return kvevict::MlaLatentCache(kvevict::MlaLatentCacheOptions(kLayers, kH).batch_size(kB).kv_lora_rank(4)
-                                     .qk_rope_dim(2).qk_nope_dim(2).tier_tokens(16).tier_page_size(2),
+                                     .qk_rope_dim(2).qk_nope_dim(2).tier_tokens(g_tier_tokens).tier_page_size(2),
                                  EvictionOptions(3).n_sink(1).n_recent(2).evict_every(2));
 }
 
@@ -382,7 +384,7 @@ inline int64_t allocations_of(const std::function<void()>& call) {
 inline std::vector<int64_t> failure_points(int64_t n) {
   constexpr int64_t kStride = 8, kEdge = 8;
   std::vector<int64_t> ks;
-  if (kvevict_test::long_run() || n <= 6 * kEdge) {
+  if (kvevict_test::long_run() || g_all_points || n <= 6 * kEdge) {
     for (int64_t k = 1; k <= n; ++k) ks.push_back(k);
     return ks;
   }
@@ -635,4 +637,56 @@ TEST_CASE("a host-heap failure that lasts leaves the cache as it was, or says it
   };
   SECTION("expanded") { run(scenarios<kvevict::MlaCache>()); }
   SECTION("latent") { run(scenarios<kvevict::MlaLatentCache>()); }
+}
+
+// Issue 38 item 5 (a break-it round), D4: the tier's reads threw LibTorch's raw allocation error
+// (no "kvevict: ", no call) when a host allocation failed. Both kinds of failure (the host heap,
+// c10's CPU allocator) at every allocation of each read: a c10::Error naming the read, or success.
+TEST_CASE("the tier's reads name themselves when a host allocation fails", "[alloc_failure][tier][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  CAPTURE(tensor_path);
+  auto c = make_cache<kvevict::MlaLatentCache>(tensor_path);
+  at::manual_seed(29);
+  warm(c);
+  REQUIRE(c.tier_size(0, 0) > 0);
+  const std::vector<std::pair<std::string, std::function<void()>>> reads = {
+      {"tier_size", [&] { c.tier_size(0, 0); }},
+      {"tier_positions", [&] { c.tier_positions(0, 0); }},
+      {"tier_scores", [&] { c.tier_scores(0, 0); }},
+      {"tier_rows", [&] { c.tier_rows(0, 0); }},
+  };
+  for (const auto& [name, read] : reads) {
+    CAPTURE(name);
+    for (int64_t k = 1; k < 200; ++k) {
+      CAPTURE(k);
+      const auto o = run_with_fault(read, k);
+      CHECK_FALSE(o.bad_alloc);
+      if (o.error) CHECK_THAT(o.what, Contains("kvevict: " + name + ": "));
+      if (!o.fired) break;
+    }
+    for (int64_t k = 1; k < 50; ++k) {
+      CAPTURE(k);
+      kvevict_test::CountingCpuAllocator failing;
+      failing.fail_at(k);
+      const auto what = kvevict_test::message_of(read);
+      if (!failing.failed()) break;
+      CHECK_THAT(what, Contains("kvevict: " + name + ": "));
+    }
+  }
+}
+
+// D2: under a lasting host allocation failure, compress_prompt with a tier left the layer empty
+// but kept its grown buffers (its doc: they go back to their usual size). A failed call changes
+// nothing, slots included.
+TEST_CASE("compress_prompt with a tier under a lasting host-heap failure gives back the slots it grew",
+          "[alloc_failure][alloc_failure_compress][cpu]") {
+  const bool tensor_path = GENERATE(false, true);
+  const int64_t window = GENERATE(int64_t{4}, int64_t{1} << 40);
+  CAPTURE(tensor_path, window);
+  SECTION("expanded") {
+    for (const auto& s : compress_scenarios<kvevict::MlaCache>()) check_exhausted(s, tensor_path, window, false);
+  }
+  SECTION("latent") {
+    for (const auto& s : compress_scenarios<kvevict::MlaLatentCache>()) check_exhausted(s, tensor_path, window, false);
+  }
 }
