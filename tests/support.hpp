@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -88,6 +89,13 @@ inline bool cuda_available() { return at::hasCUDA(); }
       return;                                                              \
     }                                                                      \
   } while (0)
+
+/// The long run (KVEVICT_LONG_TESTS=1; the ctests labelled `long`): tests that sample a space in
+/// the default run (allocation-failure points) cover all of it.
+inline bool long_run() {
+  const char* on = std::getenv("KVEVICT_LONG_TESTS");
+  return on != nullptr && std::strcmp(on, "1") == 0;
+}
 
 /// Restores the default CPU path on scope exit; while alive, caches built use the tensor path.
 struct ForceTensorPath {

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -1644,4 +1645,102 @@ TEST_CASE("An allocation failure in reserve() or in growth names the call and th
     CHECK(completed);
     CHECK(growth_named);
   });
+}
+
+// Issue 38 item 5 (a break-it round), D5: a moved-from cache holds no buffers; reset() on it
+// segfaulted on both paths. Every call now throws or returns cleanly, reset() included.
+TEST_CASE("a moved-from cache refuses reset() with a clear error, on both paths", "[mla_cache][errors][cpu]") {
+  for (const bool tensor_path : {false, true}) {
+    INFO(path_name(tensor_path));
+    ForceTensorPath guard(tensor_path);
+    MlaCache from(small_options(2, 2, 2).tier_tokens(8).tier_page_size(2), EvictionOptions(2).n_sink(1).n_recent(1));
+    from.update(0, at::randn({2, 2, 3, kQk}), at::randn({2, 2, 3, kV}));
+    MlaCache to(std::move(from));
+    CHECK(to.size(0) == 3);
+    CHECK_THROWS_WITH(from.reset(), Contains("kvevict: ") && Contains("reset") && Contains("moved from"));
+    CHECK_THROWS_WITH(from.reset(0), Contains("kvevict: ") && Contains("moved from"));
+    // Every other call throws (or returns) cleanly.
+    const std::vector<std::function<void()>> calls = {
+        [&] { from.update(0, at::randn({2, 2, 1, kQk}), at::randn({2, 2, 1, kV})); },
+        [&] { from.evict(0); },
+        [&] { from.evict_now(0); },
+        [&] { from.truncate(0, 1); },
+        [&] { from.finish(0); },
+        [&] { from.reserve(8); },
+        [&] { from.reserve_tier(8); },
+        [&] { from.add_sequence(); },
+        [&] { from.positions(0); },
+        [&] { from.tier_size(0, 0); },
+        [&] { from.stats(); },
+        [&] { from.recall(0, at::randn({2, 2, 1, kQk}), 0.5, 2); },
+        [&] { kvevict::attend(at::randn({2, 2, 1, kQk}), from, 0); },
+    };
+    for (size_t i = 0; i < calls.size(); ++i) {
+      CAPTURE(i);
+      try {
+        calls[i]();
+      } catch (const c10::Error& e) {
+        CHECK_THAT(e.what_without_backtrace(), Contains("kvevict: "));
+      }
+    }
+    // And a cache assigned to it works.
+    from = MlaCache(small_options(2, 2, 2), EvictionOptions(2).n_sink(1).n_recent(1));
+    CHECK_NOTHROW(from.reset());
+    CHECK(from.size(0) == 0);
+  }
+}
+
+// The break-it round: a NaN key made every attend on its layer throw (with checks on), and
+// neither that error nor the README named the key. With checks on, update refuses it.
+TEST_CASE("with checks on, update refuses a non-finite key naming the layer, row and position, and changes nothing",
+          "[mla_cache][errors][cpu]") {
+  for (const bool tensor_path : {false, true}) {
+    INFO(path_name(tensor_path));
+    ForceTensorPath guard(tensor_path);
+    MlaCache cache(small_options(2, 2, 2), EvictionOptions(4).n_sink(1).n_recent(1));
+    cache.update(1, at::randn({2, 2, 3, kQk}), at::randn({2, 2, 3, kV}));
+    const auto pos = cache.positions(1);
+    auto k = at::randn({2, 2, 2, kQk});
+    k[1][0][1][5] = kNaN;  // row 1, head 0, the chunk's second token: position 4
+    const auto m = kvevict_test::message_of([&] { cache.update(1, k, at::randn({2, 2, 2, kV})); });
+    CHECK_THAT(m, Contains("kvevict: ") && Contains("k_new") && Contains("layer 1") && Contains("row 1") &&
+                      Contains("position 4") && Contains("nan"));
+    CHECK(cache.seen_tokens(1) == 3);
+    CHECK(at::equal(cache.positions(1), pos));
+    k[1][0][1][5] = kInf;
+    CHECK_THAT(kvevict_test::message_of([&] { cache.update(1, k, at::randn({2, 2, 2, kV})); }), Contains("inf"));
+    // A NaN value is the caller's business (it never reaches a probability); a pad's key is never stored.
+    auto v = at::randn({2, 2, 2, kV});
+    v[0][1][0][0] = kNaN;
+    CHECK_NOTHROW(cache.update(1, at::randn({2, 2, 2, kQk}), v));
+    auto kp = at::randn({2, 2, 2, kQk});
+    kp[1][0][0][0] = kNaN;  // row 1 appends one token: column 0 is its pad
+    CHECK_NOTHROW(cache.update(1, kp, at::randn({2, 2, 2, kV}), {2, 1}));
+    // With checks off, accepted as before.
+    MlaCache off(small_options(1, 2, 2).check_observations(false), EvictionOptions(4).n_sink(1).n_recent(1));
+    k[1][0][1][5] = kNaN;
+    CHECK_NOTHROW(off.update(0, k, at::randn({2, 2, 2, kV})));
+  }
+}
+
+// The break-it round, D3: a legal but huge budget (2^31 - 4, 128 heads) filled the eviction state
+// (~24 GB) before it tried the far larger buffers; the process was OOM-killed. The constructor
+// now checks what it would allocate first: nothing large is allocated before the error.
+TEST_CASE("a cache too large for the machine is refused before anything large is allocated", "[mla_cache][errors][cpu]") {
+  for (const bool tensor_path : {false, true}) {
+    INFO(path_name(tensor_path));
+    ForceTensorPath guard(tensor_path);
+    kvevict_test::CountingCpuAllocator counting;
+    const int64_t budget = (int64_t{1} << 31) - 4;
+    const auto m = kvevict_test::message_of([&] {
+      MlaCache c(MlaCacheOptions(1, 128), EvictionOptions(budget));
+    });
+    CHECK_THAT(m, Contains("kvevict: ") && Contains("budget=2147483644") && Contains("bytes"));
+    CHECK(counting.largest() < (size_t{1} << 20));  // nothing large was asked for
+    const auto ml = kvevict_test::message_of([&] {
+      kvevict::MlaLatentCache c(kvevict::MlaLatentCacheOptions(1, 128), EvictionOptions(budget));
+    });
+    CHECK_THAT(ml, Contains("kvevict: ") && Contains("budget=2147483644"));
+    CHECK(counting.largest() < (size_t{1} << 20));
+  }
 }

@@ -796,7 +796,8 @@ TEST_CASE("recall: bad input gets a clear error and changes nothing", "[tier][re
 TEST_CASE("a NaN key is left out of its page's digest, whichever member of the page it is, on both paths",
           "[tier][recall][cpu]") {
   // Page 0 holds {NaN, 1} or {1, NaN} (positions 0 and 1), page 1 {2, 3}: the NaN channel is left
-  // out, so page 0's bound is its finite key's and a query recalls both pages alike.
+  // out, so page 0's bound is its finite key's and a query recalls both pages alike. Observation
+  // checks off: with them on, update refuses a non-finite key.
   const bool nan_first = GENERATE(true, false);
   CAPTURE(nan_first);
   std::vector<int64_t> recalled;
@@ -805,7 +806,8 @@ TEST_CASE("a NaN key is left out of its page's digest, whichever member of the p
     CAPTURE(tensor_path);
     kvevict_test::ForceTensorPath force(tensor_path);
     kvevict::MlaLatentCache c(
-        kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(1).qk_rope_dim(1).tier_tokens(100).tier_page_size(2),
+        kvevict::MlaLatentCacheOptions(1, 1).kv_lora_rank(1).qk_rope_dim(1).tier_tokens(100).tier_page_size(2)
+            .check_observations(false),
         EvictionOptions(3).n_sink(0).n_recent(0));
     const float nan = std::numeric_limits<float>::quiet_NaN();
     c.update(0, at::tensor({nan_first ? nan : 1.f, nan_first ? 1.f : nan, 2.f, 3.f, 0.f, 0.f, 0.f}).view({1, 7, 1}),

@@ -28,8 +28,66 @@
 #include <utility>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>  // sysconf: the machine's physical memory (check_cache_bytes)
+#endif
+
 namespace kvevict {
 namespace detail {
+
+/// Bytes of physical memory on this machine, or -1 where unknown.
+inline long double physical_memory_bytes() {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) return static_cast<long double>(pages) * static_cast<long double>(page);
+#endif
+  return -1;
+}
+
+/// Checks, before a cache's constructor allocates anything, that what it allocates and writes
+/// on the CPU fits in the machine's physical memory: every layer's buffers (`row_bytes` per slot
+/// and row) and eviction state (scorer state width `state_width`) at capacity + evict_every + 1 slots per row. A
+/// legal but huge budget otherwise filled the eviction state (tens of GB) before the far larger
+/// buffers were even tried, and the process was killed. Nothing is checked off the CPU (a
+/// device's allocator refuses what it cannot give, before anything is written).
+/// \throws c10::Error ("could not allocate", as the allocation would) naming `cls`, the sizes and the bytes.
+inline void check_cache_bytes(const char* cls, const EvictionPolicyOptions& p, const EvictionOptions& e,
+                              int64_t row_bytes, int64_t state_width, at::Device device) {
+  if (!device.is_cpu()) return;
+  p.check_layer_budgets(e);
+  const int64_t state_bytes = 8 + 4 * state_width + (p.lazy_reduction() ? 16 : 0);  // PolicyState's
+  const auto& budgets = p.layer_budgets();  // empty: every layer e's budget (no vector of num_layers made)
+  const auto layer_bytes = [&](int64_t budget) {
+    const long double slots = static_cast<long double>(e.n_sink()) + budget + e.n_recent() + e.evict_every() + 1;
+    return slots * p.batch_size() * (static_cast<long double>(row_bytes) + state_bytes);
+  };
+  long double total = 0, largest = 0;
+  int64_t largest_layer = 0, largest_budget = e.budget();
+  if (budgets.empty()) {
+    largest = layer_bytes(e.budget());
+    total = largest * p.num_layers();
+  } else {
+    for (size_t l = 0; l < budgets.size(); ++l) {
+      const long double bytes = layer_bytes(budgets[l]);
+      total += bytes;
+      if (bytes > largest) {
+        largest = bytes;
+        largest_layer = static_cast<int64_t>(l);
+        largest_budget = budgets[l];
+      }
+    }
+  }
+  const long double memory = physical_memory_bytes();
+  if (memory < 0 || total <= memory) return;
+  KVEVICT_CHECK(false, cls, ": could not allocate the cache buffers and eviction state: num_layers=", p.num_layers(),
+                ", batch_size=", p.batch_size(), ", num_heads=", p.num_heads(), " would take ",
+                static_cast<double>(total), " bytes on the CPU (", static_cast<double>(largest), " in layer ",
+                largest_layer, ": n_sink=", e.n_sink(), ", budget=", largest_budget, ", n_recent=", e.n_recent(),
+                ", evict_every=", e.evict_every(), " + 1 slots per row, ", row_bytes, " bytes of rows and ",
+                state_bytes, " of eviction state per slot and row), more than this machine's ",
+                static_cast<double>(memory), " bytes of memory; nothing was allocated. Lower the budget (or "
+                "layer_budgets), batch_size or num_layers");
+}
 
 /// Buffers of every layer over one EvictionPolicy; the base of every cache layout. Live tokens
 /// of row b fill slots [0, size(layer, b)); views are [.., size(layer), ..] wide (the longest
@@ -52,7 +110,9 @@ class CacheBase {
   using policy_type = Policy;
   using scorer_type = typename Policy::scorer_type;
 
-  /// A cache owns its buffers: copying would alias them, so only moves are allowed.
+  /// A cache owns its buffers: copying would alias them, so only moves are allowed. A moved-from
+  /// cache holds nothing: its calls throw a c10::Error saying so (assigning a cache to it makes it
+  /// usable again).
   CacheBase(const CacheBase&) = delete;
   CacheBase& operator=(const CacheBase&) = delete;
   CacheBase(CacheBase&&) noexcept = default;
@@ -94,11 +154,11 @@ class CacheBase {
   /// [B, H, Q, S], queries right-aligned on the newest append, pads ignored).
   /// \throws c10::Error as EvictionPolicy::observe(); the cache is unchanged then.
   void observe(int64_t layer, const at::Tensor& probs) {
-    host_heap("observe", [&] { policy_.observe(layer, probs); });
+    host_heap("observe", [&] { check_not_moved("observe"); policy_.observe(layer, probs); });
   }
   /// Adds caller-computed scores [B, S]: EvictionPolicy::add_scores().
   void add_scores(int64_t layer, const at::Tensor& scores) {
-    host_heap("add_scores", [&] { policy_.add_scores(layer, scores); });
+    host_heap("add_scores", [&] { check_not_moved("add_scores"); policy_.add_scores(layer, scores); });
   }
   /// Applies the observations lazy_reduction holds back on `layer`: EvictionPolicy::flush() (a
   /// collective under tensor parallelism; evict() calls it when a pass is due).
@@ -131,13 +191,13 @@ class CacheBase {
   ///       with a tier replays as a CUDA graph once the store has stopped growing
   ///       (reserve_tier()).
   int64_t evict(int64_t layer) {
-    return host_heap("evict", [&] { return run_pass(layer, false); });
+    return host_heap("evict", [&] { check_not_moved("evict"); return run_pass(layer, false); });
   }
 
   /// evict() without waiting for evict_every: a pass on `layer` now if any row is over its
   /// capacity (compress_prompt() with a host tier uses it). Same returns and guarantees.
   int64_t evict_now(int64_t layer) {
-    return host_heap("evict_now", [&] { return run_pass(layer, true); });
+    return host_heap("evict_now", [&] { check_not_moved("evict_now"); return run_pass(layer, true); });
   }
 
  private:
@@ -206,22 +266,30 @@ class CacheBase {
   /// Tokens a row keeps in its tier per layer (0: no tier; the cache options' tier_tokens).
   int64_t tier_tokens() const noexcept { return tier_tokens_; }
   /// Tokens of `row` in the tier of `layer`. \throws c10::IndexError for a bad layer or row.
-  int64_t tier_size(int64_t layer, int64_t row) const { return tier(layer, row).size(row); }
+  int64_t tier_size(int64_t layer, int64_t row) const {
+    return host_heap("tier_size", [&] { return tier("tier_size", layer, row).size(row); });
+  }
   /// [n] int64 positions of the tier tokens of `row` in `layer`, ascending (CPU, a copy).
-  at::Tensor tier_positions(int64_t layer, int64_t row) const { return tier(layer, row).positions(row); }
+  at::Tensor tier_positions(int64_t layer, int64_t row) const {
+    return host_heap("tier_positions", [&] { return tier("tier_positions", layer, row).positions(row); });
+  }
   /// [n] fp32 rank (Scorer::rank) of each tier token of `row` in `layer` when it was evicted,
   /// in the order of tier_positions() (CPU, a copy).
-  at::Tensor tier_scores(int64_t layer, int64_t row) const { return tier(layer, row).ranks(row); }
+  at::Tensor tier_scores(int64_t layer, int64_t row) const {
+    return host_heap("tier_scores", [&] { return tier("tier_scores", layer, row).ranks(row); });
+  }
 
  protected:
   /// Per buffer of the layout (MlaCache: keys, values; MlaLatentCache: ckv, kpe), the rows of
   /// the tier tokens of `row` in `layer` as [outer..., n, inner] (the buffer's shape without
   /// the batch), in the order of tier_positions(), bit for bit as they were cached (CPU,
-  /// copies).
+  /// copies). A host allocation failure is a c10::Error naming tier_rows (the layouts' read).
   std::vector<at::Tensor> tier_buffers(int64_t layer, int64_t row) const {
-    std::vector<std::vector<int64_t>> shapes;
-    for (const auto& spec : specs_) shapes.push_back(spec.token_shape());
-    return tier(layer, row).rows(row, shapes, dtype_);
+    return host_heap("tier_rows", [&] {
+      std::vector<std::vector<int64_t>> shapes;
+      for (const auto& spec : specs_) shapes.push_back(spec.token_shape());
+      return tier("tier_rows", layer, row).rows(row, shapes, dtype_);
+    });
   }
 
  public:
@@ -232,15 +300,18 @@ class CacheBase {
   bool active(int64_t row) const { return policy_.active(row); }
   /// Starts a new, empty sequence in the lowest free row and returns that row.
   /// \throws c10::Error if every row holds a sequence.
-  int64_t add_sequence() { return policy_.add_sequence(); }
+  int64_t add_sequence() {
+    check_not_moved("add_sequence");
+    return policy_.add_sequence();
+  }
   /// Ends the sequence in `row`; the row is free for add_sequence(). Other rows go on.
   /// With a tier, its tokens of the row are released too.
   void finish(int64_t row) {
-    host_heap("finish", [&] { end_row(row, "finish", [&] { policy_.finish(row); }); });
+    host_heap("finish", [&] { check_not_moved("finish"); end_row(row, "finish", [&] { policy_.finish(row); }); });
   }
   /// Empties `row` for a new sequence (positions restart at 0), its tier tokens too.
   void reset(int64_t row) {
-    host_heap("reset", [&] { end_row(row, "reset", [&] { policy_.reset(row); }); });
+    host_heap("reset", [&] { check_not_moved("reset"); end_row(row, "reset", [&] { policy_.reset(row); }); });
   }
 
   /// Empties every layer and row for new sequences (positions restart at 0), makes every row
@@ -248,7 +319,7 @@ class CacheBase {
   /// \throws c10::Error naming reset, the layer and the sizes if the smaller buffers cannot be
   ///         allocated; the cache is unchanged then.
   void reset() {
-    host_heap("reset", [&] {
+    host_heap("reset", [&] { check_not_moved("reset");
       std::vector<std::vector<at::Tensor>> fresh;  // every allocation first
       for (int64_t l = 0; l < num_layers(); ++l) {
         const int64_t base = policy_.base_slots(l);
@@ -270,7 +341,7 @@ class CacheBase {
   /// \throws c10::Error if a dropped token was already evicted, k is out of range or the row is
   ///         free, or on an allocation failure; the cache (every layer) is unchanged then.
   void truncate(int64_t row, int64_t k) {
-    host_heap("truncate", [&] { truncate_rows(row, k); });
+    host_heap("truncate", [&] { check_not_moved("truncate"); truncate_rows(row, k); });
   }
 
   /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
@@ -279,7 +350,7 @@ class CacheBase {
   /// \throws c10::ValueError if tokens is out of range; c10::Error naming reserve, the layer and
   ///         the sizes if they cannot be allocated. Nothing changes then.
   void reserve(int64_t tokens) {
-    host_heap("reserve", [&] { reserve_slots(tokens); });
+    host_heap("reserve", [&] { check_not_moved("reserve"); reserve_slots(tokens); });
   }
 
   /// Makes the host tier hold its whole budget (tier_tokens per row) and page digests for
@@ -291,7 +362,7 @@ class CacheBase {
   /// \throws c10::ValueError if positions is out of range; c10::Error if there is no tier or
   ///         the memory cannot be allocated. Nothing changes then.
   void reserve_tier(int64_t positions) {
-    host_heap("reserve_tier", [&] {
+    host_heap("reserve_tier", [&] { check_not_moved("reserve_tier");
       KVEVICT_CHECK(tier_tokens_ > 0, "reserve_tier: this cache has no host tier (tier_tokens is 0 in its options)");
       KVEVICT_CHECK_VALUE(positions >= 1 && positions <= EvictionOptions::kMaxTokens,
                           "reserve_tier: positions must be in [1, 2^40], got ", positions);
@@ -401,6 +472,7 @@ class CacheBase {
   /// `counts` is empty: every active row appends T, free rows 0). Returns views over slots
   /// [0, size(layer)) of every buffer.
   std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts) {
+    check_not_moved("update");
     at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     policy_.size(layer);      // checks the layer
     const int64_t T = check_rows(specs_, rows, batch_size(), dtype_, device());
@@ -431,6 +503,7 @@ class CacheBase {
     const bool grow = needed > slots(layer) - 1;  // the last slot is the trash slot
     if (grow) KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
     policy_.check_append(layer, counts_, T, /*check_room=*/!grow);  // everything else, before growing
+    if (policy_.checks_observations()) check_finite_keys(layer, rows, T);
     const int64_t new_slots =
         grow ? std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1)) : slots(layer);
     // Everything that allocates comes next, the growth last: a throw there changes nothing, and
@@ -513,6 +586,75 @@ class CacheBase {
     return out;
   }
 
+  /// With observation checks on (check_observations; default on CPU): every real (not pad) key
+  /// column of an append must be finite, or every later attend on the layer would fail its
+  /// checks. \throws c10::ValueError naming the buffer, the index, the layer, the row and the
+  /// position of the first non-finite key. The host's loop allocates nothing; a device's rows
+  /// are reduced to [B, T] on the device and read (one sync, as every check there).
+  void check_finite_keys(int64_t layer, const std::vector<at::Tensor>& rows, int64_t T) const {
+    const int64_t B = batch_size();
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      if (!specs_[i].key) continue;
+      const auto& x = rows[i];
+      const int64_t tdim = token_dim(i), inner = specs_[i].inner, outer = specs_[i].row_elements() / inner;
+      // The first non-finite element of row b, column t (-1: none), as a flat index over [outer..., inner].
+      const auto first_bad = [&](int64_t b, int64_t t) -> int64_t {
+        int64_t found = -1;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "check_finite_keys", [&] {
+          const scalar_t* p = x.data_ptr<scalar_t>() + b * x.stride(0) + t * x.stride(tdim);
+          for (int64_t o = 0; o < outer && found < 0; ++o) {
+            int64_t off = 0, rest = o;  // o over the outer dims, row-major
+            for (int64_t d = tdim - 1; d >= 1; --d) {
+              off += (rest % x.size(d)) * x.stride(d);
+              rest /= x.size(d);
+            }
+            for (int64_t j = 0; j < inner; ++j) {
+              if (!std::isfinite(static_cast<float>(p[off + j * x.stride(tdim + 1)]))) {
+                found = o * inner + j;
+                break;
+              }
+            }
+          }
+        });
+        return found;
+      };
+      at::Tensor bad_cols;  // a device's rows: [B, T] whether a column holds a non-finite key
+      if (!x.is_cpu()) {
+        bad_cols = at::isfinite(x).logical_not().movedim(tdim, 1).reshape({B, T, -1}).any(-1).cpu();
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t t = T - counts_[b]; t < T; ++t) {
+          if (bad_cols.defined() && !bad_cols[b][t].item<bool>()) continue;
+          const int64_t found = x.is_cpu() ? first_bad(b, t) : [&] {  // [outer..., inner], flat
+            const auto bad = at::isfinite(x[b].select(tdim - 1, t).cpu().reshape({-1})).logical_not().nonzero();
+            return bad.numel() > 0 ? bad[0][0].item<int64_t>() : int64_t{-1};
+          }();
+          if (found < 0) continue;
+          std::vector<int64_t> index{b};  // [b, outer..., t, j]
+          std::vector<int64_t> outer_index;
+          for (int64_t d = tdim - 1, rest = found / inner; d >= 1; --d) {
+            outer_index.insert(outer_index.begin(), rest % x.size(d));
+            rest /= x.size(d);
+          }
+          index.insert(index.end(), outer_index.begin(), outer_index.end());
+          index.push_back(t);
+          index.push_back(found % inner);
+          float value = 0;
+          {
+            auto e = x;
+            for (const auto k : index) e = e.select(0, k);
+            value = e.to(at::kFloat).item<float>();
+          }
+          KVEVICT_CHECK_VALUE(false, "update: ", specs_[i].name, " must be finite while observations are checked "
+                              "(check_observations), got ", value, " at ", at::IntArrayRef(index), ": layer ", layer,
+                              ", row ", b, ", position ", policy_.seen_tokens(layer, b) + t - (T - counts_[b]),
+                              " (a non-finite key makes every attend on the layer fail its checks); the cache is "
+                              "unchanged");
+        }
+      }
+    }
+  }
+
   /// The views over slots [0, width) of `bufs` (the buffers of `layer`, or the ones replacing
   /// them): the cached ones while they still match, else new ones. Allocates; changes nothing.
   LiveViews views_over(int64_t layer, const std::vector<at::Tensor>& bufs, int64_t width) const {
@@ -558,6 +700,7 @@ class CacheBase {
   /// rescore (> tokens) of at least one page, a finite `query`.
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore) const {
+    check_not_moved(call);
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
     KVEVICT_CHECK(policy_.at(layer).open_q == 0, call, ": layer ", layer,
@@ -587,11 +730,32 @@ class CacheBase {
   }
 
  private:
-  /// The tier of `layer`, after checking `layer` and `row` and that there is a tier.
-  const LayerTier& tier(int64_t layer, int64_t row) const {
+  /// The tier of `layer`, after checking `layer` and `row` and that there is a tier (`call`: the read).
+  const LayerTier& tier(const char* call, int64_t layer, int64_t row) const {
+    check_not_moved(call);
     policy_.size(layer, row);  // checks both
-    KVEVICT_CHECK(tier_tokens_ > 0, "tier: this cache has no host tier (tier_tokens is 0 in its options)");
+    KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
     return tiers_[layer];
+  }
+
+  /// Set in a cache moved from (its move leaves it holding nothing); false in one moved to.
+  struct MovedFrom {
+    bool value = false;
+    MovedFrom() = default;
+    MovedFrom(MovedFrom&& o) noexcept : value(o.value) { o.value = true; }
+    MovedFrom& operator=(MovedFrom&& o) noexcept {
+      if (this != &o) {
+        value = o.value;
+        o.value = true;
+      }
+      return *this;
+    }
+  };
+
+  /// \throws c10::Error naming `call` if this cache was moved from.
+  void check_not_moved(const char* call) const {
+    KVEVICT_CHECK(!moved_.value, call, ": this cache was moved from (its buffers and eviction state went to the cache "
+                  "it was moved to); use that one, or assign a new cache to this one");
   }
 
   [[noreturn]] void fail_allocation(const std::string& why) const {
@@ -656,10 +820,39 @@ class CacheBase {
   /// dropped tokens counted as evicted).
   void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) { policy_.place_prompt(layer, keep, T); }
 
+  /// What compress_prompt() takes before its append into the empty `layer`: the layer's buffers
+  /// and eviction state as they are (handles, no copy; allocates host vectors), which
+  /// clear_layer() puts back if the append grew them.
+  struct LayerBefore {
+    std::vector<at::Tensor> buffers;
+    typename Policy::Grown state;
+  };
+  LayerBefore layer_before(int64_t layer) const {
+    return {buffers_.at(layer), policy_.current(policy_.at(layer), layer)};
+  }
+
   /// compress_prompt()'s undo when a step after its append throws: empties `layer` (empty before
-  /// that append) and gives back the slots the append grew.
-  void clear_layer(int64_t layer) {
+  /// that append) and gives back the slots the append grew, by swapping the layer's own buffers
+  /// and state back (`before`, from layer_before()): no allocation, so even a heap that stays
+  /// exhausted leaves the layer at its usual size.
+  /// The tensor path's clear (fills) may throw: the layer then keeps its grown buffers, consistent.
+  void clear_layer(int64_t layer, LayerBefore& before) {
     policy_.clear_layer(layer);
+    auto& L = policy_.at(layer);
+    if (L.slots != before.state.state.slots) {  // the append grew the layer: its own buffers and state back
+      buffers_[layer].swap(before.buffers);
+      if (policy_.host_path()) {
+        policy_.swap_in(L, layer, before.state);  // the host path's scratch is sized by the slots
+      } else {  // the tensor path's scratch (counters, mirrors) does not depend on them: a resize keeps it
+        auto& N = before.state.state;
+        L.slots = N.slots;
+        std::swap(L.position, N.position);
+        std::swap(L.state, N.state);
+        std::swap(L.pending, N.pending);
+        L.open_q = 0;
+      }
+      live_views_[layer] = LiveViews{};
+    }
     shrink_if_fits(layer);
   }
 
@@ -689,6 +882,7 @@ class CacheBase {
   at::Tensor move_rows_;                          // tensor path: [B, 1] row indices of the moves (made once)
   Pass pass_;                                     // the pass being applied (scratch, reused)
   std::vector<int64_t> counts_;                   // the current append's counts (scratch)
+  MovedFrom moved_;                               // set by a move out of this cache
 };
 
 }  // namespace detail

@@ -43,7 +43,13 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
   /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value.
   BasicMlaCache(const MlaCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
                 typename Policy::scorer_type scorer = typename Policy::scorer_type())
-      : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
+      : Base(Policy((options.validate(),
+                     detail::check_cache_bytes("MlaCache", options.policy_options(), eviction,
+                                               options.num_heads() * (options.qk_dim() + options.v_dim()) *
+                                                   static_cast<int64_t>(c10::elementSize(options.dtype())),
+                                               Policy::W, options.device()),
+                     options.policy_options()),
+                    eviction, std::move(scorer)),
              {{"k_new", {options.num_heads()}, options.qk_dim(), {"B", "H", "T", "qk_dim"}, true},
               {"v_new", {options.num_heads()}, options.v_dim(), {"B", "H", "T", "v_dim"}}},
              options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring()),

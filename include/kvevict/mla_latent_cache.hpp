@@ -41,7 +41,13 @@ class BasicMlaLatentCache : public detail::CacheBase<Policy> {
   /// \throws c10::ValueError if `options` or `eviction` are invalid, naming the value.
   BasicMlaLatentCache(const MlaLatentCacheOptions& options, const EvictionOptions& eviction = EvictionOptions(),
                       typename Policy::scorer_type scorer = typename Policy::scorer_type())
-      : Base(Policy((options.validate(), options.policy_options()), eviction, std::move(scorer)),
+      : Base(Policy((options.validate(),
+                     detail::check_cache_bytes("MlaLatentCache", options.policy_options(), eviction,
+                                               (options.kv_lora_rank() + options.qk_rope_dim()) *
+                                                   static_cast<int64_t>(c10::elementSize(options.dtype())),
+                                               Policy::W, options.device()),
+                     options.policy_options()),
+                    eviction, std::move(scorer)),
              {{"ckv_new", {}, options.kv_lora_rank(), {"B", "T", "kv_lora_rank"}, true},
               {"kpe_new", {}, options.qk_rope_dim(), {"B", "T", "qk_rope_dim"}, true}},
              options.dtype(), options.tier_tokens(), options.tier_page_size(), options.tier_scoring()),

@@ -164,6 +164,7 @@ struct PromptPress {
                   const at::Tensor& scores, const at::Tensor& keep) {
     at::NoGradGuard no_grad;
     const bool tier = cache.tier_tokens() > 0;
+    auto before = cache.layer_before(layer);  // for the undo below; a throw here changes nothing
     if (tier) {
       cache.update(layer, a, b);  // a throw changes nothing
     } else {
@@ -178,7 +179,13 @@ struct PromptPress {
         cache.place_prompt(layer, keep, scores.size(1));
       }
     } catch (...) {
-      cache.clear_layer(layer);
+      try {
+        cache.clear_layer(layer, before);
+      } catch (...) {  // the tensor path's fills (a heap that stays exhausted): say so
+        restore_failed() = true;
+        KVEVICT_CHECK(false, "compress_prompt: a step after its append failed, and emptying layer ", layer,
+                      " again failed too: the state is partly changed; reset() it");
+      }
       throw;
     }
   }

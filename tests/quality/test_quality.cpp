@@ -32,7 +32,7 @@ double json_number(const std::string& json, const std::string& key) {
 
 int main(int argc, char** argv) try {
   if (argc != 3) throw std::runtime_error("usage: test_quality <weights.pt> <weights.json>");
-  torch::set_num_threads(2);
+  torch::set_num_threads(1);  // no threading measured here; polite on a busy machine
   Model m{Config()};
   load_weights(m, argv[1]);
   m->eval();
