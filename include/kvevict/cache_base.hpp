@@ -140,7 +140,7 @@ class CacheBase {
   int64_t seen_tokens(int64_t layer) const { return policy_.seen_tokens(layer); }
   /// Tokens ever appended to `row` of `layer`: the position of its next token.
   int64_t seen_tokens(int64_t layer, int64_t row) const { return policy_.seen_tokens(layer, row); }
-  /// Slots allocated per row in `layer` (see reserve() and README "Memory").
+  /// Slots allocated per row in `layer` (see reserve() and docs/cpp-guide.md, "Memory: the growth rule").
   int64_t slots(int64_t layer) const { return policy_.slots(layer); }
 
   /// [B, size] int64 original position of each slot, slot order (not sorted; see ordered()),

@@ -52,7 +52,7 @@ struct MlaMemoryConfig {
 /// Bytes one token takes in one layer (K/V data only; the eviction state adds 8 + 4 x W bytes
 /// per slot and layer, independent of the layout: the int64 position and W fp32 values of
 /// scorer state (W = 1, or 2 for MeanObservedAttention); and a layer holds capacity +
-/// evict_every slots per row, see README "Memory").
+/// evict_every slots per row, see docs/cpp-guide.md, "Memory: the growth rule").
 /// \throws c10::ValueError if a dimension is < 1, or the result overflows int64.
 inline int64_t bytes_per_token_per_layer(const MlaMemoryConfig& c, Layout layout) {
   KVEVICT_CHECK_VALUE(c.num_layers >= 1 && c.num_heads >= 1 && c.qk_dim >= 1 && c.v_dim >= 1 &&

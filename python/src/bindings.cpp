@@ -6,7 +6,7 @@
 // to (c10::ValueError -> ValueError, IndexError, TypeError, NotImplementedError; any other
 // c10::Error -> RuntimeError) with kvevict's message, without the C++ backtrace.
 //
-// Not bound (see README "Python"): TensorParallel (tensor_parallel.hpp: from Python, the options'
+// Not bound (see docs/python.md): TensorParallel (tensor_parallel.hpp: from Python, the options'
 // reduce_contributions property takes a callable, e.g. over torch.distributed, with total_heads),
 // custom scorers written in Python, and the cache-only protocol the caches use internally (Pass,
 // plan/commit, append_index, ...).

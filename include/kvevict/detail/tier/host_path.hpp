@@ -1,8 +1,9 @@
 #pragma once
 // The tier's host path (a cache whose policy takes the host path: everything on the CPU):
-// TierHostPath, per batch row a TierRow and its PageDigests, with the steps of its twin
-// TierTensorPath (tier/tensor_path.hpp) under the same names in the same order: take, score,
-// plan, swap, drop_from, release, reserve, clear, and the reads. Its scoring steps (the
+// TierHostPath, per batch row a TierRow and its PageDigests, with the step names of its twin
+// TierTensorPath (tier/tensor_path.hpp): take, score, plan, swap, drop_from, release, reserve,
+// clear, and the reads. Not yet the same stages: this path finds recall's victims in score and
+// plans into a RecallPlan, the tensor path finds them in plan and plans into a TierStore::Picked. Its scoring steps (the
 // pages', score_on_host(); two-level recall's pool; the victims, victims_on_host()) are
 // tier/host_scoring.hpp; the steps both paths share (the reduction, the heads' mean, their
 // order) are tier/scoring.hpp.

@@ -1,6 +1,7 @@
 #pragma once
-// The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the steps of its twin
-// TierHostPath (tier/host_path.hpp) under the same names in the same order. Its tier is a
+// The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the step names of its
+// twin TierHostPath (tier/host_path.hpp); recall's selection and swap are compiled ops where
+// they are registered (tier/ops/ops.hpp), their ATen reference forms elsewhere. Its tier is a
 // TierStore (tier/store.hpp): every row's tokens in fixed-shape tensors, their rows in pinned
 // host memory that device kernels reach through a view. A pass's evicted tokens join the tier
 // inside the pass's commit, and recall scores the pages, finds its victims, picks the tokens

@@ -35,7 +35,9 @@ namespace detail {
 /// The tiers of one layer, the facade over the tier's two paths as EvictionPolicy is over the
 /// policy's: TierHostPath (tier/host_path.hpp: per row a TierRow and its PageDigests, on the
 /// CPU) or TierTensorPath (tier/tensor_path.hpp: a TierStore, tensor ops on the cache's
-/// device), which have the same steps under the same names. Each public call is one call per
+/// device), which have the same step names (both score into RecallScores; the victims are
+/// found in score on the host path and in plan on the tensor path, and the plans' types
+/// differ). Each public call is one call per
 /// step into the path: take() plans a pass's evicted tokens into the pass's commit; recall()
 /// scores the pages, plans what comes back and the slots it replaces, and swaps them;
 /// release(), drop_from() and reserve() plan into the commit of finish, reset, truncate and
