@@ -5,8 +5,9 @@
 # INCLUDE_DIRS, LibTorch's headers) and the CUDA runtime only, while LibTorch's targets carry the
 # host compiler's C++ standard (C++20 for torch 2.10 and later), which CMake cannot always ask
 # of nvcc. nvcc: KVEVICT_NVCC, else from the CUDA toolkit, CUDA_HOME or PATH. Architectures:
-# KVEVICT_CUDA_ARCHITECTURES (default 90: H100, H200). Without nvcc or the CUDA runtime:
-# OFF, or a fatal error with REQUIRED.
+# KVEVICT_CUDA_ARCHITECTURES (default 80;90: machine code for A100 and the sm_8x cards, H100
+# and H200), plus PTX of the last one, which newer GPUs (Blackwell) compile when they load it.
+# Without nvcc or the CUDA runtime: OFF, or a fatal error with REQUIRED.
 function(kvevict_cuda_kernels target)
   cmake_parse_arguments(ARG "REQUIRED" "" "INCLUDE_DIRS" ${ARGN})
   set(KVEVICT_CUDA_KERNELS OFF PARENT_SCOPE)
@@ -18,7 +19,8 @@ function(kvevict_cuda_kernels target)
     endif()
     return()
   endif()
-  set(KVEVICT_CUDA_ARCHITECTURES 90 CACHE STRING "CUDA architectures of kvevict's kernels (90: H100, H200)")
+  set(KVEVICT_CUDA_ARCHITECTURES "80;90" CACHE STRING
+      "CUDA architectures of kvevict's kernels (machine code for each, PTX of the last)")
   set(_dir ${PROJECT_SOURCE_DIR}/src/kernels)
   set(_flags -std=c++17 -O3 -Xcompiler=-fPIC -I${PROJECT_SOURCE_DIR}/include)
   foreach(_include IN LISTS ARG_INCLUDE_DIRS)
@@ -27,6 +29,8 @@ function(kvevict_cuda_kernels target)
   foreach(_arch IN LISTS KVEVICT_CUDA_ARCHITECTURES)
     list(APPEND _flags -gencode=arch=compute_${_arch},code=sm_${_arch})
   endforeach()
+  list(GET KVEVICT_CUDA_ARCHITECTURES -1 _last)
+  list(APPEND _flags -gencode=arch=compute_${_last},code=compute_${_last})
   set(_object ${CMAKE_CURRENT_BINARY_DIR}/${target}_cuda.o)
   add_custom_command(OUTPUT ${_object}
     COMMAND ${KVEVICT_NVCC} ${_flags} -c ${_dir}/cuda.cu -o ${_object}

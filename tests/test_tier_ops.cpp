@@ -298,3 +298,44 @@ TEST_CASE("ops: recall with the compiled kernels equals the reference forms and 
         [&](auto& c, int64_t step) { c.observe(0, probs(c, step)); }, steps, rescore > 0);
   }
 }
+
+TEST_CASE("ops: indices out of range and empty stores are refused on the CPU, naming the argument", "[tier][ops]") {
+  using Catch::Matchers::Contains;
+  using PoolSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                                 at::TensorList, c10::IntArrayRef, int64_t);
+  using TokensSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, int64_t, int64_t);
+  using VictimsSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, int64_t, int64_t);
+  auto& d = c10::Dispatcher::singleton();
+  const auto pool = d.findSchemaOrThrow("kvevict::pool_gather", "").typed<PoolSig>();
+  const auto tokens = d.findSchemaOrThrow("kvevict::pick_tokens", "").typed<TokensSig>();
+  const auto victims = d.findSchemaOrThrow("kvevict::recall_victims", "").typed<VictimsSig>();
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  const auto store_position = at::tensor(std::vector<int64_t>{0, 1, 2, -1}, longs).view({1, 4});  // N = 3
+  const std::vector<at::Tensor> views{at::zeros({1, 4, 2})};
+  CHECK_THAT(kvevict_test::message_of([&] {
+               pool.call(at::tensor(std::vector<int64_t>{0, 7}, longs).view({1, 2}), at::full({1}, 2, longs), store_position,
+                         views, {0}, 1);
+             }),
+             Contains("slots must hold values in [0, 3], got 7"));
+  CHECK_THAT(kvevict_test::message_of([&] {
+               pool.call(at::zeros({1, 2}, longs), at::ones({1}, longs), at::zeros({1, 0}, longs), views, {0}, 1);
+             }),
+             Contains("trash slot"));
+  CHECK_THAT(kvevict_test::message_of([&] {
+               pool.call(at::zeros({1, 2}, longs), at::ones({1}, longs), store_position, views, {0}, 0);
+             }),
+             Contains("groups must be >= 1, got 0"));
+  // K below the count of positive scores: the columns past K are not written.
+  const auto exact = at::ones({1, 4}, at::kDouble);
+  const auto picked = tokens.call(exact, at::ones({1, 4}, at::kBool), at::arange(4, longs).view({1, 4}),
+                                  at::full({1}, 4, longs), 1, 3);
+  CHECK(std::get<0>(picked).sizes() == at::IntArrayRef{1, 1});
+  // A cache of no slots: no candidates, a zero state.
+  const auto none = victims.call(at::zeros({1, 0}), at::zeros({1, 0}, longs), at::zeros({1, 0, 2}),
+                                 at::zeros({1, 3}, longs), at::zeros({1}, longs), 0, 0);
+  CHECK(std::get<1>(none).item<int64_t>() == 0);
+  CHECK(at::equal(std::get<2>(none), at::zeros({1, 2})));
+}

@@ -1351,11 +1351,13 @@ void def_tools(py::module_& m) {
         "`capacity` and at most `tier_tokens` per layer: the tokens' rows, 12 + 4 x state_width bytes of bookkeeping "
         "each, and the page digests (an fp32 min and max per key channel per page of page_size positions). "
         "Raises ValueError on a bad argument or an overflow.");
-  m.def("kernels_available", [](const std::string& device) { return kv::kernels_available(c10::Device(device).type()); },
-        py::arg("device") = "cpu",
+  m.def("kernels_available",
+        [](const DeviceArg& device) { return kv::kernels_available(device_of(device, "kernels_available").type()); },
+        py::arg("device") = DeviceArg{std::nullopt, "cpu"},
         "Whether the tier's compiled kernels (PyTorch custom ops torch.ops.kvevict.*) are registered for `device` "
-        "('cpu' or 'cuda'): this extension always has the CPU ones. Where they are not, recall runs the ATen "
-        "reference forms, with the same results and more calls.");
+        "('cpu', 'cuda' or a torch.device): this extension always has the CPU ones. They serve the tensor path (CUDA "
+        "caches); where they are not registered it runs the ATen reference forms, with the same results and more "
+        "calls. Raises ValueError on a device name torch does not know.");
   m.def("set_kernels_enabled", &kv::set_kernels_enabled, py::arg("enabled"),
         "Switches the tier's compiled kernels on (the default) or off for the whole process (off: the ATen reference "
         "forms run; for comparisons).");

@@ -58,7 +58,7 @@ PickPages prepare_pick_pages(const at::Tensor& scores, const at::Tensor& members
               members.sizes());
   TORCH_CHECK(seq.size(1) == N + 1, "kvevict::pick_pages: seq must be ", position.sizes(), " (position's), got ",
               seq.sizes());
-  TORCH_CHECK(K >= 0, "kvevict::pick_pages: K must be >= 0, got ", K);
+  TORCH_CHECK(K >= 0 && K <= (int64_t{1} << 31), "kvevict::pick_pages: K must be in [0, 2^31], got ", K);
   TORCH_CHECK(page_size > 0, "kvevict::pick_pages: page_size must be > 0, got ", page_size);
   PickPages out;
   const auto longs = position.options();
@@ -99,9 +99,21 @@ std::tuple<at::Tensor, at::Tensor> pick_pages_cpu(const at::Tensor& scores, cons
   return {p.slots, p.count};
 }
 
-/// A [B, outer..., slots, inner] tensor as the kernels see it (`name` for errors).
-RowBuffer row_buffer(const at::Tensor& t, const char* name, bool key) {
-  TORCH_CHECK(t.dim() >= 3 && t.dim() - 3 <= kMaxRowDims, "kvevict::recall_swap: ", name,
+/// On the CPU, that every value of the int64 tensor `t` lies in [lo, hi] (on CUDA the bodies
+/// send an index out of range to the trash slot instead: checking would read the device).
+void check_values(const at::Tensor& t, const char* op, const char* name, int64_t lo, int64_t hi) {
+  if (!t.is_cpu()) return;
+  const auto c = t.contiguous();
+  const int64_t* v = c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < c.numel(); ++i) {
+    TORCH_CHECK(v[i] >= lo && v[i] <= hi, op, ": ", name, " must hold values in [", lo, ", ", hi, "], got ", v[i],
+                " at flat index ", i);
+  }
+}
+
+/// A [B, outer..., slots, inner] tensor as the kernels see it (`op`, `name` for errors).
+RowBuffer row_buffer(const at::Tensor& t, const char* op, const char* name, bool key) {
+  TORCH_CHECK(t.dim() >= 3 && t.dim() - 3 <= kMaxRowDims, op, ": ", name,
               " must be [B, outer..., slots, inner] with at most ", kMaxRowDims, " outer dims, got ", t.sizes());
   RowBuffer r;
   r.data = static_cast<char*>(t.data_ptr());
@@ -111,7 +123,7 @@ RowBuffer row_buffer(const at::Tensor& t, const char* name, bool key) {
   } else if (t.scalar_type() == at::kBFloat16) {
     r.type = RowType::kBFloat16;
   } else {
-    TORCH_CHECK(!key || t.scalar_type() == at::kFloat, "kvevict::recall_swap: the key buffer ", name,
+    TORCH_CHECK(!key || t.scalar_type() == at::kFloat, op, ": the key buffer ", name,
                 " must be Float, Half or BFloat16, got ", t.scalar_type());
   }
   const int64_t n = t.dim();
@@ -186,6 +198,15 @@ RecallSwap prepare_recall_swap(const at::Tensor& picked, const at::Tensor& count
   check_contiguous(out.victims, "victims", at::kLong, {B, K}, position);
   check_contiguous(out.top, "top", at::kFloat, {B, W}, position);
   check_contiguous(out.slot_ranks, "slot_ranks", at::kFloat, {B, S}, position);
+  for (size_t i = 0; i < key_buffers.size(); ++i) {
+    TORCH_CHECK(key_buffers[i] >= 0 && key_buffers[i] < static_cast<int64_t>(buffers.size()),
+                "kvevict::recall_swap: key_buffers[", i, "] must name a buffer in [0, ", buffers.size(), "), got ",
+                key_buffers[i]);
+  }
+  TORCH_CHECK(S >= 1 && N1 >= 1, "kvevict::recall_swap: position and store_position must have a trash slot (S >= 1, "
+              "N + 1 >= 1), got ", position.sizes(), " and ", store_position.sizes());
+  check_values(out.victims, "kvevict::recall_swap", "victims", 0, S - 1);
+  check_values(out.picked, "kvevict::recall_swap", "picked", 0, N1 - 1);
   auto& a = out.args;
   int64_t key_width = 0;
   for (size_t i = 0; i < buffers.size(); ++i) {
@@ -198,8 +219,8 @@ RecallSwap prepare_recall_swap(const at::Tensor& picked, const at::Tensor& count
                 "kvevict::recall_swap: buffer ", i, " must be [B, outer..., S, inner] and its view [B, outer..., N + 1, "
                 "inner] of one dtype on ", position.device(), ", got ", buf.sizes(), " ", buf.scalar_type(), " and ",
                 view.sizes(), " ", view.scalar_type());
-    a.buffers[i] = row_buffer(buf, "buffer", key);
-    a.views[i] = row_buffer(view, "view", key);
+    a.buffers[i] = row_buffer(buf, "kvevict::recall_swap", "buffer", key);
+    a.views[i] = row_buffer(view, "kvevict::recall_swap", "view", key);
     TORCH_CHECK(!key || a.buffers[i].outer == G, "kvevict::recall_swap: the key buffer ", i, " must have ", G,
                 " key groups (digest's), got ", buf.sizes());
     if (key) key_width += a.buffers[i].inner;
@@ -287,8 +308,11 @@ RecallVictims prepare_recall_victims(const at::Tensor& slot_ranks, const at::Ten
   TORCH_CHECK(n_sink >= 0, op, ": n_sink must be >= 0, got ", n_sink);
   TORCH_CHECK(counters.defined() && counters.scalar_type() == at::kLong && counters.dim() == 2 &&
                   counters.size(0) == B && counters.size(1) >= 3 && counters.device() == position.device(),
-              op, ": counters must be [B, 3] int64 on ", position.device(), ", got ",
+              op, ": counters must be [B, 3] Long on ", position.device(), ", got ",
+              counters.defined() ? counters.toString() : std::string("undefined"), " of sizes ",
               counters.defined() ? counters.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(latest.defined() && latest.numel() == B, op, ": latest must hold ", B, " values ([B] or [B, 1]), got ",
+              latest.defined() ? latest.sizes() : at::IntArrayRef{});
   RecallVictims out;
   out.B = B;
   out.slot_ranks = contiguous_checked(slot_ranks, op, "slot_ranks", at::kFloat, {B, S}, position);
@@ -337,6 +361,9 @@ PoolGather prepare_pool_gather(const at::Tensor& slots, const at::Tensor& count,
   TORCH_CHECK(slots.dim() == 2 && store_position.dim() == 2, op, ": slots [B, R] and store_position [B, N + 1], got ",
               slots.sizes(), " and ", store_position.sizes());
   const int64_t B = store_position.size(0), N1 = store_position.size(1), R = slots.size(1);
+  TORCH_CHECK(N1 >= 1, op, ": store_position must have the trash slot ([B, N + 1], N + 1 >= 1), got ",
+              store_position.sizes());
+  TORCH_CHECK(groups >= 1, op, ": groups must be >= 1, got ", groups);
   TORCH_CHECK(!views.empty() && views.size() <= kMaxRowBuffers && !key_buffers.empty() &&
                   key_buffers.size() <= views.size(),
               op, ": 1 to ", kMaxRowBuffers, " views and 1 to as many key buffers, got ", views.size(), " and ",
@@ -345,7 +372,9 @@ PoolGather prepare_pool_gather(const at::Tensor& slots, const at::Tensor& count,
   out.B = B;
   out.slots = contiguous_checked(slots, op, "slots", at::kLong, {B, R}, store_position);
   out.count = contiguous_checked(count, op, "count", at::kLong, {B}, store_position);
-  TORCH_CHECK(store_position.is_contiguous(), op, ": store_position must be contiguous");
+  TORCH_CHECK(store_position.is_contiguous() && store_position.scalar_type() == at::kLong, op,
+              ": store_position must be a contiguous Long tensor, got ", store_position.toString());
+  check_values(out.slots, op, "slots", 0, N1 - 1);
   auto& a = out.args;
   int64_t width = 0;
   for (size_t i = 0; i < key_buffers.size(); ++i) {
@@ -354,7 +383,7 @@ PoolGather prepare_pool_gather(const at::Tensor& slots, const at::Tensor& count,
     const auto& v = views[static_cast<size_t>(k)];
     TORCH_CHECK(v.device() == store_position.device() && v.size(0) == B && v.size(-2) == N1, op, ": view ", k,
                 " must be [B, outer..., N + 1, inner] on ", store_position.device(), ", got ", v.sizes());
-    a.views[k] = row_buffer(v, "view", true);
+    a.views[k] = row_buffer(v, op, "view", true);
     TORCH_CHECK(a.views[k].outer == groups, op, ": view ", k, " must have ", groups, " key groups, got ", v.sizes());
     a.key_buffers[i] = static_cast<int>(k);
     width += a.views[k].inner;
@@ -394,7 +423,8 @@ PickTokens prepare_pick_tokens(const at::Tensor& exact, const at::Tensor& valid,
                                const at::Tensor& limit, int64_t K, int64_t N) {
   constexpr const char* op = "kvevict::pick_tokens";
   TORCH_CHECK(exact.dim() == 2, op, ": exact must be [B, R], got ", exact.sizes());
-  TORCH_CHECK(K >= 0 && N >= 0, op, ": K and N must be >= 0, got ", K, " and ", N);
+  TORCH_CHECK(K >= 0 && K <= (int64_t{1} << 31) && N >= 0, op, ": K must be in [0, 2^31] and N >= 0, got ", K,
+              " and ", N);
   const int64_t B = exact.size(0), R = exact.size(1);
   PickTokens out;
   out.B = B;

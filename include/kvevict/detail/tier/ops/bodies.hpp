@@ -274,7 +274,10 @@ C10_HOST_DEVICE inline void recall_swap_row(const RecallSwapArgs& a, int64_t b) 
   int64_t* was_empty = a.scratch + b * K;
   for (int64_t k = 0; k < K; ++k) {
     const bool pad = k >= cnt;
-    const int64_t ix = pad ? S - 1 : a.victims[b * K + k], ts = a.picked[b * K + k];
+    // Slots outside the cache or the store (never from the tier's own calls) go to the trash.
+    const int64_t victim = a.victims[b * K + k], given = a.picked[b * K + k];
+    const int64_t ix = pad || victim < 0 || victim >= S ? S - 1 : victim;
+    const int64_t ts = given >= 0 && given <= a.N ? given : a.N;
     const int64_t out_pos = a.position[b * S + ix];
     const int64_t in_pos = pad ? out_pos : a.store_position[b * N1 + ts];
     for (int i = 0; i < a.n_buffers; ++i) {
@@ -305,11 +308,19 @@ C10_HOST_DEVICE inline void recall_swap_row(const RecallSwapArgs& a, int64_t b) 
   // The pages. The store's positions now hold the victims; in_pos of column k is what the
   // policy's slot holds.
   const int64_t P1 = a.P + 1;
+  const auto victim_slot = [&](int64_t k) {
+    const int64_t v = a.victims[b * K + k];
+    return v >= 0 && v < S ? v : S - 1;
+  };
+  const auto store_slot = [&](int64_t k) {
+    const int64_t t = a.picked[b * K + k];
+    return t >= 0 && t <= a.N ? t : a.N;
+  };
   const auto left = [&](int64_t k) {
-    return k >= cnt ? a.P : page_or_trash(a.position[b * S + a.victims[b * K + k]], a.page_size, a.P);
+    return k >= cnt ? a.P : page_or_trash(a.position[b * S + victim_slot(k)], a.page_size, a.P);
   };
   const auto joined = [&](int64_t k) {
-    return k >= cnt ? a.P : page_or_trash(a.store_position[b * N1 + a.picked[b * K + k]], a.page_size, a.P);
+    return k >= cnt ? a.P : page_or_trash(a.store_position[b * N1 + store_slot(k)], a.page_size, a.P);
   };
   if (a.whole_pages) {
     for (int64_t k = 0; k < K; ++k) a.members[b * P1 + left(k)] = 0;
@@ -320,7 +331,7 @@ C10_HOST_DEVICE inline void recall_swap_row(const RecallSwapArgs& a, int64_t b) 
   }
   for (int64_t k = 0; k < K; ++k) {
     // A pad's key: the cache's trash slot's, which the store's trash slot now holds.
-    fold_key(a, b, a.picked[b * K + k], a.digest + (b * P1 + joined(k)) * block);
+    fold_key(a, b, store_slot(k), a.digest + (b * P1 + joined(k)) * block);
     if (k < cnt) ++a.members[b * P1 + joined(k)];
   }
   if (a.whole_pages) return;
@@ -394,7 +405,7 @@ C10_HOST_DEVICE inline void recall_victims_row(const RecallVictimsArgs& a, int64
   for (int64_t k = kept; k < a.K; ++k) victims[k] = a.S - 1;
   a.count[b] = n;
   const int64_t from = best < 0 ? 0 : best;
-  for (int64_t w = 0; w < a.W; ++w) a.top[b * a.W + w] = a.state[(b * a.S + from) * a.W + w];
+  for (int64_t w = 0; w < a.W; ++w) a.top[b * a.W + w] = a.S > 0 ? a.state[(b * a.S + from) * a.W + w] : 0.0f;
 }
 
 /// pool_gather()'s arguments for every row. Every tensor but the views contiguous.
@@ -417,7 +428,9 @@ C10_HOST_DEVICE inline void pool_gather_row(const PoolGatherArgs& a, int64_t b) 
   const int64_t N1 = a.N + 1, n = a.count[b] < a.R ? a.count[b] : a.R;
   int64_t* out = a.by_position + b * a.R;
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t slot = a.slots[b * a.R + r], pos = a.store_position[b * N1 + slot];
+    // A slot outside the store (never from the tier's own calls) reads the trash slot.
+    const int64_t given = a.slots[b * a.R + r], slot = given >= 0 && given <= a.N ? given : a.N;
+    const int64_t pos = a.store_position[b * N1 + slot];
     int64_t j = r;
     while (j > 0 && a.store_position[b * N1 + out[j - 1]] > pos) {
       out[j] = out[j - 1];
@@ -474,7 +487,7 @@ C10_HOST_DEVICE inline void pick_tokens_row(const PickTokensArgs& a, int64_t b) 
   }
   const int64_t limit = a.limit[b], count = positive < limit ? positive : limit;
   for (int64_t k = 0; k < a.K; ++k) slots[k] = a.N;
-  for (int64_t k = 0; k < count && k < a.R; ++k) {
+  for (int64_t k = 0; k < count && k < a.R && k < a.K; ++k) {
     int64_t best = -1;
     double best_score = 0;
     for (int64_t r = 0; r < a.R; ++r) {
