@@ -7,7 +7,9 @@
 #      CUDA graph replays against eager), then the CPU [steady_state] and [ops] tests,
 #   4. run the benchmark's CUDA configurations (CUDA graph replay timing included), and the
 #      layer-step with a recall every step at evict_every 1 and 16, with the tier's compiled
-#      kernels and with their reference forms.
+#      kernels and with their reference forms,
+#   5. where this Python has transformers, accelerate, pytest, scikit-build-core and pybind11:
+#      build the Python extension and run kvevict.hf's CUDA tests (layers split cpu + CUDA).
 # Sized for one call of at most 8 minutes on a 16-core machine with one GPU.
 # Never calls apt or the network. Logs and results go to $OUT (default: $BUILD_DIR/gpu_check).
 #
@@ -146,6 +148,18 @@ else
         --no-naive --min-time 0.1 "${flag[@]}" --out-csv "$out/bench_cuda_recall_ee${ee}_$form.csv"
     done
   done
+fi
+
+# --- transformers on CUDA ------------------------------------------------------------------------
+# The CUDA tests of kvevict.hf (a model split between the CPU and CUDA with device_map among
+# them), where this Python has what the extension's build and the tests need (offline: nothing
+# is fetched). The extension is built without its CUDA kernels, to keep the call short.
+if [ "$dry_run" = 0 ] && "$python" -c 'import transformers, accelerate, pytest, scikit_build_core, pybind11' 2>/dev/null; then
+  step "python extension" pip_install.log "$python" -m pip install --no-build-isolation --no-deps -v \
+    -Ccmake.define.KVEVICT_KERNELS_CUDA=OFF . &&
+    step "transformers on CUDA" pytest_hf_cuda.log "$python" -m pytest python/tests/test_hf.py -k cuda -q -rs
+else
+  note "SKIP transformers on CUDA: needs transformers, accelerate, pytest, scikit-build-core and pybind11 in ${python:-python}"
 fi
 
 echo "== summary ($summary)"

@@ -1199,6 +1199,96 @@ TEST_CASE("recall with speculative decoding: a truncate after a recall keeps the
   CHECK(c.stats().tier_recalled > 0);
 }
 
+TEST_CASE("save_layer and restore_layer undo drafts whole: restored, then the accepted ones again, equals a cache that ran only those",
+          "[tier][recall][cpu]") {
+  const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)
+  const bool with_tier = GENERATE(false, true);
+  kvevict_test::ForceTensorPath force(tensor_path);
+  CAPTURE(tensor_path, with_tier);
+  // Speculative decoding as kvevict.hf runs it: per layer, save, run K drafts token by token
+  // (update, recall every third position, attend and observe, pass), restore, then run the n
+  // accepted ones again. Cache A does that; cache B runs only the accepted tokens. Every input
+  // depends on (position, layer) alone, so A and B see the same tokens.
+  const int64_t L = 2, H = 2, W = 8, R = 4, K = 4;
+  auto opts = kvevict::MlaLatentCacheOptions(L, H).kv_lora_rank(W).qk_rope_dim(R).qk_nope_dim(4);
+  if (with_tier) opts.tier_tokens(16).tier_page_size(2);
+  const auto e = EvictionOptions(3).n_sink(1).n_recent(3);
+  kvevict::MlaLatentCache A(opts, e), B(opts, e);
+  const auto randn = [](std::vector<int64_t> shape, int64_t pos, int64_t layer, int64_t what) {
+    auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(pos * 100 + layer * 10 + what));
+    return at::randn(shape, g);
+  };
+  const auto step = [&](kvevict::MlaLatentCache& c, int64_t layer) {
+    const int64_t pos = c.seen_tokens(layer);
+    c.update(layer, randn({1, 1, W}, pos, layer, 0), randn({1, 1, R}, pos, layer, 1));
+    const auto qa = randn({1, H, 1, W}, pos, layer, 2), qp = randn({1, H, 1, R}, pos, layer, 3);
+    if (with_tier && pos % 3 == 0) c.recall_absorbed(layer, qa, qp, 0.4, 2);
+    kvevict::attend_absorbed(qa, qp, c, layer, 0.4);
+    c.evict(layer);
+  };
+  const auto same = [&](int64_t layer) {
+    const int64_t n = B.size(layer, 0);
+    REQUIRE(A.size(layer, 0) == n);
+    CHECK(A.seen_tokens(layer) == B.seen_tokens(layer));
+    CHECK(at::equal(A.positions(layer), B.positions(layer)));
+    CHECK(at::equal(A.scores(layer), B.scores(layer)));
+    CHECK(at::equal(A.ckv(layer).narrow(1, 0, n), B.ckv(layer).narrow(1, 0, n)));
+    CHECK(at::equal(A.kpe(layer).narrow(1, 0, n), B.kpe(layer).narrow(1, 0, n)));
+    const auto a = A.stats(layer), b = B.stats(layer);
+    CHECK(a.eviction_events == b.eviction_events);
+    CHECK(a.tokens_evicted == b.tokens_evicted);
+    CHECK(a.tier_tokens == b.tier_tokens);
+    CHECK(a.tier_recalled == b.tier_recalled);
+    if (!with_tier) return;
+    CHECK(at::equal(A.tier_positions(layer, 0), B.tier_positions(layer, 0)));
+    CHECK(at::equal(A.tier_scores(layer, 0), B.tier_scores(layer, 0)));
+    CHECK(at::equal(A.tier_rows(layer, 0).first, B.tier_rows(layer, 0).first));
+    CHECK(at::equal(A.tier_rows(layer, 0).second, B.tier_rows(layer, 0).second));
+  };
+  for (int64_t t = 0; t < 12; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      step(A, l);
+      step(B, l);
+    }
+  }
+  int64_t changed = 0;  // rounds whose rejected drafts changed the layer (else nothing is tested)
+  for (int64_t round = 0; round < 10; ++round) {
+    const int64_t accepted = round % (K + 1);
+    CAPTURE(round, accepted);
+    for (int64_t l = 0; l < L; ++l) {
+      auto save = A.save_layer(l);
+      CHECK(save.layer() == l);
+      for (int64_t k = 0; k < K; ++k) step(A, l);
+      if (A.stats(l).tokens_evicted != B.stats(l).tokens_evicted + 0 || !at::equal(A.scores(l), B.scores(l))) ++changed;
+      A.restore_layer(l, std::move(save));
+      CHECK(save.layer() == -1);
+      for (int64_t k = 0; k < accepted; ++k) step(A, l);
+      for (int64_t k = 0; k < accepted; ++k) step(B, l);
+      same(l);
+      step(A, l);  // the verified token after the accepted drafts
+      step(B, l);
+      same(l);
+    }
+  }
+  CHECK(changed == 10 * L);
+  CHECK(A.stats().tokens_evicted > 0);
+  if (with_tier) CHECK(A.stats().tier_recalled > 0);
+
+  // Bad saves: clear errors that change nothing.
+  auto s0 = A.save_layer(0);
+  CHECK_THROWS_WITH(A.restore_layer(1, std::move(s0)), Contains("restore_layer: the save is of layer 0, not of layer 1"));
+  CHECK(s0.layer() == 0);  // not used up by the refusal
+  A.restore_layer(0, std::move(s0));
+  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s0)), Contains("restore_layer: this save was restored already"));
+  same(0);
+  same(1);
+  kvevict::MlaLatentCache other(kvevict::MlaLatentCacheOptions(L, H).kv_lora_rank(W).qk_rope_dim(2), e);
+  auto s1 = other.save_layer(1);
+  CHECK_THROWS_WITH(A.restore_layer(1, std::move(s1)), Contains("restore_layer: the save's buffer 1 is"));
+  same(1);
+  CHECK_THROWS_AS(A.save_layer(L), c10::IndexError);
+}
+
 TEST_CASE("a truncate past the latest append after a recall: the window keeps its cached tokens, on both paths",
           "[tier][recall][cpu]") {
   const bool tensor_path = GENERATE(false, true);  // the host path, and the tensor path (CUDA's)

@@ -344,6 +344,75 @@ class CacheBase {
     host_heap("truncate", [&] { check_not_moved("truncate"); truncate_rows(row, k); });
   }
 
+  /// One layer's rows, eviction state and host tier, copied by save_layer(). Move-only;
+  /// restore_layer() takes it.
+  class LayerSave {
+   public:
+    LayerSave() = default;
+    /// The layer it was saved from; -1 once restored (or default-made).
+    int64_t layer() const noexcept { return policy_.layer(); }
+
+   private:
+    friend class CacheBase;
+    typename Policy::LayerSave policy_;
+    std::vector<at::Tensor> buffers_;
+    LayerTier tier_;
+  };
+
+  /// A copy of `layer`: its rows, its eviction state (EvictionPolicy::save_layer()) and its host
+  /// tier, for restore_layer(). Speculative decoding that must undo everything a draft did to a
+  /// layer (its tokens, its queries' scores, the passes and recalls it caused), where
+  /// truncate() keeps the scores: save, run the drafts, restore, run the accepted ones again.
+  ///
+  /// Allocates a copy of the layer (its buffers, state and tier: about the layer's share of
+  /// CacheStats::bytes_allocated, and the tier's); changes nothing. No host sync, except with a
+  /// tier on a GPU (the copy waits for the kernels that write its pinned rows).
+  /// \throws c10::IndexError for a bad layer; c10::Error while an observation is open on it, on
+  ///         a moved-from cache, or on an allocation failure.
+  LayerSave save_layer(int64_t layer) const {
+    return host_heap("save_layer", [&] {
+      check_not_moved("save_layer");
+      LayerSave s;
+      s.policy_ = policy_.save_layer(layer);
+      c10::InferenceMode normal_tensors(false);
+      for (const auto& b : buffers_[layer]) s.buffers_.push_back(b.clone());
+      if (tier_tokens_ > 0) {
+        auto t = tiers_[layer].copied();
+        s.tier_.swap(t);
+      }
+      return s;
+    });
+  }
+
+  /// Makes `layer` as it was when `save` was made from it (rows, eviction state, tier); `save`
+  /// is used up. Allocates nothing; no host sync.
+  /// \throws c10::IndexError for a bad layer; c10::Error, changing nothing, if `save` was not
+  ///         made from this layer of a cache like this one (or was used already), an observation
+  ///         is open on the layer, rows were finished or added since, or reserve() raised the
+  ///         slots since (EvictionPolicy::restore_layer()).
+  void restore_layer(int64_t layer, LayerSave&& save) {
+    host_heap("restore_layer", [&] {
+      check_not_moved("restore_layer");
+      policy_.check_restore(layer, save.policy_, "restore_layer");
+      const auto& bufs = buffers_[layer];
+      KVEVICT_CHECK(save.buffers_.size() == bufs.size(), "restore_layer: the save holds ", save.buffers_.size(),
+                    " buffers per layer, this cache ", bufs.size(), ": it was made from another kind of cache");
+      for (size_t i = 0; i < bufs.size(); ++i) {
+        const auto& a = save.buffers_[i];
+        bool same = a.dim() == bufs[i].dim() && a.scalar_type() == bufs[i].scalar_type() && a.device() == bufs[i].device();
+        for (int64_t d = 0; same && d < a.dim(); ++d) same = d == token_dim(i) || a.size(d) == bufs[i].size(d);
+        KVEVICT_CHECK(same, "restore_layer: the save's buffer ", i, " is ", a.sizes(), " ", a.scalar_type(), " on ",
+                      a.device(), ", this cache's layer ", layer, " holds ", bufs[i].sizes(), " ",
+                      bufs[i].scalar_type(), " on ", bufs[i].device(), ": it was made from another cache");
+      }
+      // The commit: swaps, which allocate nothing and cannot throw.
+      policy_.restore_layer(layer, std::move(save.policy_));
+      buffers_[layer].swap(save.buffers_);
+      if (tier_tokens_ > 0) tiers_[layer].swap(save.tier_);
+      live_views_[layer] = LiveViews{};
+    });
+  }
+
   /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
   /// trash slot), and never shrinks below that afterwards: appends that fit never move the
   /// buffers, so CUDA graphs captured after this call stay valid.

@@ -216,6 +216,73 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   }
 
   // -------------------------------------------------------------------------------------------
+  // Save and restore one layer
+
+  /// One layer's eviction state, copied by save_layer(): positions, scorer state, pending sums,
+  /// lengths, seen tokens and pass counters. Move-only; restore_layer() takes it.
+  class LayerSave {
+   public:
+    LayerSave() = default;
+    /// The layer it was saved from; -1 once restored (or default-made).
+    int64_t layer() const noexcept { return layer_; }
+
+   private:
+    friend class EvictionPolicy;
+    int64_t layer_ = -1;
+    std::vector<uint8_t> active_;  // the rows' lifecycle when saved: restore_layer() needs the same
+    typename detail::PolicyState<Scorer>::Grown state_;
+  };
+
+  /// A copy of `layer`'s eviction state, for restore_layer(): speculative decoding that must
+  /// undo everything a draft did to a layer (its tokens, its queries' scores, the passes it
+  /// caused), where truncate() keeps the scores the dropped tokens' queries added. Save before
+  /// the drafts, run them, restore, then run the accepted ones again: the layer is then as if
+  /// only those had run. Your buffers are yours to save and restore with it (the caches do it
+  /// for theirs: MlaCache::save_layer()).
+  ///
+  /// Allocates a copy of the layer's state (O(slots) per row on the policy's device); changes
+  /// nothing; no host sync.
+  /// \throws c10::IndexError for a bad layer; c10::Error while an observation is open on it
+  ///         (observe_begin() without observe_end()) or on an allocation failure.
+  LayerSave save_layer(int64_t layer) const {
+    return detail::host_heap("save_layer", [&] {
+      KVEVICT_CHECK(at(layer).open_q == 0, "save_layer: layer ", layer, " has an open observation (observe_begin() ",
+                    "without observe_end()); end it first");
+      LayerSave s;
+      s.state_ = copied(layer);
+      s.active_ = core_.active;
+      s.layer_ = layer;
+      return s;
+    });
+  }
+
+  /// Makes `layer` as it was when `save` was made from it; `save` is used up (its layer() becomes
+  /// -1). Only the policy's state: the buffers are the caller's.
+  ///
+  /// Allocates nothing; no host sync.
+  /// \throws c10::IndexError for a bad layer; c10::Error, changing nothing, if `save` was not
+  ///         made from `layer` (or was used already), an observation is open on the layer, rows
+  ///         were finished or added since the save, or reserve() raised the slots since.
+  void restore_layer(int64_t layer, LayerSave&& save) {
+    check_restore(layer, save, "restore_layer");
+    restore(layer, save.state_);
+    save.layer_ = -1;
+  }
+
+  /// restore_layer()'s checks, naming `call`. \throws as restore_layer(); changes nothing.
+  void check_restore(int64_t layer, const LayerSave& save, const char* call) const {
+    const auto& L = at(layer);
+    KVEVICT_CHECK(save.layer_ >= 0, call, ": this save was restored already (a save is used once) or is empty");
+    KVEVICT_CHECK(save.layer_ == layer, call, ": the save is of layer ", save.layer_, ", not of layer ", layer);
+    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer, " has an open observation (observe_begin() without ",
+                  "observe_end()); end it first");
+    KVEVICT_CHECK(save.active_ == core_.active, call, ": rows were finished or added since the save of layer ", layer,
+                  " (the save holds the rows' tokens as they were)");
+    KVEVICT_CHECK(save.state_.state.slots >= base_slots_unchecked(layer), call, ": reserve() raised layer ", layer,
+                  "'s slots to ", base_slots_unchecked(layer), " since the save, which has ", save.state_.state.slots);
+  }
+
+  // -------------------------------------------------------------------------------------------
   // Per-layer state
 
   /// The longest row of `layer`: the width S of the views and probabilities. \throws IndexError.
@@ -632,7 +699,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
       Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation, Base::end_observation,
       Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
       Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current,
-      Base::exchange;
+      Base::exchange, Base::copied, Base::restore;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };
 

@@ -289,10 +289,11 @@ class KVEvictCache(Cache):
       positions continue from there, not from the tokens kept.
     - ``get_mask_sizes()``: the columns' mask size, as ``DynamicCache`` (the installed attention
       does not read transformers' mask: it masks by kvevict's per-row positions).
-    - ``crop(n)``: drops the newest columns (assisted and speculative decoding): each row's
-      ``truncate`` by the real tokens among them. Raises, changing nothing, when one of them
-      was already evicted (keep ``n_recent`` >= the draft length; ``generate()`` refuses a longer
-      draft before its first forward).
+    - ``crop(n)``: drops the newest columns. After a verify forward of assisted, prompt-lookup or
+      speculative decoding, the drafts were run one by one on a saved copy of each layer and the
+      layer restored: crop then runs the accepted drafts again, so the cache is greedy's, exactly
+      (scores and evictions included). Other columns: each row's ``truncate`` by the real tokens
+      among them, which raises, changing nothing, when one of them was already evicted.
     - ``reorder_cache``, ``batch_repeat_interleave``, ``batch_select_indices``: beams and batch
       surgery are not supported; they raise ``NotImplementedError``.
     - ``update()``: not used by the installed attention; raises.
@@ -308,6 +309,9 @@ class KVEvictCache(Cache):
         self._step: Optional[Tuple[int, Optional[List[int]]]] = None  # the forward in progress
         self._layers_done = 0
         self._broken: Optional[str] = None
+        self._verify = 0  # the forward in progress: its last columns that are drafts (speculative decoding)
+        self._drafts: Dict[int, Tuple[Any, ...]] = {}  # per layer: what runs an accepted draft again
+        self._drafts_k = 0  # drafts of the latest verify forward not yet settled by crop()
 
     # -- what transformers asks -------------------------------------------------------------------
     @property
@@ -368,6 +372,8 @@ class KVEvictCache(Cache):
         self._step = None
         self._layers_done = 0
         self._broken = None
+        self._verify = 0
+        self._drafts, self._drafts_k = {}, 0
 
     def crop(self, n: int) -> None:
         """Drops the newest columns: ``crop(-k)`` drops k; ``crop(m)`` with m >= 0 keeps the first m
@@ -382,9 +388,40 @@ class KVEvictCache(Cache):
             drop = 0
         else:
             drop = max(0, self._columns - n)
+        if self._drafts_k:  # a verify forward's drafts: the rejected ones are the newest columns
+            d = min(drop, self._drafts_k)
+            self._settle(self._drafts_k - d)
+            self._forget(d, *self._plan_drop(d))
+            drop -= d
         if drop == 0 or self._kv is None:
             return
+        per_row, cut, partial = self._plan_drop(drop)
         B = self._kv.batch_size
+        # Each row's truncate checks its own row and changes nothing when it raises; check every
+        # row first, so that a row that cannot roll back leaves the rows before it unchanged too.
+        for r in range(B):
+            if per_row[r] == 0 or not self._kv.active(r):
+                continue
+            for layer in range(self._handle.geometry.num_layers):
+                seen = self._kv.seen_tokens(layer, r)
+                held = set(self._kv.positions(layer)[r].tolist())
+                if self._handle.config.tier_tokens:
+                    held.update(self._kv.tier_positions(layer, r).tolist())
+                lost = [p for p in range(seen - per_row[r], seen) if p not in held]
+                if lost:
+                    raise RuntimeError(f"kvevict: crop({n}) would roll back row {r}'s positions {seen - per_row[r]}.."
+                                       f"{seen - 1}, but layer {layer} already evicted {lost[:8]}: only the drafts of "
+                                       "the latest assisted/speculative verify forward can be cropped past the recent "
+                                       "window. The cache is unchanged")
+        for r in range(B):
+            if per_row[r] > 0 and self._kv.active(r):
+                self._kv.truncate(r, per_row[r])  # all layers
+        self._forget(drop, per_row, cut, partial)
+
+    def _plan_drop(self, drop: int):
+        """(real tokens per row among the newest `drop` columns, the first chunk touched, what is left
+        of a chunk cut half-way or None)."""
+        B = len(self._real)
         per_row = [0] * B
         left = drop
         cut = len(self._chunks)
@@ -403,29 +440,29 @@ class KVEvictCache(Cache):
             else:
                 partial = (i, T - m, None if counts is None else [max(0, c - m) for c in counts])
                 cut = i
-        # Each row's truncate checks its own row and changes nothing when it raises; check every
-        # row first, so that a row that cannot roll back leaves the rows before it unchanged too.
-        for r in range(B):
-            if per_row[r] == 0 or not self._kv.active(r):
-                continue
-            for layer in range(self._handle.geometry.num_layers):
-                seen = self._kv.seen_tokens(layer, r)
-                held = set(self._kv.positions(layer)[r].tolist())
-                if self._handle.config.tier_tokens:
-                    held.update(self._kv.tier_positions(layer, r).tolist())
-                lost = [p for p in range(seen - per_row[r], seen) if p not in held]
-                if lost:
-                    raise RuntimeError(f"kvevict: crop({n}) would roll back row {r}'s positions {seen - per_row[r]}.."
-                                       f"{seen - 1}, but layer {layer} already evicted {lost[:8]}; keep n_recent >= "
-                                       "the draft length. The cache is unchanged")
-        for r in range(B):
-            if per_row[r] > 0 and self._kv.active(r):
-                self._kv.truncate(r, per_row[r])  # all layers
+        return per_row, cut, partial
+
+    def _forget(self, drop: int, per_row: List[int], cut: int, partial) -> None:
+        """The newest `drop` columns leave the bookkeeping (_plan_drop()'s plan)."""
+        if drop == 0:
+            return
         self._real = [n - k for n, k in zip(self._real, per_row)]
         del self._chunks[cut:]
         if partial is not None:
             self._chunks.append((partial[1], partial[2]))
         self._columns -= drop
+
+    def _settle(self, accepted: int) -> None:
+        """The latest verify forward's first `accepted` drafts run again on each restored layer: the
+        layer is then as if greedy decoding had run them, one by one."""
+        drafts, self._drafts, self._drafts_k = self._drafts, {}, 0
+        try:
+            for kv, lk, scale, parts in drafts.values():
+                for j in range(accepted):
+                    self._handle._run_columns(kv, lk, scale, parts, j, j + 1, None)
+        except BaseException as e:
+            self._broken = f"running the accepted drafts again failed ({type(e).__name__}: {e})"
+            raise
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kvevict: beam search is not supported with eviction installed "
@@ -455,7 +492,13 @@ class KVEvictCache(Cache):
     def kv(self):
         """The kvevict cache (``MlaLatentCache`` or ``MlaCache``), or None before the first forward. For a
         model whose attention layers differ in device or dtype: a ``LayerGroups`` (one kvevict cache per
-        device and dtype, read by the model's layer index)."""
+        device and dtype, read by the model's layer index).
+
+        Read outside ``generate()`` after a verify forward of assisted decoding that no ``crop()``
+        followed (transformers < 5.15 crops only when a draft was rejected), it first runs the drafts
+        again, all accepted; inside ``generate()`` it shows the layers as they were before the drafts."""
+        if self._drafts_k and self._step is None and not _in_generate():
+            self._settle(self._drafts_k)
         return self._kv
 
     def _layer(self, layer: int):
@@ -472,6 +515,9 @@ class KVEvictCache(Cache):
         if self._broken:
             raise RuntimeError(f"kvevict: this KVEvictCache is unusable: {self._broken}; start a new one "
                                "(generate() without past_key_values, or handle.new_cache())")
+        if self._drafts_k:  # no crop() after the latest verify forward: every draft was accepted
+            self._settle(self._drafts_k)
+        drafts, self._handle._draft_k = self._handle._draft_k, 0
         counts = None
         if mask is not None:
             if mask.dim() != 2:
@@ -509,6 +555,9 @@ class KVEvictCache(Cache):
             raise ValueError(f"kvevict: this cache holds batch {self._kv.batch_size}, the forward has batch {batch}")
         self._step = (T, counts)
         self._layers_done = 0
+        # A verify forward of speculative decoding (one row, unpadded): its last `drafts` columns
+        # run one by one on a saved copy of each layer (see KVEviction._attend).
+        self._verify = drafts if 0 < drafts < T and batch == 1 and counts is None else 0
 
     def _end(self) -> None:
         """The forward finished (the decoder's forward hook)."""
@@ -521,11 +570,21 @@ class KVEvictCache(Cache):
             raise RuntimeError(f"kvevict: {self._broken}")
         self._chunks.append((T, counts))
         self._columns += T
+        self._drafts_k, self._verify = self._verify, 0
         self._real = [n + (T if counts is None else c) for n, c in zip(self._real, counts or [T] * len(self._real))]
         self._step = None
 
 
 # ---- the installed attention --------------------------------------------------------------------------
+def _columns(parts: Tuple[torch.Tensor, ...], s: int, e: int) -> Tuple[torch.Tensor, ...]:
+    """Columns s..e of a layer's parts (KVEviction._run_columns()): the token dim is 1 for the latent
+    rows (ckv, kpe), 2 for queries and expanded keys and values."""
+    if len(parts) == 4:
+        q_a, q_b, ckv, kpe = parts
+        return q_a[:, :, s:e], q_b[:, :, s:e], ckv[:, s:e], kpe[:, s:e]
+    return tuple(t[:, :, s:e] for t in parts)
+
+
 def _is_dtensor(w: Any) -> bool:
     """Whether `w` is a DTensor (a weight transformers' tensor parallelism sharded or replicated)."""
     return hasattr(w, "placements") and hasattr(w, "device_mesh") and hasattr(w, "to_local")
@@ -661,6 +720,7 @@ class KVEviction:
         self._scorer = make_scorer(compress if compress is not None else config.scorer)
         self._hooks = []
         self._forward: Optional[str] = None  # the decoder forward in progress: "ours", "plain", "other" or None
+        self._draft_k = 0  # drafts the candidate generator just made: the next forward verifies them
         ref = weakref.ref(self)
         for layer, m in attns:
             fam = _family(m)
@@ -814,53 +874,24 @@ class KVEviction:
         return r
 
     def _get_candidate_generator(self, *args, **kwargs):
-        """transformers' own, then a check of the draft length against ``n_recent``: assisted,
-        prompt-lookup and speculative decoding make their candidate generator before the prefill, so
-        a draft that crop() could not roll back is refused before any forward (crop() checks again)."""
+        """transformers' own, its ``get_candidates`` wrapped to say how many drafts the next forward (the
+        verify forward) ends with: that forward runs them one by one on saved layers, and crop() runs the
+        accepted ones again, so assisted, prompt-lookup and speculative decoding keep greedy's cache."""
         orig = (self._saved.get("_get_candidate_generator")
                 or type(self.model)._get_candidate_generator.__get__(self.model))
         generator = orig(*args, **kwargs)
-        try:
-            bound = inspect.signature(orig).bind_partial(*args, **kwargs).arguments
-        except TypeError:  # pragma: no cover - a signature of another transformers
-            bound = kwargs
-        model_kwargs = bound.get("model_kwargs") or {}
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if isinstance(cache, KVEvictCache) and cache._handle is self:
-            self._check_draft(generator, bound.get("generation_config"), bound.get("input_ids"))
-        return generator
+        get_candidates = generator.get_candidates
+        handle = weakref.ref(self)
 
-    def _check_draft(self, generator, generation_config, input_ids) -> None:
-        """Raises ValueError when `generator` may draft more than ``n_recent`` tokens in one step."""
-        n_recent = self.config.n_recent
-        assistant = getattr(generator, "assistant_generation_config", None)
-        if hasattr(generator, "num_output_tokens"):  # prompt lookup
-            name, k = "prompt_lookup_num_tokens", int(generator.num_output_tokens)
-        elif hasattr(generator, "num_assistant_tokens"):
-            name, k = "the assistant's generation_config.num_assistant_tokens", int(generator.num_assistant_tokens)
-        else:
-            name = f"the draft length of {type(generator).__name__}"
-            k = getattr(generator, "num_drafting_tokens", None)
-            if k is None:
-                return  # a generator that says nothing about its drafts: crop() checks each rollback
-            k = int(k)
-        schedule = getattr(assistant, "num_assistant_tokens_schedule", None) or "constant"
-        if schedule != "constant":  # "heuristic": +2 after every step whose draft was all accepted
-            left = None
-            if generation_config is not None and input_ids is not None and generation_config.max_length:
-                left = int(generation_config.max_length) - int(input_ids.shape[-1])
-            if left is None or left > n_recent:
-                raise ValueError(f"kvevict: num_assistant_tokens_schedule={schedule!r} grows the draft past any bound "
-                                 f"(it starts at {k}); with eviction installed a draft must be at most n_recent "
-                                 f"({n_recent}) tokens, so that crop() can roll back a rejected one: set the "
-                                 "assistant's generation_config.num_assistant_tokens_schedule = 'constant' and "
-                                 f"num_assistant_tokens <= {n_recent}, or install with n_recent >= max_new_tokens")
-            return
-        if k > n_recent:
-            raise ValueError(f"kvevict: {name} must be at most n_recent ({n_recent}) with eviction installed, got {k}: "
-                             "a rejected draft is rolled back with crop(), which needs every drafted token still in "
-                             f"the cache, and only the newest n_recent are sure to be; draft at most {n_recent} "
-                             f"tokens, or install with n_recent >= {k}")
+        def counted(input_ids, *a, **kw):
+            ids, logits = get_candidates(input_ids, *a, **kw)
+            h = handle()
+            if h is not None:
+                h._draft_k = int(ids.shape[-1]) - int(input_ids.shape[-1])
+            return ids, logits
+
+        generator.get_candidates = counted
+        return generator
 
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -958,34 +989,34 @@ class KVEviction:
             k_nope, v = torch.split(kvx, [g.qk_nope_dim, g.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(B, g.num_heads, T, g.qk_rope_dim)], -1)
             q = torch.cat([q_nope, q_pe], -1)
-        compress = self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is None
+        parts = (q_a, q_b, ckv, kpe) if latent else (q, k, v)
+        # Speculative decoding's verify forward: its last `drafts` columns are drafts, each run as
+        # greedy would run it, alone after the ones before it, on a saved copy of the layer; the
+        # layer is then restored, and crop() runs the accepted drafts again (KVEvictCache._settle).
+        drafts = cache._verify
+        C = T - drafts  # the columns before the drafts: the prompt, or the latest accepted token
+        compress = self._compress is not None and kv.seen_tokens(lk) == 0 and C > 1 and counts is None
         if self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is not None:
             raise ValueError("kvevict: the press compresses unpadded prompts: this batch has left padding "
                              f"(real tokens per row {counts}); run the rows one by one, or install_kv_eviction() "
                              "without the press")
         if T == 0:  # every row is padding in this chunk
             out = q_nope.new_zeros(B, g.num_heads, 0, g.kv_lora_rank if latent else g.v_dim)
-        elif compress:
-            out = self._compress_prompt(kv, lk, scale, *((q_a, q_b, ckv, kpe) if latent else (q, k, v)))
         else:
-            chunk = cfg.prefill_chunk if cfg.prefill_chunk and T > cfg.prefill_chunk else T
             outs = []
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                cc = chunk_counts(T, counts, s, e)
-                if latent:
-                    kv.update(lk, ckv[:, s:e], kpe[:, s:e], cc)
-                    qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
-                    if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall_absorbed(lk, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend_absorbed(qa, qb, kv, lk, scale, observe=cfg.observe))
-                else:
-                    kv.update(lk, k[:, :, s:e], v[:, :, s:e], cc)
-                    qq = q[:, :, s:e].contiguous()
-                    if cfg.tier_tokens and cfg.recall_tokens:
-                        kv.recall(lk, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
-                    outs.append(_k.attend(qq, kv, lk, scale, observe=cfg.observe))
-                kv.evict(lk)
+            if compress:
+                outs.append(self._compress_prompt(kv, lk, scale, *_columns(parts, 0, C)))
+            else:
+                chunk = cfg.prefill_chunk if cfg.prefill_chunk and C > cfg.prefill_chunk else C
+                for s in range(0, C, chunk):
+                    e = min(C, s + chunk)
+                    outs.append(self._run_columns(kv, lk, scale, parts, s, e, chunk_counts(T, counts, s, e)))
+            if drafts:
+                saved = kv.save_layer(lk)
+                for j in range(C, T):
+                    outs.append(self._run_columns(kv, lk, scale, parts, j, j + 1, None))
+                kv.restore_layer(lk, saved)
+                cache._drafts[layer] = (kv, lk, scale, _columns(parts, C, T))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if latent:
             out = _per_head(out, w_uv.transpose(1, 2))  # [B, H, T, v]
@@ -994,6 +1025,31 @@ class KVEviction:
         out = out.transpose(1, 2).reshape(B, T_in, g.num_heads * g.v_dim)
         cache._layers_done += 1
         return module.o_proj(out), None
+
+    def _run_columns(self, kv, lk: int, scale: float, parts: Tuple[torch.Tensor, ...], s: int, e: int,
+                     counts: Optional[List[int]]) -> torch.Tensor:
+        """Columns s..e of `parts` through layer `lk` of `kv`: append, recall (with a tier), attend
+        (observing) and the pass. `parts`: (q_absorbed [B, H, T, r], q_pe [B, H, T, rope], ckv [B, T, r],
+        kpe [B, T, rope]) in the latent layout, (q [B, H, T, d], k [B, H, T, d], v [B, H, T, v]) in the
+        expanded one. Returns the attention output of those columns."""
+        cfg = self.config
+        recall = bool(cfg.tier_tokens and cfg.recall_tokens)
+        if len(parts) == 4:
+            q_a, q_b, ckv, kpe = parts
+            kv.update(lk, ckv[:, s:e], kpe[:, s:e], counts)
+            qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
+            if recall:
+                kv.recall_absorbed(lk, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
+            out = _k.attend_absorbed(qa, qb, kv, lk, scale, observe=cfg.observe)
+        else:
+            q, k, v = parts
+            kv.update(lk, k[:, :, s:e], v[:, :, s:e], counts)
+            qq = q[:, :, s:e].contiguous()
+            if recall:
+                kv.recall(lk, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
+            out = _k.attend(qq, kv, lk, scale, observe=cfg.observe)
+        kv.evict(lk)
+        return out
 
     def _compress_prompt(self, kv, layer: int, scale: float, *t) -> torch.Tensor:
         """Full causal attention over the prompt, then the layer compressed once from the prompt's

@@ -198,6 +198,47 @@ decltype(auto) with(T& self, F&& f) {
   return std::visit(std::forward<F>(f), self.v);
 }
 
+/// A LayerSave of a policy or cache, its C++ type erased (save_layer() / restore_layer()).
+struct PyLayerSave {
+  std::shared_ptr<void> save;  // the owner's LayerSave
+  const std::type_info* type = nullptr;
+  std::function<int64_t()> layer;
+};
+
+/// save_layer() and restore_layer() of a policy or a cache.
+template <class Py>
+void def_save_restore(py::class_<Py>& c, const char* what) {
+  c.def(
+       "save_layer",
+       [](Py& s, int64_t layer) {
+         return with(s, [&](auto& x) {
+           using S = typename std::decay_t<decltype(x)>::LayerSave;
+           auto p = std::make_shared<S>(x.save_layer(layer));
+           return PyLayerSave{p, &typeid(S), [p] { return p->layer(); }};
+         });
+       },
+       py::arg("layer"),
+       (std::string("A copy of `layer` (") + what +
+        ") for restore_layer(): speculative decoding that must undo everything the drafts did to a layer "
+        "(their tokens, the scores their queries added, the passes and recalls they caused). Allocates the copy; "
+        "changes nothing. Raises IndexError / RuntimeError (an open observation).")
+           .c_str())
+      .def(
+          "restore_layer",
+          [](Py& s, int64_t layer, PyLayerSave& save) {
+            with(s, [&](auto& x) {
+              using S = typename std::decay_t<decltype(x)>::LayerSave;
+              KVEVICT_CHECK_TYPE(save.type && *save.type == typeid(S), "restore_layer: the save was made by another "
+                                 "kind of cache or policy, or with another scorer");
+              x.restore_layer(layer, std::move(*static_cast<S*>(save.save.get())));
+            });
+          },
+          py::arg("layer"), py::arg("save"),
+          "Makes `layer` as it was when `save` (from save_layer(layer)) was made; the save is used up. Allocates "
+          "nothing. Raises IndexError / TypeError / RuntimeError (another layer's save, one used already, rows "
+          "finished or added since, reserve() since); nothing changes then.");
+}
+
 template <class P>
 Scorer scorer_of(const P& p) {
   return Scorer(p.scorer());
@@ -449,6 +490,7 @@ void def_state_common(py::class_<Py>& c) {
 template <class Py>
 void def_cache_common(py::class_<Py>& c) {
   def_state_common(c);
+  def_save_restore(c, "its rows, eviction state and host tier");
   c.def_property_readonly("dtype", [](Py& s) { return with(s, [](auto& x) { return x.dtype(); }); },
                           "Storage dtype of the cached rows.")
       .def(
@@ -560,6 +602,7 @@ void def_policy(py::module_& m) {
     });
   });
   def_state_common(c);
+  def_save_restore(c, "its eviction state; your buffers are yours to copy");
 }
 
 // ---- tensor parallelism from Python: the reduce_contributions hook -----------------------------------
@@ -1228,6 +1271,11 @@ void def_attention(py::module_& m) {
 
 // ---- selection, moves, memory model -------------------------------------------------------------------
 void def_tools(py::module_& m) {
+  py::class_<PyLayerSave>(m, "LayerSave",
+                          "One layer of a cache or policy, copied by save_layer() for restore_layer() (used once).")
+      .def_property_readonly("layer", [](const PyLayerSave& s) { return s.layer(); },
+                             "The layer it was saved from; -1 once restored.")
+      .def("__repr__", [](const PyLayerSave& s) { return "LayerSave(layer=" + std::to_string(s.layer()) + ")"; });
   py::class_<kv::CacheStats>(m, "CacheStats", "Counters of one layer or, summed, of a whole cache.")
       .def_readonly("eviction_events", &kv::CacheStats::eviction_events)
       .def_readonly("tokens_evicted", &kv::CacheStats::tokens_evicted)

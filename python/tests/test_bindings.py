@@ -561,3 +561,58 @@ def test_the_tiers_compiled_kernels_are_registered_and_pick_a_hand_worked_exampl
         assert not kvevict.kernels_enabled()
     finally:
         kvevict.set_kernels_enabled(True)
+
+
+def test_save_layer_and_restore_layer_undo_steps_whole():
+    """A saved layer, then steps that append, score, evict and recall, then the save restored: the
+    layer holds what it held (positions, scores, rows, tier); the save is used once; a save of
+    another kind or layer is refused, changing nothing."""
+    torch.manual_seed(2)
+    opts = kvevict.MlaLatentCacheOptions(2, 2, kv_lora_rank=8, qk_rope_dim=4, qk_nope_dim=4, tier_tokens=8,
+                                         tier_page_size=2)
+    cache = kvevict.MlaLatentCache(opts, kvevict.EvictionOptions(2, n_sink=1, n_recent=2))
+
+    def step():
+        cache.update(0, torch.randn(1, 1, 8), torch.randn(1, 1, 4))
+        qa, qp = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 4)
+        cache.recall_absorbed(0, qa, qp, 0.5, 1)
+        kvevict.attend_absorbed(qa, qp, cache, 0, 0.5)
+        cache.evict(0)
+
+    def state():
+        n = cache.size(0)
+        return (cache.positions(0), cache.scores(0), cache.ckv(0)[:, :n].clone(), cache.tier_positions(0, 0),
+                cache.tier_rows(0, 0)[0], cache.seen_tokens(0), cache.stats(0).tokens_evicted)
+
+    for _ in range(12):
+        step()
+    before = state()
+    save = cache.save_layer(0)
+    assert save.layer == 0 and repr(save) == "LayerSave(layer=0)"
+    for _ in range(5):
+        step()
+    assert cache.seen_tokens(0) == before[5] + 5
+    with pytest.raises(RuntimeError, match="the save is of layer 0, not of layer 1"):
+        cache.restore_layer(1, save)
+    cache.restore_layer(0, save)
+    assert save.layer == -1
+    after = state()
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after))
+    with pytest.raises(RuntimeError, match="restored already"):
+        cache.restore_layer(0, save)
+    expanded = kvevict.MlaCache(kvevict.MlaCacheOptions(2, 2, qk_dim=6, v_dim=4), kvevict.EvictionOptions(2))
+    with pytest.raises(RuntimeError, match="buffer 0 is .*: it was made from another cache"):
+        cache.restore_layer(0, expanded.save_layer(0))
+    policy = kvevict.EvictionPolicy(kvevict.EvictionPolicyOptions(1, 2), kvevict.EvictionOptions(2, n_sink=1, n_recent=1))
+    with pytest.raises(TypeError, match="another kind of cache or policy"):
+        cache.restore_layer(0, policy.save_layer(0))
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, state()))
+    policy.append(0, [3], 3)
+    policy.add_scores(0, torch.tensor([[0.5, 0.1, 0.9]]))
+    saved = policy.save_layer(0)
+    policy.append(0, [1], 1)
+    policy.add_scores(0, torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
+    policy.evict(0)
+    policy.restore_layer(0, saved)
+    assert policy.positions(0).tolist() == [[0, 1, 2]]
+    assert torch.equal(policy.scores(0), torch.tensor([[0.5, 0.1, 0.9]]))

@@ -347,6 +347,35 @@ class PolicyState {
     return N;
   }
 
+  /// A copy of `layer`'s whole state (its tensors cloned, its host counters copied) and of its
+  /// path's lasting scratch (allocates; changes nothing): what save_layer() keeps.
+  Grown copied(int64_t layer) const {
+    const auto& L = at(layer);
+    Grown N;
+    N.state = L;  // the host counters and vectors; the tensors are cloned below
+    c10::InferenceMode normal_tensors(false);
+    N.state.position = L.position.clone();
+    N.state.state = L.state.clone();
+    if (L.pending.defined()) N.state.pending = L.pending.clone();
+    if (host_) {
+      N.host = host_path_.resized(core_, layer, L.slots);  // scratch of one call: a fresh one
+    } else {
+      N.tensor = tensor_path_.copied(layer);
+    }
+    return N;
+  }
+
+  /// Makes `N` (a copied() of `layer`) the layer's state, and `N` the state it replaces.
+  /// Allocates nothing, does not throw.
+  void restore(int64_t layer, Grown& N) noexcept {
+    std::swap(layers_[static_cast<size_t>(layer)], N.state);
+    if (host_) {
+      host_path_.swap_in(layer, N.host);
+    } else {
+      tensor_path_.swap_in(layer, N.tensor);
+    }
+  }
+
   /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
   void swap_in(LayerState& L, int64_t layer, Grown& N) noexcept {
     L.slots = N.state.slots;

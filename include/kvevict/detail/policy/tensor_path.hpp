@@ -24,6 +24,7 @@
 #include <kvevict/slot_moves.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cstdint>
 #include <limits>
@@ -89,6 +90,19 @@ class TensorPath {
     Scratch D;
     D.counters = at::zeros({c.batch_size(), 3}, at::TensorOptions().dtype(at::kLong).device(c.device));
     D.counters.select(1, 2).fill_(-c.layer_eviction[layer].n_recent());
+    return D;
+  }
+
+  /// A copy of `layer`'s scratch that a later step of the live one cannot change: the counters
+  /// cloned (they last between calls); the mirrors are replaced on change, never written in
+  /// place, and the rest is scratch of one call (allocates). For save_layer(), with no open
+  /// observation.
+  Scratch copied(int64_t layer) const {
+    Scratch D = scratch_[static_cast<size_t>(layer)];
+    c10::InferenceMode normal_tensors(false);
+    D.counters = D.counters.clone();
+    D.open_sum = D.open_bad = at::Tensor();
+    D.open_checks.clear();
     return D;
   }
 

@@ -22,6 +22,7 @@
 #include <kvevict/selection.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -61,6 +62,52 @@ class TierStore {
   TierStore(const TierStore&) = delete;
   TierStore& operator=(const TierStore&) = delete;
   ~TierStore() { let_go(); }
+
+  /// A copy with its own tensors: the device ones cloned, the rows in new (pinned) host memory
+  /// with their own device views (allocates; changes nothing). On a GPU it waits for the device
+  /// first (a sync: kernels may still write the rows).
+  TierStore copied() const {
+    wait_for_device();
+    TierStore c(B_, budget_, W_, shapes_, dtype_, keys_, device_);
+    c.groups_ = groups_;
+    c.width_ = width_;
+    c.N_ = N_;
+    c.P_ = P_;
+    c.bound_ = bound_;
+    c10::InferenceMode normal_tensors(false);
+    const auto clone = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+    c.seq_next_ = clone(seq_next_);
+    c.pos_ = clone(pos_);
+    c.rank_ = clone(rank_);
+    c.state_ = clone(state_);
+    c.seq_ = clone(seq_);
+    c.digest_ = clone(digest_);
+    c.members_ = clone(members_);
+    for (size_t i = 0; i < host_.size(); ++i) {
+      if (!host_[i].defined()) continue;
+      c.host_[i] = at::empty_like(host_[i], host_[i].options().pinned_memory(!device_.is_cpu()));
+      c.host_[i].copy_(host_[i]);
+      c.view_[i] = device_view(c.host_[i], device_);
+    }
+    return c;
+  }
+
+  /// Exchanges everything with `o` (same batch, budget and layout: two copies of one store).
+  /// Allocates nothing, does not throw.
+  void swap(TierStore& o) noexcept {
+    std::swap(N_, o.N_);
+    std::swap(P_, o.P_);
+    std::swap(bound_, o.bound_);
+    std::swap(seq_next_, o.seq_next_);
+    std::swap(pos_, o.pos_);
+    std::swap(rank_, o.rank_);
+    std::swap(state_, o.state_);
+    std::swap(seq_, o.seq_);
+    host_.swap(o.host_);
+    view_.swap(o.view_);
+    std::swap(digest_, o.digest_);
+    std::swap(members_, o.members_);
+  }
 
   /// Store slots per row (N; the trash slot is one more). Grows geometrically up to the budget.
   int64_t capacity() const noexcept { return N_; }

@@ -23,11 +23,13 @@
 #include <kvevict/selection.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvevict {
@@ -114,6 +116,24 @@ class TierTensorPath {
  public:
   TierTensorPath() = default;
   explicit TierTensorPath(TierStore store) : keys_(store.keys()), store_(std::move(store)) {}
+
+  /// A copy with its own store and counter (allocates; a sync on a GPU: TierStore::copied()).
+  TierTensorPath copied() const {
+    TierTensorPath c(store_.copied());
+    c.mirrors_ = mirrors_;  // replaced on change, never written in place: shared safely
+    c10::InferenceMode normal_tensors(false);
+    if (recalled_.defined()) c.recalled_ = recalled_.clone();
+    return c;
+  }
+
+  /// Exchanges everything with `o` (two copies of one tier). Allocates nothing, does not throw.
+  void swap(TierTensorPath& o) noexcept {
+    std::swap(keys_, o.keys_);
+    store_.swap(o.store_);
+    std::swap(mirrors_, o.mirrors_);
+    std::swap(real_, o.real_);
+    std::swap(recalled_, o.recalled_);
+  }
 
   /// A pass's evicted tokens (its plan's `evicted_t` [B, columns], pads on the trash slot),
   /// before the moves overwrite their rows: planned into `w`, the pass's commit runs it

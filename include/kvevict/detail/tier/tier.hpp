@@ -72,6 +72,31 @@ class LayerTier {
       host_path_ = TierHostPath(batch, budget, state_width, std::move(row_bytes), std::move(groups), std::move(keys));
   }
 
+  /// A copy with its own tokens, rows and digests (allocates; a sync on a GPU: the tensor path
+  /// waits for its kernels before it copies the pinned rows). For CacheBase::save_layer().
+  LayerTier copied() const {
+    LayerTier c;
+    c.host_ = host_;
+    c.budget_ = budget_;
+    c.keys_ = keys_;
+    if (host_) {
+      c.host_path_ = host_path_;  // host vectors: a deep copy
+    } else {
+      auto t = tensor_path_.copied();
+      c.tensor_path_.swap(t);
+    }
+    return c;
+  }
+
+  /// Exchanges everything with `o` (a copied() of this tier). Allocates nothing, does not throw.
+  void swap(LayerTier& o) noexcept {
+    std::swap(host_, o.host_);
+    std::swap(budget_, o.budget_);
+    std::swap(keys_, o.keys_);
+    std::swap(host_path_, o.host_path_);
+    tensor_path_.swap(o.tensor_path_);
+  }
+
   /// The digests' page size, tokens (cache options' tier_page_size).
   int64_t page_size() const noexcept { return keys_.page_size; }
 
