@@ -12,8 +12,8 @@ prefill press ``kvevict.press``. For transformers' DeepSeek-V2/V3 models use ``k
 ``install`` gives each attention module of the model (every ``kvevict.models.MLA``, or a module
 with its ``project`` / ``expand`` / ``out`` / ``absorbed_weights`` methods and ``c`` config; layer l
 is the l-th in ``model.modules()`` order) an instance-level ``forward`` that appends the chunk's
-rows to one kvevict cache on the model's device and dtype (``MlaCache`` for
-``layout="expanded"``, ``MlaLatentCache`` for ``"latent"``), attends through ``kvevict.attend`` /
+rows to one kvevict cache on the model's device and dtype (``MlaLatentCache`` for
+``layout="latent"``, the default, ``MlaCache`` for ``"expanded"``), attends through ``kvevict.attend`` /
 ``attend_absorbed`` (which feed the scorer) and evicts the layer. Parameters, buffers and
 ``state_dict()`` keys are untouched; ``copy.deepcopy`` and pickling (``torch.save(model)``) raise
 a TypeError while installed.
@@ -335,7 +335,7 @@ def _attention_modules(model: nn.Module) -> List[nn.Module]:
 
 
 def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *,
-            scorer: ScorerLike = "h2o", layout: str = "expanded", evict_every: int = 1, batch_size: int = 1,
+            scorer: ScorerLike = "h2o", layout: str = "latent", evict_every: int = 1, batch_size: int = 1,
             layer_budgets: Optional[List[int]] = None, dtype: Optional[torch.dtype] = None, observe: bool = True,
             tier_tokens: int = 0, tier_page_size: int = 64, recall_tokens: int = 3, recall_rescore: int = 256,
             tier_scoring: str = "head_mean", prefill_chunk: int = 0, compress: Optional[Any] = None) -> Installed:
@@ -346,8 +346,9 @@ def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int
     budget per layer). A sequence shorter than that evicts nothing.
 
     scorer: "h2o" (accumulated attention), "mean", "tova", "decay", or a scorer object
-    ("snapkv" is the press's: ``kvevict.press``). layout: "expanded" (``MlaCache``, per-head keys
-    and values) or "latent" (``MlaLatentCache``: ckv + kpe, absorbed attention). evict_every,
+    ("snapkv" is the press's: ``kvevict.press``). layout: "latent" (``MlaLatentCache``: ckv + kpe,
+    absorbed attention; the default, as ``EvictionConfig``'s and ``kvevict.hf``'s) or "expanded"
+    (``MlaCache``, per-head keys and values). evict_every,
     observe: as ``EvictionOptions`` / ``attend``. batch_size: rows of every forward. dtype: must
     be the model's (the cache holds what the model computes), or None.
     tier_tokens > 0: a host tier of that many evicted tokens per row and layer, and each forward

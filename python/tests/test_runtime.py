@@ -1,5 +1,6 @@
-"""What ``import kvevict`` imports (issue 38 item 1): the binding and the options, not the quality
-model (``kvevict.models``), its installer or transformers, which load when first used."""
+"""One Python face for both installers (issue 38 item 1): ``import kvevict`` leaves the quality
+model (``kvevict.models``), its installer and transformers out until first used; the installers
+share ``EvictionConfig``'s defaults."""
 
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 import kvevict
+from kvevict.config import EvictionConfig
 
 
 def test_import_kvevict_leaves_the_quality_model_out(tmp_path):
@@ -29,3 +31,15 @@ def test_import_kvevict_leaves_the_quality_model_out(tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvevict.nope
+
+
+def test_install_defaults_to_the_latent_layout():
+    """The layout default is EvictionConfig's, "latent", for kvevict.install as for kvevict.hf (it
+    was "expanded" for install before the runtime was shared)."""
+    from kvevict.models import Config, Model
+    kv = kvevict.install(Model(Config(n_layers=2)))
+    try:
+        assert EvictionConfig().layout == "latent" and kv.layout == "latent"
+        assert isinstance(kv.cache, kvevict.MlaLatentCache)
+    finally:
+        kv.remove()
