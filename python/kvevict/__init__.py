@@ -4,10 +4,12 @@ The C++ library (include/kvevict/) bound as ``kvevict._kvevict`` and re-exported
 caches (``MlaCache``, ``MlaLatentCache``), the caller-owned-storage ``EvictionPolicy``,
 attention (``attend``, ``attend_absorbed``), LSE scoring (``observe_lse``, ``LseRing``),
 prompt compression (``compress_prompt``, ``prefill_chunked``), ``Selection`` and the memory
-model. ``kvevict.models`` has the shipped quality model in PyTorch; ``kvevict.install`` and
-``kvevict.press`` put eviction on it in one call; ``kvevict.hf`` (with transformers installed)
-puts it on transformers' DeepSeek-V2/V3 models. Those are imported when first used: ``import
-kvevict`` imports neither the quality model nor transformers.
+model. ``EvictionConfig`` (``config.py``) is the installers' options. Two thin adapters over one
+runtime (``_runtime.py``: the cache factory, the chunk loop, the press, stats and memory):
+``kvevict.hf`` (with transformers installed) puts eviction on transformers' DeepSeek-V2/V3 models;
+``kvevict.install`` and ``kvevict.press`` (``_install.py``) put it on ``kvevict.models``, the
+shipped quality model in PyTorch. Those three are imported when first used: ``import kvevict``
+imports neither the quality model nor transformers.
 """
 
 import importlib
@@ -17,7 +19,8 @@ import torch  # noqa: F401  (loads libtorch and torch's Python types before the 
 from ._kvevict import *  # noqa: F401,F403
 from ._kvevict import __version__  # noqa: F401
 
-from .config import SCORERS, EvictionConfig, MemoryReport, make_scorer  # noqa: E402,F401
+from .config import LAYOUTS, SCORERS, EvictionConfig, make_scorer  # noqa: E402,F401
+from ._runtime import MemoryReport  # noqa: E402,F401
 
 #: Names imported on first use: the quality model and its installer (module __getattr__, PEP 562).
 _LAZY = {"models": None, "install": "_install", "press": "_install", "Installed": "_install"}
