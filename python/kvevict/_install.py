@@ -11,12 +11,14 @@ prefill press ``kvevict.press``. For transformers' DeepSeek-V2/V3 models use ``k
 
 ``install`` gives each attention module of the model (every ``kvevict.models.MLA``, or a module
 with its ``project`` / ``expand`` / ``out`` / ``absorbed_weights`` methods and ``c`` config; layer l
-is the l-th in ``model.modules()`` order) an instance-level ``forward`` that appends the chunk's
-rows to one kvevict cache on the model's device and dtype (``MlaCache`` for
-``layout="expanded"``, ``MlaLatentCache`` for ``"latent"``), attends through ``kvevict.attend`` /
-``attend_absorbed`` (which feed the scorer) and evicts the layer. Parameters, buffers and
-``state_dict()`` keys are untouched; ``copy.deepcopy`` and pickling (``torch.save(model)``) raise
-a TypeError while installed.
+is the l-th in ``model.modules()`` order) an instance-level ``forward`` that projects the chunk
+(``MLA.project``, ``MLA.rows``) and hands the rows to the runtime (``_runtime.Runtime``, shared
+with ``kvevict.hf``): one kvevict cache on the model's device and dtype (``MlaLatentCache`` for
+``layout="latent"``, the default, ``MlaCache`` for ``"expanded"``), appended, attended through
+``kvevict.attend_absorbed`` / ``attend`` (which feed the scorer) and evicted per chunk. This
+module adds only what the shipped model needs: its positions and token shift, ``step`` /
+``generate`` and their checks. Parameters, buffers and ``state_dict()`` keys are untouched;
+``copy.deepcopy`` and pickling (``torch.save(model)``) raise a TypeError while installed.
 
 The installed model is stateful: a forward continues the cached sequence, with RoPE positions
 taken from the cache. ``Installed.step`` and ``generate`` say so explicitly; a bare
@@ -34,15 +36,12 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from . import _kvevict as _k
-from .config import (SCORERS, EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts,
-                     left_padding_counts, make_scorer)
-from .config import tier_scoring as _tier_scoring
+from ._runtime import Geometry, MemoryReport, Patches, Runtime, Uncopyable, left_padding_counts, press_scorer
+from .config import LAYOUTS, SCORERS, EvictionConfig, ScorerLike, make_scorer
 from .models import MLA
 
 __all__ = ["Installed", "install", "press", "make_scorer", "SCORERS", "LAYOUTS"]
 
-LAYOUTS = ("expanded", "latent")
 _METHODS = ("project", "expand", "out", "absorbed_weights")
 
 
@@ -87,18 +86,18 @@ def _installed_forward(hook: _LayerHook, x: torch.Tensor, pos: Optional[torch.Te
 class Installed(Uncopyable):
     """What ``install`` returns: the cache and the per-sequence state of an installed model.
 
-    Attributes: ``model``; ``cache`` (``MlaCache`` or ``MlaLatentCache``, batch rows =
-    ``config``'s batch size, on the model's device and dtype); ``config`` (``EvictionConfig``);
-    ``compress`` (the press's scorer, or None); ``layers`` (the attention modules, layer order)."""
+    Attributes: ``model``; ``cache`` (``MlaLatentCache`` or ``MlaCache``, ``batch_size`` rows,
+    on the model's device and dtype); ``config`` (``EvictionConfig``); ``compress`` (the press's
+    scorer, or None); ``layers`` (the attention modules, layer order)."""
 
     _copy_refusal = _COPY_REFUSAL
 
-    def __init__(self, model: nn.Module, attns: List[nn.Module], cache, config: EvictionConfig,
-                 compress: Optional[Any]):
+    def __init__(self, model: nn.Module, attns: List[nn.Module], runtime: Runtime, batch_size: int):
         self.model = model
-        self.cache = cache
-        self.config = config
-        self.compress = compress
+        self._runtime = runtime
+        self.cache = runtime.make_cache(batch_size)
+        self.config = runtime.config
+        self.compress = runtime.press
         self.layers = list(attns)
         n = len(attns)
         self._last: List[Optional[torch.Tensor]] = [None] * n
@@ -106,9 +105,10 @@ class Installed(Uncopyable):
         self._explicit = False  # inside step() / generate(): continuing is what was asked for
         self._warned = False
         self._pending: Optional[torch.Tensor] = None  # generate()'s last token, not yet fed [B, 1]
+        self._patches = Patches()
         for layer, attn in enumerate(attns):
-            attn.forward = functools.partial(_installed_forward, _LayerHook(self, layer))
-        model._kvevict_installed = self
+            self._patches.set(attn, "forward", functools.partial(_installed_forward, _LayerHook(self, layer)))
+        self._patches.set(model, "_kvevict_installed", self)
 
     # -- the handle --------------------------------------------------------------------------------
     @property
@@ -128,11 +128,8 @@ class Installed(Uncopyable):
 
     def remove(self) -> None:
         """Takes the installed forwards off: the model attends in full again. Idempotent."""
-        for attn in self.layers:
-            attn.__dict__.pop("forward", None)
+        self._patches.remove()
         self.layers = []
-        if getattr(self.model, "_kvevict_installed", None) is self:
-            del self.model._kvevict_installed
 
     def kept_positions(self, layer: int, row: int = 0) -> List[int]:
         """The token positions `row` of `layer` holds, ascending."""
@@ -143,27 +140,15 @@ class Installed(Uncopyable):
         """Counters of the current sequence: seen (tokens taken in per row, row 0), kept (per
         layer, the longest row's cached tokens), capacity (per row and layer), and, summed over
         layers and rows, eviction_events, tokens_evicted, tier_tokens, tier_recalled."""
-        kv, n = self.cache, len(self._last)
-        s = kv.stats()
-        return {"seen": kv.seen_tokens(0, 0), "kept": [kv.size(l) for l in range(n)],
-                "capacity": [kv.capacity(l) for l in range(n)], "eviction_events": s.eviction_events,
-                "tokens_evicted": s.tokens_evicted, "tier_tokens": s.tier_tokens, "tier_recalled": s.tier_recalled}
+        return {"seen": self.cache.seen_tokens(0, 0), **self._runtime.stats(self.cache)}
 
     def memory(self) -> MemoryReport:
         """Bytes now (the cache's buffers and the tier's host memory) against what a full cache of
         this layout would hold for the tokens seen (all rows)."""
-        kv, c = self.cache, self.layers[0].c if self.layers else None
-        if c is None:
+        if not self.installed:
             raise RuntimeError("kvevict: memory() after remove(); install() again")
-        s = kv.stats()
-        seen = max(kv.seen_tokens(0, b) for b in range(kv.batch_size))
-        cfg = _k.MlaMemoryConfig(num_layers=len(self._last), num_heads=c.n_heads, qk_dim=c.qk_dim, v_dim=c.v_dim,
-                                 kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
-                                 bytes_per_element=torch.finfo(kv.dtype).bits // 8)
-        lay = _k.Layout.kLatent if self.layout == "latent" else _k.Layout.kExpanded
-        full = _k.full_cache_bytes(cfg, lay, seen) * kv.batch_size
-        return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=self.layout,
-                            tier_bytes=s.tier_bytes, columns=seen)
+        kv = self.cache
+        return self._runtime.memory(kv, max(kv.seen_tokens(0, b) for b in range(kv.batch_size)), self.layout)
 
     def __repr__(self) -> str:
         cfg = self.config
@@ -253,7 +238,7 @@ class Installed(Uncopyable):
 
     # -- the installed attention -------------------------------------------------------------------
     def _attend(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        attn, kv, cfg = self.layers[layer], self.cache, self.config
+        attn, kv = self.layers[layer], self.cache
         B, T = x.size(0), x.size(1)
         if B != kv.batch_size:
             raise ValueError(f"kvevict: the installed cache holds B = {kv.batch_size} rows (install(..., "
@@ -273,17 +258,7 @@ class Installed(Uncopyable):
                           "sequence; kv.step(tokens) continues without this warning.", UserWarning, stacklevel=4)
         if kv.seen_tokens(layer) == 0:
             self._last[layer] = None
-        if self.compress is not None and kv.seen_tokens(layer) == 0 and T > 1:  # the press
-            if counts is not None:
-                raise ValueError(f"kvevict: the press compresses unpadded prompts, this one has left padding (real "
-                                 f"tokens per row {counts}): run the rows one by one, or install() without the press")
-            pos = torch.arange(T, dtype=torch.long, device=x.device)
-            # compress_prompt leaves seen_tokens(layer) at T, its kept tokens at their prompt
-            # positions: the next token's RoPE position is seen_tokens, as without the press.
-            out, self._last[layer] = MLA.compressed(attn, x, pos, kv, layer)
-            return out
         real = [T] * B if counts is None else counts
-        lead = T - max(real)  # columns that are padding in every row
         seen = [kv.seen_tokens(layer, b) for b in range(B)]
         if counts is None and len(set(seen)) == 1:
             pos = torch.arange(seen[0], seen[0] + T, dtype=torch.long, device=x.device)
@@ -298,18 +273,13 @@ class Installed(Uncopyable):
             valid = cols >= torch.tensor([T - c for c in real], device=x.device).unsqueeze(1)
             prev = self._last[layer] if self._last[layer] is not None else x.new_zeros(B, 1, x.size(-1))
             x = torch.where(valid.unsqueeze(-1), x, prev.expand(B, T, x.size(-1)))
-        chunk = cfg.prefill_chunk if cfg.prefill_chunk and T - lead > cfg.prefill_chunk else T - lead
-        recall = cfg.recall_tokens if cfg.tier_tokens else 0
-        outs = [x.new_zeros(B, lead, x.size(-1))] if lead else []
-        for s in range(lead, T, max(chunk, 1)):
-            e = min(T, s + chunk)
-            cc = chunk_counts(T, counts, s, e)
-            p = pos[s:e] if pos.dim() == 1 else pos[:, s:e]
-            o, self._last[layer] = MLA.cached(attn, x[:, s:e], p, kv, layer, self._last[layer], cfg.observe, cc,
-                                              recall, cfg.recall_rescore)
-            kv.evict(layer)
-            outs.append(o)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        # With the press, a layer's first forward starts at position 0 with no `last` (the cache
+        # is empty): compress_prompt leaves seen_tokens(layer) at T, its kept tokens at their
+        # prompt positions, so the next token's RoPE position is seen_tokens, as without it.
+        p, self._last[layer] = attn.project(x, pos, self._last[layer])
+        latent = self._runtime.latent
+        o = self._runtime.run_columns(kv, layer, MLA.rows(attn, p, latent), attn.c.scale, counts, where="install()")
+        return MLA.output(attn, o, latent)
 
 
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
@@ -334,42 +304,36 @@ def _attention_modules(model: nn.Module) -> List[nn.Module]:
     return found
 
 
-def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *,
-            scorer: ScorerLike = "h2o", layout: str = "expanded", evict_every: int = 1, batch_size: int = 1,
-            layer_budgets: Optional[List[int]] = None, dtype: Optional[torch.dtype] = None, observe: bool = True,
-            tier_tokens: int = 0, tier_page_size: int = 64, recall_tokens: int = 3, recall_rescore: int = 256,
-            tier_scoring: str = "head_mean", prefill_chunk: int = 0, compress: Optional[Any] = None) -> Installed:
+def install(model: nn.Module, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink,
+            n_recent: int = EvictionConfig.n_recent, *, batch_size: int = 1, dtype: Optional[torch.dtype] = None,
+            **options) -> Installed:
     """Installs KV-cache eviction on `model` (the shipped ``kvevict.models.Model`` or a model of
     such MLA modules) in one call and returns the ``Installed`` handle. H2O (Zhang et al. 2023,
     Sec. 3): per row and layer the cache keeps n_sink first tokens, `budget` heavy hitters and
     n_recent newest tokens: capacity = n_sink + budget + n_recent tokens (``layer_budgets``: one
     budget per layer). A sequence shorter than that evicts nothing.
 
-    scorer: "h2o" (accumulated attention), "mean", "tova", "decay", or a scorer object
-    ("snapkv" is the press's: ``kvevict.press``). layout: "expanded" (``MlaCache``, per-head keys
-    and values) or "latent" (``MlaLatentCache``: ckv + kpe, absorbed attention). evict_every,
-    observe: as ``EvictionOptions`` / ``attend``. batch_size: rows of every forward. dtype: must
-    be the model's (the cache holds what the model computes), or None.
-    tier_tokens > 0: a host tier of that many evicted tokens per row and layer, and each forward
-    recalls up to `recall_tokens` of them before attending (pages of `tier_page_size` tokens
-    scored by Quest's bounds, Tang et al. 2024, Sec. 3.2; `recall_rescore`: two-level recall).
-    The tier costs host memory: ``memory().tier_bytes``. prefill_chunk > 0: a forward of more
-    tokens is appended, attended and evicted in chunks of that many (bounded prompt memory).
+    options: the other fields of ``EvictionConfig``, the one list of the options and their
+    defaults, shared with ``kvevict.hf.install_kv_eviction``: scorer ("h2o", accumulated attention;
+    "mean", "tova", "decay", or a scorer object; "snapkv" is the press's: ``kvevict.press``),
+    layout ("latent", the default: ``MlaLatentCache``, ckv + kpe, absorbed attention; "expanded":
+    ``MlaCache``, per-head keys and values), evict_every, layer_budgets, observe, the host tier
+    (tier_tokens > 0: that many evicted tokens per row and layer, and each forward recalls up to
+    recall_tokens of them before attending: pages of tier_page_size tokens scored by Quest's
+    bounds, Tang et al. 2024, Sec. 3.2; recall_rescore: two-level recall; tier_scoring; its host
+    memory is ``memory().tier_bytes``) and prefill_chunk (> 0: a forward of more tokens is
+    appended, attended and evicted in chunks of that many, bounded prompt memory).
+    batch_size: rows of every forward. dtype: must be the model's (the cache holds what the model
+    computes), or None.
 
     The cache is on the model's device, in its dtype. Raises ValueError (TypeError for a wrong
-    type) naming the argument on a bad option, a module with no MLA attention or an installed
-    model; the model is unchanged then."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"kvevict: install: layout must be one of {LAYOUTS}, got {layout!r}")
-    if compress is None and (isinstance(scorer, _k.SnapKV) or (isinstance(scorer, str) and scorer.lower() == "snapkv")):
-        raise ValueError("kvevict: install: SnapKV scores a prompt once: use kvevict.press(model, ..., window=W) for "
-                         "it, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
-    config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent,
-                            # under the press the cache's scorer is `compress`, as in kvevict.hf
-                            scorer="h2o" if compress is not None else scorer, evict_every=evict_every,
-                            layer_budgets=layer_budgets, layout=layout, tier_tokens=tier_tokens,
-                            tier_page_size=tier_page_size, recall_tokens=recall_tokens, recall_rescore=recall_rescore,
-                            tier_scoring=tier_scoring, prefill_chunk=prefill_chunk, observe=observe)
+    type or an unknown option) naming the argument on a bad option, a module with no MLA
+    attention or an installed model; the model is unchanged then."""
+    return _install(model, EvictionConfig.of("install", budget, n_sink, n_recent, options), batch_size, dtype)
+
+
+def _install(model: nn.Module, config: EvictionConfig, batch_size: int, dtype: Optional[torch.dtype],
+             press: Optional[Any] = None) -> Installed:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"kvevict: install: batch_size must be an int >= 1, got {batch_size!r}")
     attns = _attention_modules(model)
@@ -382,24 +346,17 @@ def install(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int
     if dtype is not None and dtype != param.dtype:
         raise ValueError(f"kvevict: install: dtype must be the model's, {param.dtype}, got {dtype}: the cache holds "
                          f"what the model computes. Cast the model first (model.to({dtype})) and leave dtype unset")
-    s = compress if compress is not None else make_scorer(scorer)
-    eviction = _k.EvictionOptions(budget, n_sink=n_sink, n_recent=n_recent, evict_every=evict_every)
-    common = dict(batch_size=batch_size, dtype=param.dtype, device=param.device,
-                  layer_budgets=list(config.layer_budgets or []), tier_tokens=tier_tokens, tier_page_size=tier_page_size,
-                  tier_scoring=_tier_scoring(config.tier_scoring))
-    if layout == "expanded":
-        opts = _k.MlaCacheOptions(len(attns), c.n_heads, qk_dim=c.qk_dim, v_dim=c.v_dim, **common)
-        cache = _k.MlaCache(opts, eviction, s)
-    else:
-        opts = _k.MlaLatentCacheOptions(len(attns), c.n_heads, kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
-                                        qk_nope_dim=c.qk_nope, **common)
-        cache = _k.MlaLatentCache(opts, eviction, s)
-    return Installed(model, attns, cache, config, compress)
+    geometry = Geometry(num_layers=len(attns), num_heads=c.n_heads, kv_lora_rank=c.kv_lora, qk_rope_dim=c.qk_rope,
+                        qk_nope_dim=c.qk_nope, v_dim=c.v_dim, dtype=param.dtype, device=param.device,
+                        total_heads=c.n_heads)
+    return Installed(model, attns, Runtime(config, geometry, press), batch_size)
 
 
 @contextlib.contextmanager
-def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *, window: int = 32,
-          kernel: int = 5, scorer: Optional[ScorerLike] = None, **kwargs) -> Iterator[Installed]:
+def press(model: nn.Module, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink,
+          n_recent: int = EvictionConfig.n_recent, *, window: int = 32, kernel: int = 5,
+          scorer: Optional[ScorerLike] = None, batch_size: int = 1, dtype: Optional[torch.dtype] = None,
+          **options) -> Iterator[Installed]:
     """Prefill compression, kvpress-style: inside the ``with``, the first chunk each layer sees
     (the prompt) is attended in full and compressed once to the layer's capacity by
     ``kvevict.compress_prompt`` under SnapKV (Li et al. 2024, Sec. 4: the last `window` prompt
@@ -407,19 +364,15 @@ def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int =
     attention, recomputed from the log-sum-exp; or a scorer object, ``kvevict.SnapKV(w, k)``
     included). Later tokens decode through the cache and are evicted under the same scorer
     (SnapKV at decode: each new token's attention is its vote). Unpadded prompts only. On exit
-    the model is restored. Yields the ``Installed`` handle; other keyword arguments go to
-    ``install``.
+    the model is restored. Yields the ``Installed`` handle; other keyword arguments are
+    ``install``'s (``EvictionConfig`` fields, batch_size, dtype).
 
     A SnapKV window longer than n_recent warns (UserWarning): the window's queries then vote for
     tokens the recent window does not protect (measured on the shipped model's passkey at a 10%
     budget: 8/32 answer tokens with window 64 > n_recent 37, 24/32 with window 32)."""
-    snapkv_name = isinstance(scorer, str) and scorer.lower() == "snapkv"
-    compress = _k.SnapKV(window, kernel) if scorer is None or snapkv_name else make_scorer(scorer)
-    if isinstance(compress, _k.SnapKV) and compress.window > n_recent:
-        warnings.warn(f"kvevict: press: the SnapKV window ({compress.window}) is longer than n_recent ({n_recent}): "
-                      "the window's queries vote for tokens the recent window does not protect, which loses answers; "
-                      "use window <= n_recent", UserWarning, stacklevel=3)
-    handle = install(model, budget, n_sink, n_recent, scorer=compress, compress=compress, **kwargs)
+    compress = press_scorer(window, kernel, scorer, n_recent)
+    handle = _install(model, EvictionConfig.of("press", budget, n_sink, n_recent, options), batch_size, dtype,
+                      compress)
     try:
         yield handle
     finally:

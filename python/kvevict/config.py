@@ -1,14 +1,13 @@
-"""What both installers share: the scorer names, ``EvictionConfig`` (the options, checked),
-``MemoryReport`` and the chunk arithmetic of left-padded batches. No transformers import here:
-``kvevict.install`` (the shipped model) and ``kvevict.hf`` (transformers' DeepSeek models) both
-build on it."""
+"""The options of both installers, and their only list: ``EvictionConfig`` (every option, its
+default and its checks; it builds the C++ ``EvictionOptions`` once), the scorer names
+(``SCORERS``, ``make_scorer``) and the layouts (``LAYOUTS``). ``kvevict.install`` (the shipped
+model) and ``kvevict.hf`` (transformers' DeepSeek models) take its fields as keyword arguments;
+what they run is ``_runtime.py``. No transformers import here."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Literal, Optional, Union
-
-import torch
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from . import _kvevict as _k
 
@@ -26,19 +25,8 @@ SCORERS = {
     "snapkv": _k.SnapKV,
 }
 
-
-class Uncopyable:
-    """Installed state that deep copies and pickles must not take (it holds a C++ cache): both
-    raise TypeError(``_copy_refusal``), which each installer words for its own handle."""
-
-    _copy_refusal = "kvevict: a model with eviction installed cannot be deep-copied or pickled; remove() it first"
-
-    def _refuse(self, *args):
-        raise TypeError(self._copy_refusal)
-
-    __deepcopy__ = _refuse
-    __reduce__ = _refuse
-    __reduce_ex__ = _refuse
+#: The cache layouts: "latent" (``MlaLatentCache``, the default) and "expanded" (``MlaCache``).
+LAYOUTS = ("latent", "expanded")
 
 
 def make_scorer(scorer: ScorerLike):
@@ -53,43 +41,17 @@ def make_scorer(scorer: ScorerLike):
     return scorer
 
 
-def tier_scoring(name: str):
-    """The ``TierScoring`` value of an ``EvictionConfig.tier_scoring`` name."""
-    return _k.TierScoring.kHeadMean if name == "head_mean" else _k.TierScoring.kPerHead
-
-
-def left_padding_counts(mask: Optional[torch.Tensor], B: int, T: int, where: str) -> Optional[List[int]]:
-    """Real tokens per row from a 2-D 0/1 attention mask [B, T] whose ones are each row's last
-    columns (left padding); None when every column is real. Raises ValueError on another shape
-    or a hole / right padding (naming `where`)."""
-    if mask is None:
-        return None
-    if mask.dim() != 2 or tuple(mask.shape) != (B, T):
-        raise ValueError(f"kvevict: {where}: attention_mask must be [B, T] = [{B}, {T}], got {list(mask.shape)}")
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError(f"kvevict: {where}: attention_mask must hold only 0 (pad) and 1 (token)")
-    m = mask.to(torch.bool)
-    counts = m.sum(1)
-    cols = torch.arange(T, device=m.device).unsqueeze(0)
-    if not torch.equal(m, cols >= (T - counts).unsqueeze(1)):
-        raise ValueError(f"kvevict: {where}: attention_mask must be left padding (each row's real tokens its last "
-                         "columns, no holes); pad on the left")
-    counts = [int(c) for c in counts.tolist()]
-    return None if all(c == T for c in counts) else counts
-
-
-def chunk_counts(T: int, counts: Optional[List[int]], s: int, e: int) -> Optional[List[int]]:
-    """Real tokens of each row in columns [s, e) of a left-padded chunk of T columns."""
-    if counts is None:
-        return None
-    return [max(0, e - max(s, T - c)) for c in counts]
-
-
 @dataclasses.dataclass
 class EvictionConfig:
-    """What ``kvevict.hf.install_kv_eviction`` and ``kvevict.install`` build (H2O, Zhang et al. 2023, Sec. 3: sinks, heavy hitters
-    and a recent window per layer and sequence). Capacity per row and layer =
-    ``n_sink + budget + n_recent`` tokens (``layer_budgets`` replaces ``budget`` per layer).
+    """What ``kvevict.hf.install_kv_eviction`` and ``kvevict.install`` build, and the only list of
+    their options and defaults (H2O, Zhang et al. 2023, Sec. 3: sinks, heavy hitters and a recent
+    window per layer and sequence). Capacity per row and layer = ``n_sink + budget + n_recent``
+    tokens (``layer_budgets`` replaces ``budget`` per layer).
+
+    Checked once, when made (``__post_init__``: ValueError / TypeError naming the field), which
+    also builds the C++ ``EvictionOptions`` (``eviction_options``) that every cache of an install
+    takes. Make a new config (``dataclasses.replace``) rather than assigning a field: an assigned
+    field is not checked again.
 
     Attributes:
         budget: heavy hitters kept per row and layer (tokens).
@@ -101,8 +63,9 @@ class EvictionConfig:
         evict_every: a row evicts once it holds more than capacity and has appended in this many
             forwards since its last pass (the cache then holds up to capacity + evict_every - 1).
         layer_budgets: one budget per layer (PyramidKV-style), or None.
-        layout: "latent" (c_kv 512 + k_pe 64 per token, absorbed attention) or "expanded" (per-head
-            keys 192 and values 128, ``kv_b_proj`` applied once per token on its way in).
+        layout: "latent" (the default for both installers: c_kv 512 + k_pe 64 per token,
+            ``MlaLatentCache``, absorbed attention) or "expanded" (``MlaCache``: per-head keys 192
+            and values 128, ``kv_b_proj`` applied once per token on its way in).
         tier_tokens: evicted tokens kept per row and layer in a host tier (0: no tier). With a
             tier, each forward recalls up to ``recall_tokens`` of them before attending (ArkVale,
             Chen et al. 2024; pages scored by Quest's bounds, Tang et al. 2024, Sec. 3.2).
@@ -144,8 +107,8 @@ class EvictionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"kvevict: {name} must be an int >= 1, got {v!r}")
-        if self.layout not in ("latent", "expanded"):
-            raise ValueError(f"kvevict: layout must be 'latent' or 'expanded', got {self.layout!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"kvevict: layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.tier_scoring not in ("head_mean", "per_head"):
             raise ValueError(f"kvevict: tier_scoring must be 'head_mean' or 'per_head', got {self.tier_scoring!r}")
         if self.tier_tokens and self.recall_rescore and self.recall_rescore < self.tier_page_size:
@@ -153,10 +116,6 @@ class EvictionConfig:
                              f"got {self.recall_rescore}")
         if not isinstance(self.observe, bool):
             raise TypeError(f"kvevict: observe must be a bool, got {type(self.observe).__name__} ({self.observe!r})")
-        if isinstance(self.scorer, _k.SnapKV):
-            raise ValueError("kvevict: a SnapKV scorer scores a prompt once: use it through the press "
-                             "(kvevict.hf.press, kvevict.press), or a decode-time scorer ('h2o', 'mean', 'tova', "
-                             "'decay')")
         if self.layer_budgets is not None:
             if isinstance(self.layer_budgets, (str, bytes)) or not hasattr(self.layer_budgets, "__iter__"):
                 raise TypeError("kvevict: layer_budgets must be a list of ints (one budget per layer) or None, got "
@@ -166,32 +125,42 @@ class EvictionConfig:
                 if isinstance(b, bool) or not isinstance(b, int):
                     raise TypeError(f"kvevict: layer_budgets[{i}] must be an int, got {type(b).__name__} ({b!r})")
             self.layer_budgets = budgets
-        if isinstance(self.scorer, str) and self.scorer.lower() == "snapkv":
-            raise ValueError("kvevict: scorer='snapkv' scores a prompt once: use the press (kvevict.hf.press, "
-                             "kvevict.press) for SnapKV, or a decode-time scorer ('h2o', 'mean', 'tova', 'decay')")
+        if isinstance(self.scorer, _k.SnapKV) or (isinstance(self.scorer, str) and self.scorer.lower() == "snapkv"):
+            raise ValueError(f"kvevict: scorer={self.scorer!r}: SnapKV scores a prompt once: use kvevict.press "
+                             "(kvevict.hf.press for transformers) for it, or a decode-time scorer ('h2o', 'mean', "
+                             "'tova', 'decay')")
         make_scorer(self.scorer)  # raises on an unknown name or type
+        self.eviction_options.validate()  # capacity >= 1, and the ranges of the C++ options
 
     @property
     def capacity(self) -> int:
         """Tokens kept per row and layer (with ``budget``; ``layer_budgets`` set their own)."""
         return self.n_sink + self.budget + self.n_recent
 
-
-@dataclasses.dataclass
-class MemoryReport:
-    """Bytes, all layers, all rows. ``cache_bytes``: the kvevict cache's device buffers now
-    (slots for capacity + evict_every per row and layer, the trash slot included).
-    ``full_cache_bytes``: what transformers' own ``DynamicCache`` would hold for the same
-    columns in this transformers version's layout (``full_layout``; pads included, as it stores
-    them). ``tier_bytes``: host memory of the tier (rows and digests)."""
-
-    cache_bytes: int
-    full_cache_bytes: int
-    full_layout: str
-    tier_bytes: int
-    columns: int
-
     @property
-    def ratio(self) -> float:
-        """full_cache_bytes / cache_bytes."""
-        return self.full_cache_bytes / self.cache_bytes if self.cache_bytes else float("inf")
+    def eviction_options(self) -> "_k.EvictionOptions":
+        """The C++ ``EvictionOptions`` of budget, n_sink, n_recent and evict_every, built once (a
+        copy or unpickled config builds its own)."""
+        ev = self.__dict__.get("_eviction")
+        if ev is None:
+            ev = _k.EvictionOptions(self.budget, n_sink=self.n_sink, n_recent=self.n_recent,
+                                    evict_every=self.evict_every)
+            self.__dict__["_eviction"] = ev
+        return ev
+
+    def __setattr__(self, name: str, value: Any) -> None:  # a field assigned later: built again (not checked)
+        super().__setattr__(name, value)
+        self.__dict__.pop("_eviction", None)
+
+    def __getstate__(self) -> Dict[str, Any]:  # copies and pickles leave the C++ options out
+        return {k: v for k, v in self.__dict__.items() if k != "_eviction"}
+
+    @classmethod
+    def of(cls, where: str, budget: int, n_sink: int, n_recent: int, options: Dict[str, Any]) -> "EvictionConfig":
+        """The config of an installer's call: `options` are the other fields' keyword arguments.
+        Raises TypeError naming `where` on a keyword that is not a field."""
+        known = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"kvevict: {where} got unknown options {unknown}; known: {known}")
+        return cls(budget=budget, n_sink=n_sink, n_recent=n_recent, **options)

@@ -36,6 +36,10 @@ What ``install_kv_eviction`` does, and nothing else:
 
 Positions come from transformers (``position_ids`` from the mask, i.e. tokens seen, not
 tokens kept): ``get_seq_length()`` is the number of columns the cache has taken in.
+
+The cache factory, the chunk loop (``Runtime.run_columns``: the press, or update, recall,
+attend and evict per chunk), the mask parsing, stats, memory and removal are the runtime's
+(``_runtime.py``), shared with ``kvevict.install``; this module maps transformers onto them.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -58,9 +62,9 @@ try:
 except ImportError as e:  # pragma: no cover - the [hf] extra
     raise ImportError("kvevict.hf needs transformers: pip install 'kvevict[hf]'") from e
 
-from . import _kvevict as _k
-from .config import (EvictionConfig, MemoryReport, ScorerLike, Uncopyable, chunk_counts, make_scorer,
-                     tier_scoring)
+from ._runtime import (Expanded, Geometry, Latent, LayerGroups, MemoryReport, Patches, Runtime, Uncopyable,
+                       left_padding_counts, press_scorer)
+from .config import EvictionConfig, ScorerLike
 
 __all__ = ["EvictionConfig", "KVEvictCache", "KVEviction", "KVEvictWarning", "LayerGroups", "MemoryReport",
            "install_kv_eviction",
@@ -151,130 +155,11 @@ class _TensorParallel:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=self.group)
 
 
-@dataclasses.dataclass
-class _Geometry:
-    num_layers: int
-    num_heads: int  # this rank's heads (all of them without tensor parallelism)
-    kv_lora_rank: int
-    qk_rope_dim: int
-    qk_nope_dim: int
-    v_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    total_heads: int = 0  # every rank's heads (the scores' divisor); num_heads without tensor parallelism
-    tp: Optional[_TensorParallel] = None  # None: one process holds every head
-
-
 def _check_attention(module: nn.Module, layer: int) -> None:
     missing = [n for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj") if not hasattr(module, n)]
     if missing or not isinstance(getattr(module, "kv_b_proj", None), nn.Linear):
         raise ValueError(f"kvevict: layer {layer}'s {type(module).__name__} lacks DeepSeek MLA's "
                          f"{missing or ['kv_b_proj as nn.Linear']}: not supported")
-
-
-# ---- a model whose layers differ in device or dtype ------------------------------------------------------
-class _SummedStats:
-    """``CacheStats`` summed over a LayerGroups' caches (the same fields)."""
-
-    _FIELDS = ("eviction_events", "tokens_evicted", "bytes_allocated", "tier_tokens", "tier_bytes",
-               "tier_device_bytes", "tier_recalled")
-
-    def __init__(self, stats):
-        for f in self._FIELDS:
-            setattr(self, f, sum(getattr(s, f) for s in stats))
-
-    def __repr__(self) -> str:
-        return "CacheStats(" + ", ".join(f"{f}={getattr(self, f)}" for f in self._FIELDS) + ")"
-
-
-class LayerGroups:
-    """The kvevict caches of a model whose attention layers differ in device or dtype (a model split
-    over GPUs with ``device_map``, a layer kept in another dtype): one ``MlaLatentCache`` (or
-    ``MlaCache``) per device and dtype, each holding its layers in order, on that device, in that
-    dtype. ``KVEvictCache.kv`` is one of these for such a model; a model on one device and dtype
-    gets the kvevict cache itself.
-
-    Reads and writes take the model's layer index, as a single cache's do: ``size(layer, row)``,
-    ``positions(layer)``, ``ckv(layer)``, ``seen_tokens(layer, row)``, ... go to the cache holding
-    that layer; ``stats()`` sums over the caches (``stats(layer)``: that layer's); ``truncate``,
-    ``reset``, ``reserve``, ``finish`` and ``add_sequence`` act on every cache; ``batch_size`` and
-    ``active(row)`` are the same in all. ``layer(l)`` gives (the cache, l's index in it);
-    ``groups()`` gives [(cache, [model layers])]."""
-
-    #: methods whose first argument is a layer (those of MlaLatentCache and MlaCache)
-    _PER_LAYER = frozenset(("update", "ckv", "kpe", "keys", "values", "ordered", "recall", "recall_absorbed",
-                            "eviction", "size", "seen_tokens", "slots", "positions", "scores", "query_positions",
-                            "observe", "add_scores", "flush", "observe_begin", "observe_add", "observe_end",
-                            "observe_discard", "due", "evict", "evict_now", "tier_size", "tier_positions",
-                            "tier_scores", "tier_rows"))
-
-    def __init__(self, caches: List[Any], layers: List[List[int]]):
-        self.caches = caches
-        self._layers = layers
-        self._where = {l: (i, j) for i, ls in enumerate(layers) for j, l in enumerate(ls)}
-
-    def layer(self, layer: int) -> Tuple[Any, int]:
-        """(the kvevict cache holding the model's `layer`, the layer's index in it)."""
-        if layer not in self._where:
-            raise IndexError(f"kvevict: layer must be in [0, {len(self._where)}), got {layer!r}")
-        i, j = self._where[layer]
-        return self.caches[i], j
-
-    def groups(self) -> List[Tuple[Any, List[int]]]:
-        return list(zip(self.caches, self._layers))
-
-    @property
-    def batch_size(self) -> int:
-        return self.caches[0].batch_size
-
-    def active(self, row: int) -> bool:
-        return self.caches[0].active(row)
-
-    def capacity(self, layer: Optional[int] = None) -> int:
-        if layer is None:
-            return max(c.capacity() for c in self.caches)
-        c, j = self.layer(layer)
-        return c.capacity(j)
-
-    def stats(self, layer: Optional[int] = None):
-        if layer is not None:
-            c, j = self.layer(layer)
-            return c.stats(j)
-        return _SummedStats([c.stats() for c in self.caches])
-
-    def truncate(self, row: int, k: int) -> None:
-        for c in self.caches:
-            c.truncate(row, k)
-
-    def reset(self, row: Optional[int] = None) -> None:
-        for c in self.caches:
-            c.reset() if row is None else c.reset(row)
-
-    def reserve(self, tokens: int) -> None:
-        for c in self.caches:
-            c.reserve(tokens)
-
-    def finish(self, row: int) -> None:
-        for c in self.caches:
-            c.finish(row)
-
-    def add_sequence(self) -> int:
-        rows = [c.add_sequence() for c in self.caches]
-        return rows[0]
-
-    def __getattr__(self, name: str):
-        if name in LayerGroups._PER_LAYER:
-            def per_layer(layer, *args, **kwargs):
-                c, j = self.layer(layer)
-                return getattr(c, name)(j, *args, **kwargs)
-            per_layer.__name__ = name
-            return per_layer
-        raise AttributeError(f"kvevict: LayerGroups has no {name!r}: the layers' caches differ in device or dtype; "
-                             "read one through .caches or .layer(l)")
-
-    def __repr__(self) -> str:
-        return "LayerGroups(" + ", ".join(f"{c.device} {str(c.dtype).replace('torch.', '')}: layers {ls}"
-                                          for c, ls in self.groups()) + ")"
 
 
 # ---- the transformers Cache -------------------------------------------------------------------------
@@ -457,9 +342,8 @@ class KVEvictCache(Cache):
         layer is then as if greedy decoding had run them, one by one."""
         drafts, self._drafts, self._drafts_k = self._drafts, {}, 0
         try:
-            for kv, lk, scale, parts in drafts.values():
-                for j in range(accepted):
-                    self._handle._run_columns(kv, lk, scale, parts, j, j + 1, None)
+            for kv, lk, scale, rows in drafts.values():
+                self._handle._runtime.replay(kv, lk, rows, scale, accepted)
         except BaseException as e:
             self._broken = f"running the accepted drafts again failed ({type(e).__name__}: {e})"
             raise
@@ -526,18 +410,9 @@ class KVEvictCache(Cache):
             if mask.size(0) != batch or mask.size(1) != self._columns + T:
                 raise ValueError(f"kvevict: attention_mask must be [batch, past + new columns] = [{batch}, "
                                  f"{self._columns + T}], got {list(mask.shape)}")
-            chunk = mask[:, -T:].to(torch.bool)
-            real = chunk.sum(-1)
-            # left padding: a row's real tokens are the chunk's last columns
-            suffix = chunk.flip(-1).to(torch.int8).cumprod(-1).sum(-1)
-            ok, real_l = bool((suffix == real).all()), real.tolist()
-            if not ok:
-                bad = [r for r, (a, b) in enumerate(zip(suffix.tolist(), real_l)) if a != b]
-                raise ValueError(f"kvevict: attention_mask: in the new {T} columns, row {bad[0]} has a masked column "
-                                 "after a real token; kvevict appends each row's real tokens as the chunk's last "
-                                 "columns, pads only before them (left padding, tokenizer.padding_side = 'left'). "
-                                 "A pad token inside an unpadded prompt makes transformers infer such a mask: pass "
-                                 "attention_mask explicitly")
+            counts = left_padding_counts(mask[:, -T:], batch, T, "forward",
+                                         hint=". A pad token inside an unpadded prompt makes transformers infer such "
+                                              "a mask: pass attention_mask explicitly")
             if self._columns:
                 past = mask[:, : self._columns].to(torch.bool).sum(-1).tolist()
                 if past != self._real:
@@ -546,8 +421,6 @@ class KVEvictCache(Cache):
                                      f"columns as real, but the cache took in {self._real[r]} of them: a mask "
                                      "cannot hide tokens already stored (e.g. pads generated after EOS, masked "
                                      "afterwards); keep the mask of earlier columns as it was")
-            if any(c != T for c in real_l):
-                counts = [int(c) for c in real_l]
         if self._kv is None:
             self._kv = self._handle._make_kv(batch)
             self._real = [0] * batch
@@ -576,15 +449,6 @@ class KVEvictCache(Cache):
 
 
 # ---- the installed attention --------------------------------------------------------------------------
-def _columns(parts: Tuple[torch.Tensor, ...], s: int, e: int) -> Tuple[torch.Tensor, ...]:
-    """Columns s..e of a layer's parts (KVEviction._run_columns()): the token dim is 1 for the latent
-    rows (ckv, kpe), 2 for queries and expanded keys and values."""
-    if len(parts) == 4:
-        q_a, q_b, ckv, kpe = parts
-        return q_a[:, :, s:e], q_b[:, :, s:e], ckv[:, s:e], kpe[:, s:e]
-    return tuple(t[:, :, s:e] for t in parts)
-
-
 def _is_dtensor(w: Any) -> bool:
     """Whether `w` is a DTensor (a weight transformers' tensor parallelism sharded or replicated)."""
     return hasattr(w, "placements") and hasattr(w, "device_mesh") and hasattr(w, "to_local")
@@ -595,7 +459,7 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if _is_dtensor(w) else w
 
 
-def _absorbed_weights(module: nn.Module, g: _Geometry) -> Tuple[torch.Tensor, torch.Tensor]:
+def _absorbed_weights(module: nn.Module, g: Geometry) -> Tuple[torch.Tensor, torch.Tensor]:
     """W_UK [H, nope, r] and W_UV [H, v, r] of this rank's H heads: views of kv_b_proj.weight (its local
     shard under tensor parallelism), no copy."""
     w = _local(module.kv_b_proj.weight).view(g.num_heads, g.qk_nope_dim + g.v_dim, g.kv_lora_rank)
@@ -610,7 +474,7 @@ def _per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(H, B, T, w.size(-1)).transpose(0, 1)
 
 
-def _project(module: nn.Module, family: str, rope_mod, hidden: torch.Tensor, position_embeddings, g: _Geometry):
+def _project(module: nn.Module, family: str, rope_mod, hidden: torch.Tensor, position_embeddings, g: Geometry):
     """q_nope [B, H, T, nope], q_pe [B, H, T, rope] (RoPE applied), ckv [B, T, r] (normed),
     kpe [B, T, rope] (RoPE applied): the module's own layers, in its own order."""
     B, T = hidden.shape[:2]
@@ -700,35 +564,37 @@ _NO_ATTENTIONS = ("output_attentions=True: the installed attention returns no at
                   "handle.remove() first to get transformers' weights, or leave output_attentions off")
 
 
-class KVEviction:
-    """The handle ``install_kv_eviction`` returns.
+class KVEviction(Uncopyable):
+    """The handle ``install_kv_eviction`` returns (not copied or pickled: it holds C++ caches).
 
     Attributes: ``model``; ``config`` (``EvictionConfig``); ``geometry`` (the model's MLA
     dimensions, and layer 0's dtype and device: each layer's cache takes its own layer's);
     ``cache`` (the ``KVEvictCache`` of the latest sequence, or None). Methods: ``remove()``,
-    ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``, ``memory()``."""
+    ``new_cache()``, ``reset()``, ``positions(layer)``, ``stats()``, ``memory()``. The caches, the
+    chunk loop, the press, stats and memory are the runtime's (``_runtime.Runtime``, shared with
+    ``kvevict.install``); this handle maps transformers onto it."""
 
-    def __init__(self, model: nn.Module, attns: List[Tuple[int, nn.Module]], decoder: nn.Module,
-                 config: EvictionConfig, geometry: _Geometry, compress: Optional[Any] = None):
+    _copy_refusal = _LayerState._copy_refusal
+
+    def __init__(self, model: nn.Module, attns: List[Tuple[int, nn.Module]], decoder: nn.Module, runtime: Runtime):
         self.model = model
-        self.config = config
-        self.geometry = geometry
-        self._compress = compress  # the press: a SnapKV / H2O scorer that compresses the prompt once
+        self.config = runtime.config
+        self._runtime = runtime
+        self._compress = runtime.press  # the press: a SnapKV / H2O scorer that compresses the prompt once
         self._attns = attns
         self._decoder = decoder
         self._cache: Optional[KVEvictCache] = None  # the latest sequence's (held: stats() after generate())
-        self._scorer = make_scorer(compress if compress is not None else config.scorer)
-        self._hooks = []
+        self._patches = Patches()  # what install set on the model and its modules; remove() undoes it
         self._forward: Optional[str] = None  # the decoder forward in progress: "ours", "plain", "other" or None
         self._draft_k = 0  # drafts the candidate generator just made: the next forward verifies them
         ref = weakref.ref(self)
         for layer, m in attns:
             fam = _family(m)
-            m.__dict__["_kvevict"] = _LayerState(handle=ref, layer=layer, family=fam[0], rope=fam[1],
-                                                 forward=m.forward)
-            m.forward = functools.partial(_installed_forward, m)
-        self._hooks.append(decoder.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-        self._hooks.append(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
+            self._patches.set(m, "_kvevict", _LayerState(handle=ref, layer=layer, family=fam[0], rope=fam[1],
+                                                         forward=m.forward))
+            self._patches.set(m, "forward", functools.partial(_installed_forward, m))
+        self._patches.hook(decoder.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self._patches.hook(decoder.register_forward_hook(self._post_hook, with_kwargs=True))
         self._saved: Dict[str, Any] = {}  # the model's instance attributes install replaced: name -> old (None: none)
         self._patch("_prepare_cache_for_generation", self._prepare_cache_for_generation)
         if hasattr(type(model), "_get_candidate_generator"):
@@ -736,36 +602,25 @@ class KVEviction:
         for name in _CONTINUOUS_BATCHING:
             if hasattr(type(model), name):
                 self._patch(name, functools.partial(_refuse_continuous_batching, name))
-        model.__dict__["_kvevict_handle"] = self
+        self._patches.set(model, "_kvevict_handle", self)
 
     def _patch(self, name: str, value: Any) -> None:
         self._saved[name] = self.model.__dict__.get(name)
-        self.model.__dict__[name] = value
+        self._patches.set(self.model, name, value)
+
+    @property
+    def geometry(self) -> Geometry:
+        return self._runtime.geometry
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
     def installed(self) -> bool:
-        return bool(self._hooks)
+        return bool(self._patches)
 
     def remove(self) -> None:
-        """Puts the model back as it was (its own attention forward, its own caches)."""
-        if not self.installed:
-            return
-        for _, m in self._attns:
-            st = m.__dict__.pop("_kvevict", None)
-            m.__dict__.pop("forward", None)
-            if st is not None and st["forward"] is not None and getattr(st["forward"], "__self__", None) is not m:
-                m.forward = st["forward"]  # a forward someone else had set on the instance
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        for name, old in self._saved.items():
-            if old is None:
-                self.model.__dict__.pop(name, None)
-            else:
-                self.model.__dict__[name] = old
+        """Puts the model back as it was (its own attention forward, its own caches). Idempotent."""
+        self._patches.remove()
         self._saved = {}
-        self.model.__dict__.pop("_kvevict_handle", None)
         self._cache = None
 
     def new_cache(self) -> KVEvictCache:
@@ -815,28 +670,12 @@ class KVEviction:
         longest row's cached tokens), capacity (per row and layer), and, summed over layers and rows,
         eviction_events, tokens_evicted, tier_tokens, tier_recalled."""
         c = self._require_cache()
-        kv, s = c.kv, c.kv.stats()
-        n = self.geometry.num_layers
-        return {"columns": c._columns, "kept": [kv.size(l) for l in range(n)],
-                "capacity": [kv.capacity(l) for l in range(n)], "eviction_events": s.eviction_events,
-                "tokens_evicted": s.tokens_evicted, "tier_tokens": s.tier_tokens, "tier_recalled": s.tier_recalled}
+        return {"columns": c._columns, **self._runtime.stats(c.kv)}
 
     def memory(self) -> MemoryReport:
         """Cache bytes now, against what transformers' ``DynamicCache`` would hold for the same columns."""
         c = self._require_cache()
-        g = self.geometry
-        s = c.kv.stats()
-        full_layout = "latent" if _CROP_COUNTS else "expanded"
-        lay = _k.Layout.kLatent if full_layout == "latent" else _k.Layout.kExpanded
-        groups = c.kv.groups() if isinstance(c.kv, LayerGroups) else [(c.kv, list(range(g.num_layers)))]
-        full = 0
-        for kv, layers in groups:  # each group's layers in its own dtype
-            cfg = _k.MlaMemoryConfig(num_layers=len(layers), num_heads=g.num_heads,
-                                     qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim, kv_lora_rank=g.kv_lora_rank,
-                                     qk_rope_dim=g.qk_rope_dim, bytes_per_element=torch.finfo(kv.dtype).bits // 8)
-            full += _k.full_cache_bytes(cfg, lay, c._columns) * c.kv.batch_size
-        return MemoryReport(cache_bytes=s.bytes_allocated, full_cache_bytes=full, full_layout=full_layout,
-                            tier_bytes=s.tier_bytes, columns=c._columns)
+        return self._runtime.memory(c.kv, c._columns, "latent" if _CROP_COUNTS else "expanded")
 
     def __repr__(self) -> str:
         cfg = self.config
@@ -926,44 +765,15 @@ class KVEviction:
 
     # -- the cache ----------------------------------------------------------------------------
     def _make_kv(self, batch: int):
-        """The kvevict cache of a new sequence: each layer on its attention's device and in its dtype, read
-        now (the model may have moved since install). One cache when all layers agree (the usual model);
-        otherwise one per (device, dtype), each holding its layers, behind a ``LayerGroups``."""
-        keys, group_of = [], []
-        for _, m in self._attns:
-            w = m.kv_a_proj_with_mqa.weight
-            if (w.device, w.dtype) not in keys:
-                keys.append((w.device, w.dtype))
-            group_of.append(keys.index((w.device, w.dtype)))
-        self.geometry = dataclasses.replace(self.geometry, device=keys[group_of[0]][0], dtype=keys[group_of[0]][1])
-        layers = [[l for l, g in enumerate(group_of) if g == i] for i in range(len(keys))]
-        caches = [self._make_one(batch, layers[i], *keys[i]) for i in range(len(keys))]
-        if len(caches) == 1:
-            return caches[0]
-        return LayerGroups(caches, layers)
-
-    def _make_one(self, batch: int, layers: List[int], device: torch.device, dtype: torch.dtype):
-        """A kvevict cache for the model's `layers` (ascending), on `device` in `dtype`."""
-        cfg, g = self.config, self.geometry
-        ev = _k.EvictionOptions(cfg.budget, n_sink=cfg.n_sink, n_recent=cfg.n_recent, evict_every=cfg.evict_every)
-        budgets = [cfg.layer_budgets[l] for l in layers] if cfg.layer_budgets else []
-        common = dict(batch_size=batch, dtype=dtype, device=device, layer_budgets=budgets,
-                      tier_tokens=cfg.tier_tokens, tier_page_size=cfg.tier_page_size,
-                      tier_scoring=tier_scoring(cfg.tier_scoring))
-        if cfg.layout == "latent":
-            opts = _k.MlaLatentCacheOptions(len(layers), g.num_heads, kv_lora_rank=g.kv_lora_rank,
-                                            qk_rope_dim=g.qk_rope_dim, qk_nope_dim=g.qk_nope_dim, **common)
-        else:
-            opts = _k.MlaCacheOptions(len(layers), g.num_heads, qk_dim=g.qk_nope_dim + g.qk_rope_dim, v_dim=g.v_dim,
-                                      **common)
-        if g.tp is not None:  # this rank's heads; scores summed over the ranks, averaged over every head
-            opts.total_heads = g.total_heads
-            opts.reduce_contributions = g.tp.reduce
-        return (_k.MlaLatentCache if cfg.layout == "latent" else _k.MlaCache)(opts, ev, self._scorer)
+        """The kvevict cache of a new sequence (``Runtime.make_cache``): each layer on its attention's
+        device and in its dtype, read now (the model may have moved since install). One cache when all
+        layers agree (the usual model); otherwise one per (device, dtype), behind a ``LayerGroups``."""
+        placements = [(m.kv_a_proj_with_mqa.weight.device, m.kv_a_proj_with_mqa.weight.dtype) for _, m in self._attns]
+        return self._runtime.make_cache(batch, placements)
 
     def _attend(self, module: nn.Module, state: dict, cache: KVEvictCache, hidden: torch.Tensor,
                 position_embeddings) -> Tuple[torch.Tensor, None]:
-        cfg, g = self.config, self.geometry
+        g = self.geometry
         layer = state["layer"]
         kv, lk = cache._layer(layer)  # the cache holding this layer (its device and dtype), and its index there
         T, counts = cache._step
@@ -973,106 +783,32 @@ class KVEviction:
             raise RuntimeError(f"kvevict: layer {layer} runs in {ckv.dtype} on {ckv.device}, but this cache was made "
                                f"for {kv.dtype} on {kv.device}: the model moved after the cache was "
                                "made; start a new sequence (generate() without a cache, or handle.new_cache())")
-        T_in = T
-        lead = T - max(counts) if counts is not None else 0  # leading columns that are pads in every row
-        if lead:
-            T = T - lead
-            q_nope, q_pe, ckv, kpe = q_nope[:, :, lead:], q_pe[:, :, lead:], ckv[:, lead:], kpe[:, lead:]
-        scale = float(module.scaling)
-        latent = cfg.layout == "latent"
+        latent = self._runtime.latent
         if latent:
             w_uk, w_uv = _absorbed_weights(module, g)
-            q_a = _per_head(q_nope, w_uk)  # [B, H, T, r]
-            q_b = q_pe
+            rows = Latent(_per_head(q_nope, w_uk), q_pe, ckv, kpe)  # q_a [B, H, T, r]
         else:
             kvx = module.kv_b_proj(ckv).view(B, T, g.num_heads, g.qk_nope_dim + g.v_dim).transpose(1, 2)
             k_nope, v = torch.split(kvx, [g.qk_nope_dim, g.v_dim], dim=-1)
             k = torch.cat([k_nope, kpe.unsqueeze(1).expand(B, g.num_heads, T, g.qk_rope_dim)], -1)
-            q = torch.cat([q_nope, q_pe], -1)
-        parts = (q_a, q_b, ckv, kpe) if latent else (q, k, v)
+            rows = Expanded(torch.cat([q_nope, q_pe], -1), k, v)
+        scale = float(module.scaling)
         # Speculative decoding's verify forward: its last `drafts` columns are drafts, each run as
-        # greedy would run it, alone after the ones before it, on a saved copy of the layer; the
-        # layer is then restored, and crop() runs the accepted drafts again (KVEvictCache._settle).
+        # greedy would run it, alone after the ones before it, on a saved copy of the layer, which is
+        # then restored; crop() runs the accepted drafts again (KVEvictCache._settle).
         drafts = cache._verify
         C = T - drafts  # the columns before the drafts: the prompt, or the latest accepted token
-        compress = self._compress is not None and kv.seen_tokens(lk) == 0 and C > 1 and counts is None
-        if self._compress is not None and kv.seen_tokens(lk) == 0 and T > 1 and counts is not None:
-            raise ValueError("kvevict: the press compresses unpadded prompts: this batch has left padding "
-                             f"(real tokens per row {counts}); run the rows one by one, or install_kv_eviction() "
-                             "without the press")
-        if T == 0:  # every row is padding in this chunk
-            out = q_nope.new_zeros(B, g.num_heads, 0, g.kv_lora_rank if latent else g.v_dim)
-        else:
-            outs = []
-            if compress:
-                outs.append(self._compress_prompt(kv, lk, scale, *_columns(parts, 0, C)))
-            else:
-                chunk = cfg.prefill_chunk if cfg.prefill_chunk and C > cfg.prefill_chunk else C
-                for s in range(0, C, chunk):
-                    e = min(C, s + chunk)
-                    outs.append(self._run_columns(kv, lk, scale, parts, s, e, chunk_counts(T, counts, s, e)))
-            if drafts:
-                saved = kv.save_layer(lk)
-                for j in range(C, T):
-                    outs.append(self._run_columns(kv, lk, scale, parts, j, j + 1, None))
-                kv.restore_layer(lk, saved)
-                cache._drafts[layer] = (kv, lk, scale, _columns(parts, C, T))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        # The columns through this layer's cache: the press, or per chunk update, recall, attend, evict.
+        out = self._runtime.run_columns(kv, lk, rows.cols(0, C) if drafts else rows, scale, counts,
+                                        where="install_kv_eviction()")
+        if drafts:
+            out = torch.cat([out, self._runtime.run_drafts(kv, lk, rows.cols(C, T), scale)], 2)
+            cache._drafts[layer] = (kv, lk, scale, rows.cols(C, T))
         if latent:
             out = _per_head(out, w_uv.transpose(1, 2))  # [B, H, T, v]
-        if lead:
-            out = torch.cat([out.new_zeros(B, g.num_heads, lead, out.size(-1)), out], dim=2)
-        out = out.transpose(1, 2).reshape(B, T_in, g.num_heads * g.v_dim)
+        out = out.transpose(1, 2).reshape(B, T, g.num_heads * g.v_dim)
         cache._layers_done += 1
         return module.o_proj(out), None
-
-    def _run_columns(self, kv, lk: int, scale: float, parts: Tuple[torch.Tensor, ...], s: int, e: int,
-                     counts: Optional[List[int]]) -> torch.Tensor:
-        """Columns s..e of `parts` through layer `lk` of `kv`: append, recall (with a tier), attend
-        (observing) and the pass. `parts`: (q_absorbed [B, H, T, r], q_pe [B, H, T, rope], ckv [B, T, r],
-        kpe [B, T, rope]) in the latent layout, (q [B, H, T, d], k [B, H, T, d], v [B, H, T, v]) in the
-        expanded one. Returns the attention output of those columns."""
-        cfg = self.config
-        recall = bool(cfg.tier_tokens and cfg.recall_tokens)
-        if len(parts) == 4:
-            q_a, q_b, ckv, kpe = parts
-            kv.update(lk, ckv[:, s:e], kpe[:, s:e], counts)
-            qa, qb = q_a[:, :, s:e].contiguous(), q_b[:, :, s:e].contiguous()
-            if recall:
-                kv.recall_absorbed(lk, qa, qb, scale, cfg.recall_tokens, cfg.recall_rescore)
-            out = _k.attend_absorbed(qa, qb, kv, lk, scale, observe=cfg.observe)
-        else:
-            q, k, v = parts
-            kv.update(lk, k[:, :, s:e], v[:, :, s:e], counts)
-            qq = q[:, :, s:e].contiguous()
-            if recall:
-                kv.recall(lk, qq, scale, cfg.recall_tokens, cfg.recall_rescore)
-            out = _k.attend(qq, kv, lk, scale, observe=cfg.observe)
-        kv.evict(lk)
-        return out
-
-    def _compress_prompt(self, kv, layer: int, scale: float, *t) -> torch.Tensor:
-        """Full causal attention over the prompt, then the layer compressed once from the prompt's
-        LSE (``compress_prompt``) under the press's scorer."""
-        if len(t) == 4:
-            q_a, q_b, ckv, kpe = t
-            T = ckv.size(1)
-            logits = (torch.matmul(q_a, ckv.unsqueeze(1).transpose(-2, -1)) +
-                      torch.matmul(q_b, kpe.unsqueeze(1).transpose(-2, -1))).float() * scale
-        else:
-            q, k, v = t
-            T = k.size(2)
-            logits = torch.matmul(q, k.transpose(-2, -1)).float() * scale
-        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).triu(1)
-        logits = logits.masked_fill(causal, float("-inf"))
-        lse = torch.logsumexp(logits, -1)
-        p = torch.softmax(logits, -1)
-        if len(t) == 4:
-            _k.compress_prompt_absorbed(kv, layer, q_a.contiguous(), q_b.contiguous(), ckv.contiguous(),
-                                        kpe.contiguous(), lse, scale)
-            return torch.matmul(p.to(ckv.dtype), ckv.unsqueeze(1))
-        _k.compress_prompt(kv, layer, q.contiguous(), k.contiguous(), v.contiguous(), lse, scale)
-        return torch.matmul(p.to(v.dtype), v)
 
 
 # ---- install -------------------------------------------------------------------------------------------
@@ -1106,7 +842,7 @@ def _find(model: nn.Module):
     return decoder, out
 
 
-def _heads_of(module: nn.Module, layer: int, g: _Geometry) -> Tuple[int, Optional[_TensorParallel]]:
+def _heads_of(module: nn.Module, layer: int, g: Geometry) -> Tuple[int, Optional[_TensorParallel]]:
     """(this rank's heads, the tensor-parallel group or None) of one attention, read from its weights:
     kv_b_proj (and q_proj / q_b_proj) column-sharded over the heads (``"colwise"``: DTensor, Shard(0)),
     o_proj row-sharded (``"rowwise"``: Shard(1), its output summed over the ranks), the latent's
@@ -1148,10 +884,10 @@ def _heads_of(module: nn.Module, layer: int, g: _Geometry) -> Tuple[int, Optiona
                                               size=torch.distributed.get_world_size(group))
 
 
-def _geometry(attns) -> _Geometry:
+def _geometry(attns) -> Geometry:
     m = attns[0][1]
     w = m.kv_a_proj_with_mqa.weight
-    g = _Geometry(num_layers=len(attns), num_heads=int(m.num_heads), kv_lora_rank=int(m.kv_lora_rank),
+    g = Geometry(num_layers=len(attns), num_heads=int(m.num_heads), kv_lora_rank=int(m.kv_lora_rank),
                   qk_rope_dim=int(m.qk_rope_head_dim), qk_nope_dim=int(m.qk_nope_head_dim),
                   v_dim=int(m.v_head_dim), dtype=w.dtype, device=w.device, total_heads=int(m.num_heads))
     per_layer = [_heads_of(a, layer, g) for layer, a in attns]
@@ -1170,7 +906,7 @@ def _geometry(attns) -> _Geometry:
     return dataclasses.replace(g, num_heads=heads, tp=tp)
 
 
-def _check_ranks_agree(tp: _TensorParallel, config: EvictionConfig, geometry: _Geometry) -> None:
+def _check_ranks_agree(tp: _TensorParallel, config: EvictionConfig, geometry: Geometry) -> None:
     """Under tensor parallelism every rank must install the same eviction (a collective: one all-gather of the
     settings), or the ranks would keep different tokens; raises ValueError on every rank naming the first
     setting that differs."""
@@ -1186,8 +922,8 @@ def _check_ranks_agree(tp: _TensorParallel, config: EvictionConfig, geometry: _G
                              "rank must install the same settings")
 
 
-def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512,
-                        **options) -> KVEviction:
+def install_kv_eviction(model: nn.Module, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink,
+                        n_recent: int = EvictionConfig.n_recent, **options) -> KVEviction:
     """Installs H2O-style KV-cache eviction on a transformers DeepSeek-V2/V3 model (the seed's call)
     and returns the handle (``KVEviction``). ``model.generate(...)`` then runs through a kvevict
     cache, each layer's on that layer's device and in its dtype, that keeps, per layer and row, the first `n_sink`
@@ -1196,34 +932,25 @@ def install_kv_eviction(model: nn.Module, budget: int = 4096, n_sink: int = 4, n
 
     options: the other fields of ``EvictionConfig`` (scorer, evict_every, layer_budgets, layout,
     tier_tokens, tier_page_size, recall_tokens, recall_rescore, tier_scoring, prefill_chunk,
-    observe). Raises ValueError / TypeError naming a bad option, or an unsupported model (naming
+    observe), the one list of the options and their defaults, shared with ``kvevict.install``. Raises ValueError / TypeError naming a bad option, or an unsupported model (naming
     its attention class); the model is unchanged then.
 
     Under transformers' tensor parallelism (``tp_plan="auto"``, DeepSeek's plan) every rank calls it
     with the same settings: it all-gathers them and raises ValueError on every rank when one differs."""
-    unknown = set(options) - {f.name for f in dataclasses.fields(EvictionConfig)}
-    if unknown:
-        raise TypeError(f"kvevict: install_kv_eviction got unknown options {sorted(unknown)}; "
-                        f"known: {sorted(f.name for f in dataclasses.fields(EvictionConfig))}")
-    return _install(model, EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent, **options))
+    return _install(model, EvictionConfig.of("install_kv_eviction", budget, n_sink, n_recent, options))
 
 
 def _install(model: nn.Module, config: EvictionConfig, compress=None) -> KVEviction:
     decoder, attns = _find(model)
     geometry = _geometry(attns)
-    ev = _k.EvictionOptions(config.budget, n_sink=config.n_sink, n_recent=config.n_recent,
-                            evict_every=config.evict_every)
-    ev.validate()
-    if config.layer_budgets is not None and len(config.layer_budgets) != geometry.num_layers:
-        raise ValueError(f"kvevict: layer_budgets must have one budget per layer ({geometry.num_layers}), "
-                         f"got {len(config.layer_budgets)}")
+    runtime = Runtime(config, geometry, compress)  # checks layer_budgets against the layers
     if geometry.tp is not None:
         if compress is not None:
             raise NotImplementedError(f"kvevict: press() on a tensor-parallel model (tp_size {geometry.tp.size}) is "
                                       "not supported: its prompt compression scores each rank's heads alone; use "
                                       "install_kv_eviction(), whose scores are summed over the ranks")
         _check_ranks_agree(geometry.tp, config, geometry)
-    return KVEviction(model, attns, decoder, config, geometry, compress)
+    return KVEviction(model, attns, decoder, runtime)
 
 
 def reset_eviction_scores(model: nn.Module) -> None:
@@ -1236,8 +963,9 @@ def reset_eviction_scores(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int = 512, *,
-          window: int = 32, kernel: int = 5, scorer: Optional[ScorerLike] = None, **options) -> Iterator[KVEviction]:
+def press(model: nn.Module, budget: int = EvictionConfig.budget, n_sink: int = EvictionConfig.n_sink,
+          n_recent: int = EvictionConfig.n_recent, *, window: int = 32, kernel: int = 5,
+          scorer: Optional[ScorerLike] = None, **options) -> Iterator[KVEviction]:
     """Prompt compression, kvpress-style: inside the ``with``, the first forward of a sequence (the
     prompt) attends in full and each layer is compressed once to its capacity by
     ``kvevict.compress_prompt`` under SnapKV (Li et al. 2024, Sec. 4: the last `window` prompt
@@ -1246,16 +974,8 @@ def press(model: nn.Module, budget: int = 4096, n_sink: int = 4, n_recent: int =
     Unpadded prompts only (batches of equal length). A SnapKV window longer than `n_recent`
     warns: the window's own tokens then compete with the prompt's. On exit the model is
     restored. Yields the handle; other keyword arguments are ``EvictionConfig`` fields."""
-    if scorer is None or (isinstance(scorer, str) and scorer.lower() == "snapkv"):
-        compress = _k.SnapKV(window, kernel)  # the name "snapkv" takes window and kernel too
-    else:
-        compress = make_scorer(scorer)
-    if isinstance(compress, _k.SnapKV) and compress.window > n_recent:
-        warnings.warn(f"kvevict: press: the SnapKV window ({compress.window}) is longer than n_recent ({n_recent}): "
-                      "the window's queries vote for tokens the recent window does not protect, which loses "
-                      "answers; use window <= n_recent", stacklevel=3)
-    config = EvictionConfig(budget=budget, n_sink=n_sink, n_recent=n_recent, **options)
-    handle = _install(model, config, compress)
+    compress = press_scorer(window, kernel, scorer, n_recent)  # and the warning
+    handle = _install(model, EvictionConfig.of("press", budget, n_sink, n_recent, options), compress)
     try:
         yield handle
     finally:

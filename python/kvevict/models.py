@@ -16,7 +16,10 @@ The same operations in the same order as the C++ model, so the logits agree to f
 - ``Model.prefill_compressed(tokens, cache, state)``: the prompt attended in full and each
   layer compressed once by ``kvevict.compress_prompt`` (SnapKV's setting).
 
-``kvevict.install(model, ...)`` runs ``model(tokens)`` through a cache without these calls.
+``kvevict.install(model, ...)`` runs ``model(tokens)`` through a cache without these calls. The
+cache calls themselves (update, recall, attend, the press) are the runtime's (``_runtime.py``), which
+``kvevict.install`` and ``kvevict.hf`` share; this module maps the model's projections onto them
+(``MLA.rows``, ``MLA.output``). ``import kvevict`` does not import this module.
 Weights: ``Model.load(path)`` reads ``WEIGHTS`` by default, the shipped weights installed with the
 package (the repository's examples/quality/weights.pt: ``torch::save`` of the fp16
 parameters in ``named_parameters()`` order: a TorchScript archive whose parameters are
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from . import _kvevict as _k
+from ._runtime import Expanded, Latent, Rows, attend_chunk, press_prompt
 
 # ---- vocabulary (tasks.hpp) ---------------------------------------------------------------
 BOS = 256  #: start of every row
@@ -199,57 +203,46 @@ class MLA(nn.Module):
         logits = torch.matmul(q, k.transpose(-2, -1)).mul(self.c.scale).masked_fill(mask, -math.inf)
         return self.out(torch.matmul(torch.softmax(logits, -1), v))
 
+    def rows(self, p: Projection, latent: bool) -> Rows:
+        """The projection as the runtime's rows: latent, W_UK absorbed into the query
+        (``_runtime.Latent``: q_nope @ W_UK, q_pe, ckv, kpe); expanded, the per-head keys and
+        values (``_runtime.Expanded``: q, k, v from ``expand``)."""
+        if latent:
+            w_uk, _ = self.absorbed_weights()
+            return Latent(torch.matmul(p.q_nope, w_uk.unsqueeze(0)), p.q_pe, p.ckv, p.kpe)  # q_a [B, H, T, r]
+        k, v = self.expand(p.ckv, p.kpe)
+        return Expanded(torch.cat([p.q_nope, p.q_pe], -1), k, v)
+
+    def output(self, o: torch.Tensor, latent: bool) -> torch.Tensor:
+        """The runtime's attention output ([B, H, T, r] latent: W_UV applied here; [B, H, T, v]
+        expanded) -> the attention block's output [B, T, dim]."""
+        if latent:
+            o = torch.matmul(o, self.absorbed_weights()[1].transpose(1, 2).unsqueeze(0))  # [B, H, T, v]
+        return self.out(o)
+
     def cached(self, x: torch.Tensor, pos: torch.Tensor, cache, layer: int, last: Optional[torch.Tensor],
                observe: bool = True, counts: Optional[List[int]] = None, recall_tokens: int = 0,
                recall_rescore: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, dim] appended to `layer` of `cache` (MlaCache or MlaLatentCache) and attended
-        through it. pos: [T], or [B, T] per row. counts: a left-padded chunk, row b's tokens are
-        its last counts[b] columns (``update``'s counts; None: every column). recall_tokens > 0
-        (a cache with a tier): up to that many evicted tokens per row come back from the tier
-        before attending (``recall`` / ``recall_absorbed`` with `recall_rescore`). Returns (the
-        attention block's output [B, T, dim], the next `last`)."""
-        c = self.c
+        through it (``_runtime.attend_chunk``; no eviction). pos: [T], or [B, T] per row. counts:
+        a left-padded chunk, row b's tokens are its last counts[b] columns (``update``'s counts;
+        None: every column). recall_tokens > 0 (a cache with a tier): up to that many evicted
+        tokens per row come back from the tier before attending (``recall`` / ``recall_absorbed``
+        with `recall_rescore`). Returns (the attention block's output [B, T, dim], the next `last`)."""
         p, new_last = self.project(x, pos, last)
-        if isinstance(cache, _k.MlaCache):
-            k, v = self.expand(p.ckv, p.kpe)
-            cache.update(layer, k.contiguous(), v.contiguous(), counts)
-            q = torch.cat([p.q_nope, p.q_pe], -1).contiguous()
-            if recall_tokens:
-                cache.recall(layer, q, c.scale, recall_tokens, recall_rescore)
-            o = _k.attend(q, cache, layer, c.scale, observe=observe)
-        else:
-            w_uk, w_uv = self.absorbed_weights()
-            cache.update(layer, p.ckv.contiguous(), p.kpe.contiguous(), counts)
-            q_abs = torch.matmul(p.q_nope, w_uk.unsqueeze(0)).contiguous()  # [B, H, T, r]
-            q_pe = p.q_pe.contiguous()
-            if recall_tokens:
-                cache.recall_absorbed(layer, q_abs, q_pe, c.scale, recall_tokens, recall_rescore)
-            lat = _k.attend_absorbed(q_abs, q_pe, cache, layer, c.scale, observe=observe)
-            o = torch.matmul(lat, w_uv.transpose(1, 2).unsqueeze(0))  # [B, H, T, v]
-        return self.out(o), new_last
+        latent = isinstance(cache, _k.MlaLatentCache)
+        o = attend_chunk(cache, layer, self.rows(p, latent), self.c.scale, counts, observe, recall_tokens,
+                         recall_rescore)
+        return self.output(o, latent), new_last
 
     def compressed(self, x: torch.Tensor, pos: torch.Tensor, cache, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Full causal attention over a whole prompt x [B, T, dim] at positions 0..T-1, and
         `layer` of the empty `cache` filled by one-shot compression from the prompt's LSE
-        (compress_prompt under the cache's scorer). Returns (output, the next `last`)."""
-        c = self.c
+        (``_runtime.press_prompt``: compress_prompt under the cache's scorer). Returns (output,
+        the next `last`)."""
         p, new_last = self.project(x, pos)
-        T = x.size(1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        if isinstance(cache, _k.MlaCache):
-            k, v = self.expand(p.ckv, p.kpe)
-            q = torch.cat([p.q_nope, p.q_pe], -1).contiguous()
-            logits = torch.matmul(q, k.transpose(-2, -1)).mul(c.scale).masked_fill(causal, -math.inf)
-            _k.compress_prompt(cache, layer, q, k.contiguous(), v.contiguous(), torch.logsumexp(logits, -1), c.scale)
-            return self.out(torch.matmul(torch.softmax(logits, -1), v)), new_last
-        w_uk, w_uv = self.absorbed_weights()
-        q_abs = torch.matmul(p.q_nope, w_uk.unsqueeze(0)).contiguous()  # [B, H, T, r]
-        logits = (torch.matmul(q_abs, p.ckv.unsqueeze(1).transpose(-2, -1)) +
-                  torch.matmul(p.q_pe, p.kpe.unsqueeze(1).transpose(-2, -1))).mul(c.scale).masked_fill(causal, -math.inf)
-        _k.compress_prompt_absorbed(cache, layer, q_abs, p.q_pe.contiguous(), p.ckv.contiguous(), p.kpe.contiguous(),
-                                    torch.logsumexp(logits, -1), c.scale)
-        lat = torch.matmul(torch.softmax(logits, -1), p.ckv.unsqueeze(1))  # [B, H, T, r]
-        return self.out(torch.matmul(lat, w_uv.transpose(1, 2).unsqueeze(0))), new_last
+        latent = isinstance(cache, _k.MlaLatentCache)
+        return self.output(press_prompt(cache, layer, self.rows(p, latent), self.c.scale), latent), new_last
 
 
 class MLP(nn.Module):

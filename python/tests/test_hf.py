@@ -467,6 +467,24 @@ def test_a_mask_that_hides_stored_columns_is_refused():
     assert c.get_seq_length() == 9
 
 
+def test_a_mask_is_read_by_the_runtime_shared_with_install():
+    """The new columns' mask goes through kvevict.install's parsing too: only 0 and 1, and a hole
+    names its row; the press's scorer warning points at the caller's with."""
+    model = make_model()
+    h = install_kv_eviction(model, budget=8, n_sink=2, n_recent=4)
+    ids = torch.randint(3, VOCAB, (2, 4))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attention_mask must hold only 0 \\(pad\\) and 1 \\(token\\)"):
+            model(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 2, 1, 1]]), past_key_values=h.new_cache())
+        with pytest.raises(ValueError, match="left padding: in the new 4 columns, row 1 has a masked column after"):
+            model(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]]), past_key_values=h.new_cache())
+    h.remove()
+    with pytest.warns(UserWarning, match="window") as record:
+        with hf.press(model, budget=8, n_sink=2, n_recent=4, window=8):
+            pass
+    assert record[0].filename == __file__
+
+
 def test_an_interrupted_forward_makes_the_cache_refuse():
     model = make_model()
     h = install_kv_eviction(model, budget=4096, n_sink=4, n_recent=512)
