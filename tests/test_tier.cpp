@@ -1287,6 +1287,29 @@ TEST_CASE("save_layer and restore_layer undo drafts whole: restored, then the ac
   CHECK_THROWS_WITH(A.restore_layer(1, std::move(s1)), Contains("restore_layer: the save's buffer 1 is"));
   same(1);
   CHECK_THROWS_AS(A.save_layer(L), c10::IndexError);
+  // A save from a cache with another host tier (or none) is refused: restoring it would leave
+  // the layer's tier of another size.
+  auto other_opts = kvevict::MlaLatentCacheOptions(L, H).kv_lora_rank(W).qk_rope_dim(R).qk_nope_dim(4);
+  if (!with_tier) other_opts.tier_tokens(16).tier_page_size(2);
+  kvevict::MlaLatentCache other_tier(other_opts, e);
+  auto s2 = other_tier.save_layer(0);
+  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s2)), Contains("restore_layer: the save holds"));
+  same(0);
+  kvevict::MlaLatentCache other_capacity(opts, EvictionOptions(5).n_sink(1).n_recent(3));
+  auto s3 = other_capacity.save_layer(0);
+  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s3)), Contains("capacity 9, this one's layer 0 has batch_size 1 and capacity 7"));
+  // Calls that change every layer's rows between a save and its restore: refused (restoring one
+  // layer would leave the layers disagreeing).
+  auto s4 = A.save_layer(0);
+  A.truncate(0, 1);
+  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s4)), Contains("reset, finish, add_sequence or truncate ran since"));
+  auto s5 = A.save_layer(1);
+  A.finish(0);
+  REQUIRE(A.add_sequence() == 0);
+  CHECK_THROWS_WITH(A.restore_layer(1, std::move(s5)), Contains("reset, finish, add_sequence or truncate ran since"));
+  auto s6 = A.save_layer(1);
+  A.reset();
+  CHECK_THROWS_WITH(A.restore_layer(1, std::move(s6)), Contains("reset, finish, add_sequence or truncate ran since"));
 }
 
 TEST_CASE("a truncate past the latest append after a recall: the window keeps its cached tokens, on both paths",

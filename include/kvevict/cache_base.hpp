@@ -387,9 +387,10 @@ class CacheBase {
   /// Makes `layer` as it was when `save` was made from it (rows, eviction state, tier); `save`
   /// is used up. Allocates nothing; no host sync.
   /// \throws c10::IndexError for a bad layer; c10::Error, changing nothing, if `save` was not
-  ///         made from this layer of a cache like this one (or was used already), an observation
-  ///         is open on the layer, rows were finished or added since, or reserve() raised the
-  ///         slots since (EvictionPolicy::restore_layer()).
+  ///         made from this layer of a cache like this one (buffers, batch size, capacity, host
+  ///         tier), or was used already, an observation is open on the layer, reset(), finish(),
+  ///         add_sequence() or truncate() ran since the save, or reserve() raised the slots since
+  ///         (EvictionPolicy::restore_layer()).
   void restore_layer(int64_t layer, LayerSave&& save) {
     host_heap("restore_layer", [&] {
       check_not_moved("restore_layer");
@@ -405,6 +406,11 @@ class CacheBase {
                       a.device(), ", this cache's layer ", layer, " holds ", bufs[i].sizes(), " ",
                       bufs[i].scalar_type(), " on ", bufs[i].device(), ": it was made from another cache");
       }
+      const int64_t tier = save.tier_.budget();
+      KVEVICT_CHECK(tier_tokens_ > 0 ? tiers_[layer].same_kind(save.tier_) : tier == 0, "restore_layer: the save holds ",
+                    tier > 0 ? "a host tier" : "no host tier", " of ", tier, " tokens per row, this cache's layer ", layer,
+                    " ", tier_tokens_ > 0 ? "a host tier" : "none", " of ", tier_tokens_,
+                    ": it was made from another cache");
       // The commit: swaps, which allocate nothing and cannot throw.
       policy_.restore_layer(layer, std::move(save.policy_));
       buffers_[layer].swap(save.buffers_);

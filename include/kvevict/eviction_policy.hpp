@@ -160,6 +160,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     for (int64_t b = 0; b < batch_size(); ++b) {
       if (!core_.active[b]) {
         core_.active[b] = 1;
+        ++epoch_;
         return b;
       }
     }
@@ -229,7 +230,8 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
    private:
     friend class EvictionPolicy;
     int64_t layer_ = -1;
-    std::vector<uint8_t> active_;  // the rows' lifecycle when saved: restore_layer() needs the same
+    int64_t epoch_ = 0;     // the policy's epoch when saved: restore_layer() needs the same
+    int64_t capacity_ = 0;  // the layer's capacity
     typename detail::PolicyState<Scorer>::Grown state_;
   };
 
@@ -250,7 +252,8 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
                     "without observe_end()); end it first");
       LayerSave s;
       s.state_ = copied(layer);
-      s.active_ = core_.active;
+      s.epoch_ = epoch_;
+      s.capacity_ = capacity(layer);
       s.layer_ = layer;
       return s;
     });
@@ -261,8 +264,9 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   ///
   /// Allocates nothing; no host sync.
   /// \throws c10::IndexError for a bad layer; c10::Error, changing nothing, if `save` was not
-  ///         made from `layer` (or was used already), an observation is open on the layer, rows
-  ///         were finished or added since the save, or reserve() raised the slots since.
+  ///         made from `layer` of a policy of this batch size and capacity (or was used already),
+  ///         an observation is open on the layer, reset(), reset(row), finish(), add_sequence()
+  ///         or truncate() ran since the save, or reserve() raised the slots since.
   void restore_layer(int64_t layer, LayerSave&& save) {
     check_restore(layer, save, "restore_layer");
     restore(layer, save.state_);
@@ -276,8 +280,12 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     KVEVICT_CHECK(save.layer_ == layer, call, ": the save is of layer ", save.layer_, ", not of layer ", layer);
     KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer, " has an open observation (observe_begin() without ",
                   "observe_end()); end it first");
-    KVEVICT_CHECK(save.active_ == core_.active, call, ": rows were finished or added since the save of layer ", layer,
-                  " (the save holds the rows' tokens as they were)");
+    const int64_t B = save.state_.state.position.size(0);
+    KVEVICT_CHECK(B == batch_size() && save.capacity_ == capacity(layer), call, ": the save is of a layer of batch_size ",
+                  B, " and capacity ", save.capacity_, ", this one's layer ", layer, " has batch_size ", batch_size(),
+                  " and capacity ", capacity(layer), ": it was made from another cache or policy");
+    KVEVICT_CHECK(save.epoch_ == epoch_, call, ": reset, finish, add_sequence or truncate ran since the save of layer ",
+                  layer, "; they change every layer's rows, and restoring one layer would leave the layers disagreeing");
     KVEVICT_CHECK(save.state_.state.slots >= base_slots_unchecked(layer), call, ": reserve() raised layer ", layer,
                   "'s slots to ", base_slots_unchecked(layer), " since the save, which has ", save.state_.state.slots);
   }
@@ -700,6 +708,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
       Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
       Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current,
       Base::exchange, Base::copied, Base::restore;
+  using Base::epoch_;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };
 

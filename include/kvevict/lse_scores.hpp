@@ -374,7 +374,7 @@ class LseRing {
     for (size_t b = 0; b < R.seen.size(); ++b) {
       const auto row = static_cast<int64_t>(b);
       const int64_t now = row_seen(layer, row);
-      const char* fix = "; push() after every update, flush() before truncate, reset, finish or add_sequence";
+      const char* fix = "; push() after every update, flush() before truncate, reset, finish, add_sequence or restore_layer";
       KVEVICT_CHECK((now < 0) == (R.seen[b] < 0), "LseRing::", what, ": layer ", layer, " row ", b, " was ",
                     R.seen[b] < 0 ? "free" : "active", " at the last push and is ", now < 0 ? "free" : "active",
                     " now", fix);

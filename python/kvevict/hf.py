@@ -430,7 +430,7 @@ class KVEvictCache(Cache):
         self._layers_done = 0
         # A verify forward of speculative decoding (one row, unpadded): its last `drafts` columns
         # run one by one on a saved copy of each layer (see KVEviction._attend).
-        self._verify = drafts if 0 < drafts < T and batch == 1 and counts is None else 0
+        self._verify = drafts if 0 < drafts < T and batch == 1 and (counts is None or counts[0] > drafts) else 0
 
     def _end(self) -> None:
         """The forward finished (the decoder's forward hook)."""
@@ -699,6 +699,10 @@ class KVEviction(Uncopyable):
         if getattr(generation_config, "use_cache", True) is False:
             _warn("kvevict: generate(use_cache=False) keeps no cache, so it evicts nothing: every step runs the "
                   "model's own attention over the whole sequence; leave use_cache on")
+        if getattr(generation_config, "assistant_early_exit", None) is not None:
+            raise ValueError("kvevict: assistant_early_exit is not supported with eviction installed: its drafts run a "
+                             "forward through the model's first layers only, which kvevict's per-layer caches cannot "
+                             "take in; use prompt_lookup_num_tokens or an assistant_model (both exact under eviction)")
         if getattr(generation_config, "output_attentions", False):
             _warn(f"kvevict: generate(): {_NO_ATTENTIONS}")
         orig = (self._saved.get("_prepare_cache_for_generation")
@@ -799,7 +803,8 @@ class KVEviction(Uncopyable):
         drafts = cache._verify
         C = T - drafts  # the columns before the drafts: the prompt, or the latest accepted token
         # The columns through this layer's cache: the press, or per chunk update, recall, attend, evict.
-        out = self._runtime.run_columns(kv, lk, rows.cols(0, C) if drafts else rows, scale, counts,
+        out = self._runtime.run_columns(kv, lk, rows.cols(0, C) if drafts else rows, scale,
+                                        [counts[0] - drafts] if drafts and counts else counts,  # left pads: before C
                                         where="install_kv_eviction()")
         if drafts:
             out = torch.cat([out, self._runtime.run_drafts(kv, lk, rows.cols(C, T), scale)], 2)

@@ -235,8 +235,8 @@ void def_save_restore(py::class_<Py>& c, const char* what) {
           },
           py::arg("layer"), py::arg("save"),
           "Makes `layer` as it was when `save` (from save_layer(layer)) was made; the save is used up. Allocates "
-          "nothing. Raises IndexError / TypeError / RuntimeError (another layer's save, one used already, rows "
-          "finished or added since, reserve() since); nothing changes then.");
+          "nothing. Raises IndexError / TypeError / RuntimeError (another layer's save, one used already, one of "
+          "another cache's shapes, reset/finish/add_sequence/truncate or a reserve() since); nothing changes then.");
 }
 
 template <class P>

@@ -128,7 +128,7 @@ def test_continue_conversation_with_returned_cache():
     assert h.stats()["columns"] == b.sequences.size(1) - 1
 
 
-def test_crop_maps_to_truncate_prompt_lookup_decoding():
+def test_prompt_lookup_at_a_full_budget_crops_rejected_drafts_and_equals_greedy():
     model = make_model()
     base = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(9))
     ids = torch.cat([base, base, base[:, :4]], 1)  # repeats: prompt lookup proposes drafts
@@ -716,7 +716,7 @@ EVICTING = {  # capacity 14 (a 40-token prompt): every verify forward evicts
 }
 
 
-def run_spying_crop(model, ids, **kw):
+def run_spying_crop(model, ids, mask=None, **kw):
     """generate(), and the crop() calls it made."""
     calls = []
     orig = hf.KVEvictCache.crop
@@ -727,7 +727,7 @@ def run_spying_crop(model, ids, **kw):
 
     hf.KVEvictCache.crop = spy
     try:
-        return gen(model, ids, None, **kw), calls
+        return gen(model, ids, mask, **kw), calls
     finally:
         hf.KVEvictCache.crop = orig
 
@@ -769,6 +769,36 @@ def test_speculative_decoding_with_the_press_equals_greedy():
         assert any(n < 0 for n in crops), crops
         assert torch.equal(greedy.sequences, spec.sequences)
         assert torch.equal(kept, h.positions(1))
+
+
+@pytest.mark.parametrize("layout", ["latent", "expanded"])
+def test_speculative_decoding_of_a_left_padded_row_equals_greedy(layout):
+    """One row with left padding: the first verify forward is the padded prompt plus the drafts."""
+    model = make_model()
+    base = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([torch.zeros(1, 2, dtype=torch.long)] + [base] * 4, 1)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    h = install_kv_eviction(model, layout=layout, **EVICTING["tier_recall"])
+    greedy = gen(model, ids, mask, max_new_tokens=24)
+    kept = [h.positions(l).clone() for l in range(2)]
+    for draft in (3, 6):  # 6 > n_recent
+        spec, crops = run_spying_crop(model, ids, mask, max_new_tokens=24, prompt_lookup_num_tokens=draft)
+        assert any(n < 0 for n in crops), crops
+        assert torch.equal(greedy.sequences, spec.sequences)
+        assert all(torch.equal(kept[l], h.positions(l)) for l in range(2))
+
+
+def test_assistant_early_exit_is_refused_before_any_forward():
+    model = make_model()
+    forwards = []
+    model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    install_kv_eviction(model, budget=8, n_sink=2, n_recent=4)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="assistant_early_exit is not supported"):
+        gen(model, ids, None, max_new_tokens=6, assistant_early_exit=1)
+    assert forwards == [] and model.config.num_hidden_layers == 2
+    gen(model, ids, None, max_new_tokens=6)  # the model still runs
 
 
 def test_a_heuristic_draft_schedule_equals_greedy_under_eviction():

@@ -130,6 +130,7 @@ class PolicyState {
   /// the host path; on the tensor path its device writes (every layer's) come before any host
   /// counter changes, under the caller's undo log (save() of every layer).
   void commit_truncate(Truncation& t) {
+    ++epoch_;
     for (size_t l = 0; l < layers_.size() && !host_; ++l) {
       const auto layer = static_cast<int64_t>(l);
       tensor_path_.commit(core_, layers_[l], layer, t.passes[l], t.writes[l]);
@@ -441,6 +442,7 @@ class PolicyState {
 
   /// Makes a prepare_fresh() current: every layer empty. Allocates nothing, does not throw.
   void commit_fresh(Fresh& f) noexcept {
+    ++epoch_;
     // Moves of vectors and tensors (reference-counted handles): nothing allocates.
     static_assert(std::is_nothrow_move_assignable<HostPath>::value, "commit_fresh() swaps without allocating");
     layers_.swap(f.layers);
@@ -472,6 +474,7 @@ class PolicyState {
   /// path; on the tensor path fills per layer, under an undo log (a throw among them, named
   /// `call`, changes nothing), then the host counters.
   void clear_row(int64_t row, const char* call) {
+    ++epoch_;
     TensorUndo undo;
     for (size_t l = 0; l < layers_.size() && !host_; ++l) tensor_path_.save_row(undo, layers_[l], static_cast<int64_t>(l), row);
     undo.commit(call, [&] {
@@ -514,6 +517,9 @@ class PolicyState {
   PolicyCore<Scorer> core_;
   bool host_;
   int64_t reserved_ = 0;  // slots asked for by reserve()
+  // Calls that change every layer's rows at once (reset, reset(row), finish, add_sequence,
+  // truncate) so far: a layer's save may be restored only while it is unchanged.
+  int64_t epoch_ = 0;
   std::vector<LayerState> layers_;
   HostPath host_path_;
   TensorPath tensor_path_;

@@ -95,18 +95,10 @@ class TierStore {
   /// Exchanges everything with `o` (same batch, budget and layout: two copies of one store).
   /// Allocates nothing, does not throw.
   void swap(TierStore& o) noexcept {
-    std::swap(N_, o.N_);
-    std::swap(P_, o.P_);
-    std::swap(bound_, o.bound_);
-    std::swap(seq_next_, o.seq_next_);
-    std::swap(pos_, o.pos_);
-    std::swap(rank_, o.rank_);
-    std::swap(state_, o.state_);
-    std::swap(seq_, o.seq_);
-    host_.swap(o.host_);
-    view_.swap(o.view_);
-    std::swap(digest_, o.digest_);
-    std::swap(members_, o.members_);
+    Tensors t;     // empty: the swaps below allocate nothing
+    restore(t);    // t: this store's
+    o.restore(t);  // o: this store's; t: o's
+    restore(t);    // this: o's
   }
 
   /// Store slots per row (N; the trash slot is one more). Grows geometrically up to the budget.

@@ -88,6 +88,14 @@ class LayerTier {
     return c;
   }
 
+  /// Whether `o` is a tier of the same kind: path, budget and page size (an empty LayerTier:
+  /// budget 0). For CacheBase::restore_layer()'s check.
+  bool same_kind(const LayerTier& o) const noexcept {
+    return host_ == o.host_ && budget_ == o.budget_ && keys_.page_size == o.keys_.page_size &&
+           keys_.shared == o.keys_.shared && keys_.head_mean == o.keys_.head_mean;
+  }
+  int64_t budget() const noexcept { return budget_; }
+
   /// Exchanges everything with `o` (a copied() of this tier). Allocates nothing, does not throw.
   void swap(LayerTier& o) noexcept {
     std::swap(host_, o.host_);
