@@ -778,7 +778,8 @@ class CacheBase {
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
-  /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the layout), reduces the
+  /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the
+  /// layout, as are the other arguments: they become recall's RecallInput), reduces the
   /// scores across processes like observations, and swaps the best pages' tokens (at most
   /// `tokens` per row: whole pages, or with rescore > tokens the best tokens of the best pages
   /// up to `rescore` tokens, scored again exactly) with the row's lowest-ranked heavy hitters.
@@ -788,8 +789,8 @@ class CacheBase {
   at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    auto recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer],
-                                         policy_.device_counters(layer),
+    const RecallInput in{query, scale, tokens, rescore, std::min(tokens, L.slots)};
+    auto recalled = tiers_[layer].recall(layer, in, L, policy_.core_, buffers_[layer], policy_.device_counters(layer),
                                          [&](const at::Tensor& slots, const at::Tensor& positions,
                                              const at::Tensor& states) { policy_.exchange(layer, slots, positions, states); });
     if (policy_.host_path()) {  // the host path wrote the buffers with memcpy

@@ -12,6 +12,7 @@
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/tier/host_path.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/store.hpp>
@@ -35,13 +36,11 @@ namespace detail {
 /// The tiers of one layer, the facade over the tier's two paths as EvictionPolicy is over the
 /// policy's: TierHostPath (tier/host_path.hpp: per row a TierRow and its PageDigests, on the
 /// CPU) or TierTensorPath (tier/tensor_path.hpp: a TierStore, tensor ops on the cache's
-/// device), which have the same step names (both score into RecallScores; the victims are
-/// found in score on the host path and in plan on the tensor path, and the plans' types
-/// differ). Each public call is one call per
-/// step into the path: take() plans a pass's evicted tokens into the pass's commit; recall()
-/// scores the pages, plans what comes back and the slots it replaces, and swaps them;
-/// release(), drop_from() and reserve() plan into the commit of finish, reset, truncate and
-/// reserve_tier; the reads read the path's storage.
+/// device), which have the same steps. Each public call is one call per step into the path:
+/// take() plans a pass's evicted tokens into the pass's commit; recall() runs recall's stages
+/// (score, victims, pick, swap), the same on both paths with the same types
+/// (tier/recall_stages.hpp); release(), drop_from() and reserve() plan into the commit of
+/// finish, reset, truncate and reserve_tier; the reads read the path's storage.
 class LayerTier {
   /// Calls `f(path)` with the path of this tier.
   template <class F>
@@ -146,42 +145,46 @@ class LayerTier {
     });
   }
 
-  /// Recall (CacheBase::recall_rows(), after the checks and the flush), in three steps, each
-  /// row at once: score (every active row's pages scored with `query` [B, H, Q, key width],
-  /// fp32, the row's real columns as observe(), reduced across processes like observations:
-  /// core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums before the
-  /// softmax, head_sum() / head_mean()), plan (the best pages' tokens, at most `tokens` per
-  /// row, whole pages, and the row's lowest-ranked heavy hitters they replace) and swap (the
-  /// tokens and the victims exchange places in `L` and `buffers`). Returns the tokens recalled
-  /// per row: [B] int64, on the cache's device.
+  /// Recall (CacheBase::recall_rows(), after the checks and the flush): recall's stages, each
+  /// every row at once, each one call into the path (tier/recall_stages.hpp):
+  ///   - score: PageScores, every active row's pages scored with `in.query` [B, H, Q, key
+  ///     width] (fp32, the row's real columns as observe(), reduced across processes like
+  ///     observations: core's reduce_contributions; kHeadMean, keys_.head_mean: the heads'
+  ///     sums before the softmax, head_sum() / head_mean());
+  ///   - victims: Victims, each row's `in.K` lowest-ranked heavy hitters (victim_range()'s
+  ///     candidates in eviction order) and the best one's state;
+  ///   - pick: Pick, the best pages' tokens, at most `in.tokens` per row and no more than the
+  ///     row's candidates, whole pages; two-level (in.two_level()): the best whole pages up
+  ///     to `in.rescore` tokens per row are the pool, each pool token is scored again with its
+  ///     own keys (the exact logits, the same softmax and fixed-point sum over the pool,
+  ///     reduced the same way), and the best `in.tokens` of the pool come back one by one
+  ///     (higher score first, equal scores the older position; never a score of 0);
+  ///   - swap: the picked tokens and the victims exchange places in `L` and `buffers`.
+  /// Returns the tokens recalled per row: [B] int64, on the cache's device.
   ///
-  /// rescore > tokens (two-level recall): the best whole pages up to `rescore` tokens per row
-  /// are the pool, each pool token is scored again with its own keys (the exact logits, the
-  /// same softmax and fixed-point sum over the pool, reduced the same way), and the best
-  /// `tokens` of the pool come back one by one (higher score first, equal scores the older
-  /// position; never a score of 0). Otherwise whole pages come back.
-  ///
-  /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages,
-  /// victims_on_host() finds the victim candidates, the plan picks on the host and swap()
-  /// exchanges the tokens with the slots in place; every allocation before the first write.
-  /// Tensor path (TierTensorPath; the cache's tensors and `query` on its device): every step
-  /// tensor ops there (TierStore: the pages scored by page id, the victims by one top-k of
-  /// eviction_keys() among the candidates, whose end comes from the policy's device `counters`
-  /// [B, 3], the pick as a scan, the swap through the rows' view) under one undo log: no host
-  /// sync, no host read, no copy between host and device in the steady state.
+  /// Host path (TierHostPath; everything on the CPU, the stages' tensors host tensors):
+  /// score_on_host() scores the pages, victims_on_host() finds the victims with a loop, pick
+  /// picks on the host and swap exchanges the tokens with the slots in place; every allocation
+  /// before the first write. Tensor path (TierTensorPath; the cache's tensors and the query on
+  /// its device): every stage tensor ops there (TierStore: the pages scored by page id, the
+  /// victims by one op among the candidates, whose end comes from the policy's device
+  /// `counters` [B, 3], the pick as one op or a scan, the swap as one op or through the rows'
+  /// view under one undo log): no host sync, no host read, no copy between host and device in
+  /// the steady state. The victims stage is the one whose inputs differ: the host path reads
+  /// L's host counters, the tensor path the policy's device `counters`.
   ///
   /// The tier writes rows of `buffers` and its own storage; the policy's positions and states
   /// change only through `exchange(slots, positions, states)` (PolicyState::exchange()).
   template <class Core, class Exchange>
-  at::Tensor recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
-                    const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers,
-                    const at::Tensor& counters, Exchange&& exchange) {
-    const int64_t K = std::min(tokens, L.slots);  // victims a row may need
+  at::Tensor recall(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core,
+                    const std::vector<at::Tensor>& buffers, const at::Tensor& counters, Exchange&& exchange) {
     const auto rank = [&](const auto& state) { return core.scorer.rank(state); };
     return on_path([&](auto& p) {
-      const auto scores = p.score(layer, query, scale, K, tokens > 0 && rescore > tokens, L, core);
-      const auto plan = p.plan(layer, scores, query, scale, tokens, rescore, K, L, core, counters);
-      return p.swap(plan, L, buffers, layer, rank, exchange);
+      const PageScores scores = p.score(layer, in, L, core);
+      const Victims victims = host_ ? host_path_.victims(layer, in, L, core)
+                                    : tensor_path_.victims(layer, in, L, core, counters);
+      const Pick pick = p.pick(layer, in, scores, victims, L, core);
+      return p.swap(layer, pick, victims, L, buffers, rank, exchange);
     });
   }
 
