@@ -99,40 +99,6 @@ class LayerTier {
   /// The digests' page size, tokens (cache options' tier_page_size).
   int64_t page_size() const noexcept { return keys_.page_size; }
 
-  /// recall()'s input checks past the layout's shapes and the policy's (CacheBase::check_recall():
-  /// no open observation), naming `call`: scale finite and > 0, tokens and rescore in [0, 2^40],
-  /// a two-level rescore (> tokens) of at least one page, and, with observation checks on
-  /// (core.check: the CPU's default), every row's real query columns [B, H, Q, D] finite (as in
-  /// observe(), pads and free rows may hold anything): one read of the device. With checks off (CUDA's default) the queries are not
-  /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
-  /// (pick() and pick_tokens() take only scores > 0). Throws c10::Error.
-  template <class Core>
-  void check_recall(const char* call, int64_t /*layer*/, const at::Tensor& query, double scale, int64_t tokens,
-                    int64_t rescore, const LayerState& L, const Core& core) const {
-    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
-    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
-                        ": tokens must be in [0, 2^40], got ", tokens);
-    KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
-                        ": rescore must be in [0, 2^40], got ", rescore);
-    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size(), call, ": rescore must be <= tokens (", tokens,
-                        ", whole pages) or hold at least one page (tier_page_size ", page_size(),
-                        ") for two-level recall, got ", rescore);
-    if (!core.check) return;
-    // One read of the device for every row: per row, whether a real column is not finite.
-    const int64_t B = query.size(0), Q = query.size(2);
-    bool all_real = true;
-    for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
-    // The common case: every column real, and a finite sum (a NaN or an infinity anywhere makes
-    // the sum non-finite; an overflow of finite values only sends it to the exact check below).
-    if (all_real && std::isfinite(query.sum(at::kDouble).template item<double>())) return;
-    const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
-    const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
-    for (int64_t b = 0; b < B; ++b) {
-      KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
-                          " must be finite, got a NaN or an infinity");
-    }
-  }
-
   /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_device_bytes,
   /// tier_recalled). On the tensor path reads the device.
   template <class Stats>
