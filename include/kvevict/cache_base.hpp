@@ -770,21 +770,52 @@ class CacheBase {
 
   int64_t token_dim(size_t i) const { return specs_[i].token_dim(); }
 
-  /// What every layout's recall checks, naming `call` (e.g. "recall"): a tier, the layer, no
-  /// open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a two-level
-  /// rescore (> tokens) of at least one page, a finite `query`.
+  /// What every layout's recall checks at its public call past the layout's shapes, naming
+  /// `call` (e.g. "recall"), once (recall's stages trust what it checked: RecallInput): a tier,
+  /// the layer, no open observation, scale finite and > 0, tokens and rescore in [0, 2^40], a
+  /// two-level rescore (> tokens) of at least one page (tier_page_size), and, with observation
+  /// checks on (core.check: the CPU's default), every row's real query columns of `query` [B,
+  /// H, Q, D] finite (as in observe(), pads and free rows may hold anything): one read of the
+  /// device. With checks off (CUDA's default) the queries are not read: a row whose real
+  /// queries are not finite gets NaN page scores and recalls nothing (the picks take only
+  /// scores > 0). Throws c10::Error.
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
                     int64_t rescore) const {
     check_not_moved(call);
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    KVEVICT_CHECK(policy_.at(layer).open_q == 0, call, ": layer ", layer,
+    const auto& L = policy_.at(layer);
+    const auto& core = policy_.core_;
+    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
                   " has an open observation (observe_begin without observe_end); end or discard it first");
-    tiers_[layer].check_recall(call, layer, query, scale, tokens, rescore, policy_.at(layer), policy_.core_);
+    const int64_t page_size = tiers_[layer].page_size();
+    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
+    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
+                        ": tokens must be in [0, 2^40], got ", tokens);
+    KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
+                        ": rescore must be in [0, 2^40], got ", rescore);
+    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size, call, ": rescore must be <= tokens (", tokens,
+                        ", whole pages) or hold at least one page (tier_page_size ", page_size,
+                        ") for two-level recall, got ", rescore);
+    if (!core.check) return;
+    // One read of the device for every row: per row, whether a real column is not finite.
+    const int64_t B = query.size(0), Q = query.size(2);
+    bool all_real = true;
+    for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
+    // The common case: every column real, and a finite sum (a NaN or an infinity anywhere makes
+    // the sum non-finite; an overflow of finite values only sends it to the exact check below).
+    if (all_real && std::isfinite(query.sum(at::kDouble).template item<double>())) return;
+    const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
+    const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
+    for (int64_t b = 0; b < B; ++b) {
+      KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
+                          " must be finite, got a NaN or an infinity");
+    }
   }
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
-  /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the layout), reduces the
+  /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the
+  /// layout, as are the other arguments: they become recall's RecallInput), reduces the
   /// scores across processes like observations, and swaps the best pages' tokens (at most
   /// `tokens` per row: whole pages, or with rescore > tokens the best tokens of the best pages
   /// up to `rescore` tokens, scored again exactly) with the row's lowest-ranked heavy hitters.
@@ -794,8 +825,8 @@ class CacheBase {
   at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
     auto& L = policy_.at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    auto recalled = tiers_[layer].recall(layer, query, scale, tokens, rescore, L, policy_.core_, buffers_[layer],
-                                         policy_.device_counters(layer),
+    const RecallInput in{query, scale, tokens, rescore, std::min(tokens, L.slots)};
+    auto recalled = tiers_[layer].recall(layer, in, L, policy_.core_, buffers_[layer], policy_.device_counters(layer),
                                          [&](const at::Tensor& slots, const at::Tensor& positions,
                                              const at::Tensor& states) { policy_.exchange(layer, slots, positions, states); });
     if (policy_.host_path()) {  // the host path wrote the buffers with memcpy

@@ -1,18 +1,19 @@
 #pragma once
 // The tier's host path (a cache whose policy takes the host path: everything on the CPU):
-// TierHostPath, per batch row a TierRow and its PageDigests, with the step names of its twin
-// TierTensorPath (tier/tensor_path.hpp): take, score, plan, swap, drop_from, release, reserve,
-// clear, and the reads. Not yet the same stages: this path finds recall's victims in score and
-// plans into a RecallPlan, the tensor path finds them in plan and plans into a TierStore::Picked. Its scoring steps (the
-// pages', score_on_host(); two-level recall's pool; the victims, victims_on_host()) are
-// tier/host_scoring.hpp; the steps both paths share (the reduction, the heads' mean, their
-// order) are tier/scoring.hpp.
+// TierHostPath, per batch row a TierRow and its PageDigests, with the steps of its twin
+// TierTensorPath (tier/tensor_path.hpp): take, recall's stages score, victims, pick and swap
+// (the same types on both paths: tier/recall_stages.hpp; host tensors here, read with
+// data_ptr), drop_from, release, reserve, clear, and the reads. Its scoring (the pages',
+// score_on_host(); two-level recall's pool; the victims, victims_on_host()) is
+// tier/host_scoring.hpp; what both paths' scoring shares (the reduction, the heads' mean, their
+// order) is tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tier/host_scoring.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/writes.hpp>
@@ -35,8 +36,8 @@ namespace detail {
 /// The tier's host path: per batch row a TierRow (its tokens, within a token budget per row)
 /// and that row's PageDigests; each step runs at once, in place, on the CPU (the cache's
 /// contiguous CPU buffers), with the names and the order of its twin TierTensorPath
-/// (tier/tensor_path.hpp): take, score, plan, swap, drop_from, release, reserve, clear and the
-/// reads. Its writes allocate nothing and do not throw once their room is made, so the steps
+/// (tier/tensor_path.hpp): take, recall's stages (score, victims, pick, swap), drop_from,
+/// release, reserve, clear and the reads. Its writes allocate nothing and do not throw once their room is made, so the steps
 /// that join a call's commit (release, drop_from) run as plain steps of it.
 class TierHostPath {
  public:
@@ -86,39 +87,38 @@ class TierHostPath {
     take_pass(pass, L.position, L.state, buffers, L.slots, rank);
   }
 
-  /// recall's score step: score_on_host(), and victims_on_host() of the `K` lowest-ranked
-  /// candidates; for a two-level `pool` the plan reads the query itself.
+  /// recall's score stage: score_on_host() of every row's pages with `in.query`. Throws
+  /// c10::Error naming `layer` when an allocation fails or as the reducer does.
   template <class Core>
-  RecallScores score(int64_t layer, const at::Tensor& query, double scale, int64_t K, bool pool, const LayerState& L,
-                     const Core& core) {
-    RecallScores out;
-    out.sums = score_on_host(digests_, keys_.shared, keys_.head_mean, layer, query, scale, L, core, out.mean_query);
-    allocating([&] {
-      if (pool) out.query = query.contiguous();
-      victims_on_host(out, L, core, layer, K);
-    }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
+  PageScores score(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core) const {
+    return score_on_host(digests_, keys_.shared, keys_.head_mean, layer, in.query, in.scale, L, core);
+  }
+
+  /// recall's victims stage: victims_on_host() of the `in.K` lowest-ranked candidates. Throws
+  /// c10::Error naming `layer` when an allocation fails; changes nothing.
+  template <class Core>
+  Victims victims(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core) const {
+    Victims out;
+    allocating([&] { out = victims_on_host(L, core, layer, in.K); },
+               [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
     return out;
   }
 
-  /// recall's plan step, from the score step's `scores` (host tensors):
-  /// per active row with pages, the tier tokens to recall (the best whole pages, or two-level
-  /// recall's best pool tokens, at most the row's victim candidates) and as many victims (the
-  /// first of the score step's lowest-ranked candidates: neither sinks nor in the recent window
-  /// as it was before the latest append, victim_range()), the state the recalled tokens get
-  /// (the score step's best-ranked candidate's), and the room their swap needs
-  /// (reserve_recall()). Allocates; changes nothing the caller sees.
+  /// recall's pick stage, from the score stage's `scores` and the victims stage's `victims`
+  /// (host tensors): per active row with pages, the tier tokens to recall (the best whole
+  /// pages, or two-level recall's best pool tokens), at most min(tokens, the row's
+  /// candidates, K): Pick (CPU) of token indices. Allocates; changes nothing the caller sees.
   template <class Core>
-  RecallPlan plan(int64_t layer, const RecallScores& scores, const at::Tensor& query, double scale, int64_t tokens,
-                  int64_t rescore, int64_t /*K*/, const LayerState& L, const Core& core,
-                  const at::Tensor& /*counters*/) {
-    const int64_t B = static_cast<int64_t>(rows_.size());
-    const auto row_queries = [&](int64_t b) { return real_queries(core, L, scores.query, b, keys_.shared); };
+  Pick pick(int64_t layer, const RecallInput& in, const PageScores& scores, const Victims& victims,
+            const LayerState& L, const Core& core) {
+    const int64_t B = static_cast<int64_t>(rows_.size()), K = in.K;
+    const auto row_queries = [&](int64_t b) { return real_queries(core, L, in.query, b, keys_.shared); };
     const at::Tensor& sums = scores.sums;
     const int64_t P = sums.size(1);
     const double* sum = sums.template data_ptr<double>();
     // Two-level recall: the pool of every row (tokens of its best pages, by position) and the
     // pool's exact scores, reduced like the page scores (every process holds the same pools).
-    const bool two_level = tokens > 0 && rescore > tokens;
+    const bool two_level = in.two_level();
     std::vector<std::vector<int64_t>> pool(static_cast<size_t>(two_level ? B : 0));
     at::Tensor exact;
     if (two_level) {
@@ -126,7 +126,7 @@ class TierHostPath {
       for (int64_t b = 0; b < B; ++b) {
         if (!core.active[b] || digests(b).pages() == 0) continue;
         auto& pb = pool[static_cast<size_t>(b)];
-        pick(b, sum + b * P, rescore, pb);
+        pick(b, sum + b * P, in.rescore, pb);
         const auto& r = row(b);
         std::sort(pb.begin(), pb.end(), [&](int64_t x, int64_t y) { return r.position[x] < r.position[y]; });
         N = std::max(N, static_cast<int64_t>(pb.size()));
@@ -136,54 +136,43 @@ class TierHostPath {
         for (int64_t b = 0; b < B; ++b) keys.push_back(pool_keys(b, pool[static_cast<size_t>(b)]));
         if (keys_.shared && scores.mean_query.defined()) {  // the page scoring's mean query, reduced once
           exact = score_pools_of_mean(
-              keys, [&](int64_t b) { return real_queries(core, L, scores.mean_query, b, true); }, N, scale);
+              keys, [&](int64_t b) { return real_queries(core, L, scores.mean_query, b, true); }, N, in.scale);
         } else {
-          exact = score_pools_head_mean(layer, keys, row_queries, keys_.shared, query.size(1), query.size(2), N, scale,
-                                        core);
+          exact = score_pools_head_mean(layer, keys, row_queries, keys_.shared, in.query.size(1), in.query.size(2), N,
+                                        in.scale, core);
         }
       } else {
         exact = at::zeros({B, N}, at::TensorOptions().dtype(at::kDouble));
         for (int64_t b = 0; b < B; ++b) {
           const auto& pb = pool[static_cast<size_t>(b)];
           const auto q = row_queries(b);
-          if (q.defined() && !pb.empty()) score_pool(pool_keys(b, pb), q, scale, exact.select(0, b));
+          if (q.defined() && !pb.empty()) score_pool(pool_keys(b, pb), q, in.scale, exact.select(0, b));
         }
         reduce_scores(layer, core, exact);
       }
     }
-    // Plan every row, then swap: per row the tier tokens to recall and the victims.
-    const int64_t K = scores.victims.size(1);
-    const int64_t* n_cand = scores.candidates.template data_ptr<int64_t>();
-    const int64_t* victim = scores.victims.template data_ptr<int64_t>();
-    const int64_t* victim_position = scores.victim_position.template data_ptr<int64_t>();
-    const float* best = scores.top.template data_ptr<float>();
-    RecallPlan plan;
-    auto& picked = plan.picked;
-    auto& victims = plan.victims;
-    auto& top = plan.top;
-    picked.resize(static_cast<size_t>(B));
-    victims.resize(static_cast<size_t>(B));
-    top.resize(static_cast<size_t>(B));
+    // Per row the tier tokens to recall.
+    const int64_t* n_cand = victims.candidates.template data_ptr<int64_t>();
+    const auto longs = at::TensorOptions().dtype(at::kLong);
+    Pick out;
+    out.whole_pages = !two_level;
     allocating([&] {
+      out.slots = at::full({B, K}, -1, longs);
+      out.count = at::zeros({B}, longs);
+      std::vector<int64_t> picked;
       for (int64_t b = 0; b < B; ++b) {
         if (!core.active[b] || digests(b).pages() == 0) continue;
-        const int64_t limit = std::min({tokens, n_cand[b], K});
+        const int64_t limit = std::min({in.tokens, n_cand[b], K});
         if (limit == 0) continue;
         if (two_level)
-          pick_tokens(pool[static_cast<size_t>(b)], exact.template data_ptr<double>() + b * exact.size(1), limit, picked[b]);
+          pick_tokens(pool[static_cast<size_t>(b)], exact.template data_ptr<double>() + b * exact.size(1), limit, picked);
         else
-          pick(b, sum + b * P, limit, picked[b]);
-        if (picked[b].empty()) continue;
-        // The victims: the first picked[b].size() candidates in eviction order; the state
-        // recalled tokens get: the best-ranked candidate's.
-        const auto k = static_cast<int64_t>(picked[b].size());
-        victims[b].assign(victim + b * K, victim + b * K + k);
-        top[b].assign(best + b * W_, best + (b + 1) * W_);
-        reserve_recall(b, *std::max_element(victim_position + b * K, victim_position + b * K + k));
+          pick(b, sum + b * P, limit, picked);
+        std::copy(picked.begin(), picked.end(), out.slots.template data_ptr<int64_t>() + b * K);
+        out.count.template data_ptr<int64_t>()[b] = static_cast<int64_t>(picked.size());
       }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why); });
-    for (int64_t b = 0; b < B; ++b) plan.recalled += static_cast<int64_t>(picked[b].size());
-    return plan;
+    return out;
   }
 
   /// Row b's tier tokens to recall, by page: the pages in order of `scores` (per page slot,
@@ -244,7 +233,7 @@ class TierHostPath {
     for (size_t k = 0; k < order.size() && static_cast<int64_t>(k) < limit; ++k) out.push_back(pool[order[k]]);
   }
 
-  /// Exchanges the rows of row b's tier tokens `tokens[k]` with those of the cache slots
+  /// Exchanges the rows of row b's `n` tier tokens `tokens[k]` with those of the cache slots
   /// `victims[k]`, bit for bit in every buffer (`buffers` [B, outer..., slots, inner],
   /// contiguous); each victim enters the tier with its position and scorer state from the
   /// policy's `position` [B, slots] and `state` [B, slots, W] (read only; rank(state) its rank)
@@ -252,10 +241,10 @@ class TierHostPath {
   /// positions and states (PolicyState::exchange()). The digests follow. Allocates nothing
   /// after reserve_recall().
   template <class Rank>
-  void swap_row(int64_t b, const std::vector<int64_t>& tokens, const std::vector<int64_t>& victims,
-            const std::vector<at::Tensor>& buffers, int64_t slots, const int64_t* position, const float* state,
-            Rank&& rank, int64_t* recalled) {
-    for (size_t k = 0; k < tokens.size(); ++k) {
+  void swap_row(int64_t b, int64_t n, const int64_t* tokens, const int64_t* victims,
+                const std::vector<at::Tensor>& buffers, int64_t slots, const int64_t* position, const float* state,
+                Rank&& rank, int64_t* recalled) {
+    for (int64_t k = 0; k < n; ++k) {
       const int64_t i = tokens[k], s = victims[k];
       for_each_piece(b, i, buffers, s, [&](uint8_t* t, uint8_t* c, size_t piece) {
         std::memcpy(swap_.data(), c, piece);
@@ -277,45 +266,53 @@ class TierHostPath {
     order_.reserve(static_cast<size_t>(digests_[static_cast<size_t>(b)].slots()));
   }
 
-  /// recall's swap step: swap_row() of each row's picked tokens with its victims, in place,
-  /// then `exchange(slots, positions, states)` gives the victims' slots the recalled tokens'
-  /// positions and the plan's state ([B, V] int64, [B, V] int64, [B, V, W] fp32, CPU; the
-  /// trash slot where a row has fewer). Returns the tokens recalled per row ([B] int64, CPU).
-  /// Allocates those four first (a throw there changes nothing); nothing after, and does not
-  /// throw then.
+  /// recall's swap stage: swap_row() of each row's picked tokens (`pick`) with its victims (the
+  /// first of `victims`' slots), in place, then `exchange(slots, positions, states)` gives the
+  /// victims' slots the recalled tokens' positions and the victims' top state ([B, V] int64,
+  /// [B, V] int64, [B, V, W] fp32, CPU; the trash slot where a row has fewer). Returns the
+  /// tokens recalled per row (pick.count: [B] int64, CPU). Allocates first (those three and
+  /// the room the swap needs, reserve_recall(); a throw there changes nothing); nothing after,
+  /// and does not throw then.
   template <class Rank, class Exchange>
-  at::Tensor swap(const RecallPlan& plan, const LayerState& L, const std::vector<at::Tensor>& buffers, int64_t layer,
-                  Rank&& rank, Exchange&& exchange) {
-    const auto B = static_cast<int64_t>(plan.picked.size()), W = L.state.size(2);
-    int64_t V = 0;
-    for (const auto& p : plan.picked) V = std::max(V, static_cast<int64_t>(p.size()));
+  at::Tensor swap(int64_t layer, const Pick& pick, const Victims& victims, const LayerState& L,
+                  const std::vector<at::Tensor>& buffers, Rank&& rank, Exchange&& exchange) {
+    const auto B = static_cast<int64_t>(rows_.size()), W = L.state.size(2), K = pick.slots.size(1);
+    const int64_t* count = pick.count.template data_ptr<int64_t>();
+    const int64_t* victim = victims.slots.template data_ptr<int64_t>();
+    const int64_t* victim_position = victims.position.template data_ptr<int64_t>();
+    int64_t V = 0, recalled = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      V = std::max(V, count[b]);
+      recalled += count[b];
+    }
     const auto i64 = at::TensorOptions().dtype(at::kLong);
-    at::Tensor slots, positions, states, recalled;
+    at::Tensor slots, positions, states;
     allocating([&] {
       slots = at::full({B, V}, L.slots - 1, i64);
       positions = at::full({B, V}, -1, i64);
       states = at::zeros({B, V, W}, at::TensorOptions().dtype(at::kFloat));
-      recalled = at::zeros({B}, i64);
+      for (int64_t b = 0; b < B; ++b) {
+        if (count[b] > 0) reserve_recall(b, *std::max_element(victim_position + b * K, victim_position + b * K + count[b]));
+      }
     }, [&](const std::string& why) { KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why); });
-    if (plan.recalled == 0) return recalled;
+    if (recalled == 0) return pick.count;
     auto* s = slots.template data_ptr<int64_t>();
     auto* st = states.template data_ptr<float>();
+    const float* top = victims.top.template data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
-      const auto& picked = plan.picked[static_cast<size_t>(b)];
-      if (picked.empty()) continue;
-      const auto& victims = plan.victims[static_cast<size_t>(b)];
-      const auto& top = plan.top[static_cast<size_t>(b)];
-      recalled.data_ptr<int64_t>()[b] = static_cast<int64_t>(picked.size());
-      swap_row(b, picked, victims, buffers, L.slots, L.position.template data_ptr<int64_t>(),
-                L.state.template data_ptr<float>(), rank, positions.template data_ptr<int64_t>() + b * V);
-      for (size_t k = 0; k < victims.size(); ++k) {
-        s[b * V + static_cast<int64_t>(k)] = victims[k];
-        std::copy(top.begin(), top.end(), st + (b * V + static_cast<int64_t>(k)) * W);
+      const int64_t k = count[b];
+      if (k == 0) continue;
+      swap_row(b, k, pick.slots.template data_ptr<int64_t>() + b * K, victim + b * K, buffers, L.slots,
+               L.position.template data_ptr<int64_t>(), L.state.template data_ptr<float>(), rank,
+               positions.template data_ptr<int64_t>() + b * V);
+      for (int64_t j = 0; j < k; ++j) {
+        s[b * V + j] = victim[b * K + j];
+        std::copy(top + b * W, top + (b + 1) * W, st + (b * V + j) * W);
       }
     }
     exchange(slots, positions, states);
-    recalled_ += plan.recalled;
-    return recalled;
+    recalled_ += recalled;
+    return pick.count;
   }
 
   /// Row b's tokens at positions >= `from` leave (a truncate), as a step of `w`'s commit

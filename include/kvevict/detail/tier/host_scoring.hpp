@@ -1,13 +1,15 @@
 #pragma once
-// The host path's scoring steps (TierHostPath, tier/host_path.hpp): the pages, score_on_host();
-// two-level recall's pool, score_pool() per head and score_pools_head_mean(); the victims,
-// victims_on_host(). Its twin's are in tier/tensor_path.hpp; the order both keep,
+// The host path's work in recall's stages (TierHostPath, tier/host_path.hpp): the score stage,
+// score_on_host(); two-level recall's pool scores in the pick stage, score_pool() per head and
+// score_pools_head_mean(); the victims stage, victims_on_host(). Its twin's are in
+// tier/tensor_path.hpp; the stages' types, tier/recall_stages.hpp; the scoring order both keep,
 // tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 
@@ -26,17 +28,16 @@ namespace detail {
 /// (PageDigests::score(), then reduce_scores()) or, `head_mean`, by the heads' mean
 /// (head_sum() of the queries when `shared_key`, the latent layout, else of every row's
 /// bounds; reduced across processes before the softmax; head_mean(); then the mean query's
-/// bound, or the mean bound, PageDigests::score_bounds()). Returns [B, P] fp64, P the most page
-/// slots of any row (at least 1), 0 past a row's pages and for a row without real queries.
-/// Throws c10::Error naming `layer` when an allocation fails (nothing has changed then) or as
-/// the reducer does. Allocates its temporaries; syncs nothing.
-/// `mean_query`: set to the heads' mean query [B, 1, Q, D] fp32 (reduced across processes)
-/// when it scores by the heads' mean with a shared key, for the pool's scores
-/// (score_pools_of_mean()).
+/// bound, or the mean bound, PageDigests::score_bounds()). Returns PageScores: sums [B, P]
+/// fp64, P the most page slots of any row (at least 1), 0 past a row's pages and for a row
+/// without real queries; mean_query, the heads' mean query [B, 1, Q, D] fp32 (reduced across
+/// processes) when it scores by the heads' mean with a shared key, for the pool's scores
+/// (score_pools_of_mean()). Throws c10::Error naming `layer` when an allocation fails (nothing
+/// has changed then) or as the reducer does. Allocates its temporaries; syncs nothing.
 template <class Core>
-at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_key, bool head_mean_scoring,
-                         int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core,
-                         at::Tensor& mean_query) {
+PageScores score_on_host(const std::vector<PageDigests>& digests, bool shared_key, bool head_mean_scoring,
+                         int64_t layer, const at::Tensor& query, double scale, const LayerState& L, const Core& core) {
+  PageScores scores;
   const auto B = static_cast<int64_t>(digests.size());
   const int64_t H = query.size(1), Q = query.size(2);
   const auto fail = [&](const std::string& why) {
@@ -67,7 +68,7 @@ at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_ke
     return bounds;
   };
   const auto of_mean = [&](const at::Tensor& mean) {  // latent [B, 1, Q, D], expanded [B, 1, Q, P]
-    if (shared_key) mean_query = mean;
+    if (shared_key) scores.mean_query = mean;
     for (int64_t b = 0; b < B; ++b) {
       const auto& dg = digests[static_cast<size_t>(b)];
       const auto m = real_queries(core, L, mean, b, shared_key);  // latent [1, Qr, D], expanded [1, Qr, P]
@@ -79,7 +80,8 @@ at::Tensor score_on_host(const std::vector<PageDigests>& digests, bool shared_ke
     }
     return sums;
   };
-  return score_pages(head_mean_scoring, layer, core, fail, per_head, summand, of_mean);
+  scores.sums = score_pages(head_mean_scoring, layer, core, fail, per_head, summand, of_mean);
+  return scores;
 }
 
 /// Two-level recall's exact scores per head of a row's pool keys `keys` [n, G, width] (fp32,
@@ -164,19 +166,20 @@ at::Tensor score_pools_head_mean(int64_t layer, const std::vector<at::Tensor>& k
   return exact;
 }
 
-/// recall's victim candidates on the host, into `out` (RecallScores: candidates, victims,
-/// victim_position, top, CPU): per active row a loop over L's live slots (positions, scorer
-/// ranks) and a partial sort of the `K` lowest in eviction order (drops_before()),
-/// O(capacity + K log K); nothing found for K = 0. Allocates.
+/// recall's victims stage on the host: Victims (candidates, slots, position, top; CPU), per
+/// active row a loop over L's live slots (positions, scorer ranks) and a partial sort of the
+/// `K` lowest in eviction order (drops_before()), O(capacity + K log K); nothing found for
+/// K = 0. Allocates.
 template <class Core>
-void victims_on_host(RecallScores& out, const LayerState& L, const Core& core, int64_t layer, int64_t K) {
+Victims victims_on_host(const LayerState& L, const Core& core, int64_t layer, int64_t K) {
   const int64_t B = L.position.size(0), W = L.state.size(2);
   const auto longs = at::TensorOptions().dtype(at::kLong);
+  Victims out;
   out.candidates = at::zeros({B}, longs);
-  out.victims = at::zeros({B, K}, longs);
-  out.victim_position = at::zeros({B, K}, longs);
+  out.slots = at::zeros({B, K}, longs);
+  out.position = at::zeros({B, K}, longs);
   out.top = at::zeros({B, W}, at::TensorOptions().dtype(at::kFloat));
-  if (K == 0) return;  // nothing to replace (a budget of 0)
+  if (K == 0) return out;  // nothing to replace (a budget of 0)
   const int64_t* pos = L.position.template data_ptr<int64_t>();
   const float* st = L.state.template data_ptr<float>();
   struct Cand {
@@ -200,10 +203,11 @@ void victims_on_host(RecallScores& out, const LayerState& L, const Core& core, i
     const auto k = std::min<std::ptrdiff_t>(K, static_cast<std::ptrdiff_t>(cands.size()));
     std::partial_sort(cands.begin(), cands.begin() + k, cands.end(), before);
     for (std::ptrdiff_t j = 0; j < k; ++j) {
-      out.victims.template data_ptr<int64_t>()[b * K + j] = cands[j].slot;
-      out.victim_position.template data_ptr<int64_t>()[b * K + j] = cands[j].position;
+      out.slots.template data_ptr<int64_t>()[b * K + j] = cands[j].slot;
+      out.position.template data_ptr<int64_t>()[b * K + j] = cands[j].position;
     }
   }
+  return out;
 }
 
 }  // namespace detail

@@ -2,8 +2,8 @@
 // The host tier's page scoring that both paths share (score_on_host() in tier/host_scoring.hpp,
 // TierTensorPath::score() in tier/tensor_path.hpp): which query columns count, the reduction of
 // scores across processes, TierScoring::kHeadMean's mean over heads around it, and the order
-// of those steps (score_pages()); what recall's steps hand each other (RecallScores,
-// RecallPlan). Neither path file includes the other.
+// of those steps (score_pages()). What recall's stages hand each other is
+// tier/recall_stages.hpp. Neither path file includes the other.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -32,22 +32,6 @@ struct TierKeys {
   bool head_mean = false;  // TierScoring::kHeadMean
 };
 
-/// What recall's steps hand each other: the page scores `sums` [B, P] fp64; for a two-level
-/// pool, the queries `query` [B, H, Q, D] fp32 (else undefined); and each row's victim
-/// candidates (neither sinks nor in the recent window as it was before the latest append):
-/// their number `candidates` [B] int64, the slots `victims` [B, K] int64 of the K lowest-ranked
-/// in eviction order (drops_before(); a row's columns past its candidates hold anything), with
-/// their positions `victim_position` [B, K] int64 (the host path only), and `top` [B, W] fp32,
-/// the best-ranked candidate's scorer state (anything for a row without). The host path finds
-/// them with loops over L's own tensors, on the CPU; the tensor path with tensor ops on the
-/// cache's device (victims_on_device()), where they stay.
-struct RecallScores {
-  at::Tensor sums, query;
-  at::Tensor mean_query;  // kHeadMean with a shared key (latent): the heads' mean query [B, 1, Q,
-                          // D] fp32, reduced across processes once, which the pool's scores reuse
-  at::Tensor candidates, victims, victim_position, top;
-};
-
 /// The candidates' first position and the first of the recent window as it was before the
 /// latest append, of row b of `L` at `layer`: victims lie in [from, to). A truncate of that
 /// append (rejected drafts) then never finds a tier token inside its window.
@@ -60,16 +44,6 @@ std::pair<int64_t, int64_t> victim_range(const Core& core, const LayerState& L, 
 /// More than any position of `L` (its rows' seen tokens, at least 1; host): what sizes the
 /// tensor path's page ids.
 inline int64_t max_position(const LayerState& L) { return std::max<int64_t>(max_of(L.seen), 1); }
-
-/// What recall's plan step gives its swap step: per row b the tier tokens to recall
-/// (`picked[b]`, token indices), the cache slots they replace (`victims[b]`, in the same
-/// order) and the scorer state the recalled tokens get (`top[b]`, W floats: the best-ranked
-/// candidate's); `recalled`: the tokens picked, summed over rows.
-struct RecallPlan {
-  std::vector<std::vector<int64_t>> picked, victims;
-  std::vector<std::vector<float>> top;
-  int64_t recalled = 0;
-};
 
 /// Row b's real query columns (core.first_real(), as observe()) of `q` [B, Hq, Q, W] (CPU):
 /// [1, Hq x Qr, W] when every head meets one shared key (`shared_key`, the latent layout), else

@@ -17,6 +17,7 @@
 #include <kvevict/detail/tier/device_view.hpp>
 #include <kvevict/detail/tier/ops/ops.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/writes.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/selection.hpp>
@@ -256,15 +257,11 @@ class TierStore {
   /// [B, P] fp64 (per page id, P <= page_capacity(); on the device), higher first, equal
   /// scores the smaller page id, a score of 0 or a page without members never; each whole page
   /// that still fits in `limit` [B] int64 (device) tokens is taken (limit <= K, or K >=
-  /// capacity()). Returns the taken pages' tokens as store slots [B, K] int64 in recall order
-  /// (page by page, a page's tokens newest first: the host list's order), columns past `count`
-  /// [B] int64 holding the trash slot: ops::pick_pages(), one compiled op or its reference. No
-  /// host sync.
-  struct Picked {
-    at::Tensor slots, count;
-    bool whole_pages = true;  // every taken page taken whole (pick()); false: some in part
-  };
-  Picked pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
+  /// capacity()). Returns Pick: the taken pages' tokens as store slots [B, K] int64 in recall
+  /// order (page by page, a page's tokens newest first: the host list's order), columns past
+  /// `count` [B] int64 holding the trash slot: ops::pick_pages(), one compiled op or its
+  /// reference. No host sync.
+  Pick pick(const at::Tensor& scores, const at::Tensor& limit, int64_t K) const {
     if (N_ == 0 || scores.size(1) == 0 || K == 0) return picked(at::Tensor(), at::Tensor(), K, true);
     auto out = ops::pick_pages(scores, members_, pos_, seq_, limit, K, keys_.page_size);
     return {std::move(std::get<0>(out)), std::move(std::get<1>(out)), true};
@@ -273,7 +270,7 @@ class TierStore {
   /// Two-level recall's pool (pick()'s `pool`, R columns) by ascending position, with its keys
   /// and valid columns (ops::pool_gather(): by_position [B, R] int64, keys [B, R, groups, width]
   /// fp32, valid [B, R] bool). No host sync.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> pool(const Picked& pool) const {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> pool(const Pick& pool) const {
     return ops::pool_gather(pool.slots, pool.count, pos_, view_, keys_.buffers, groups_,
                             [this](const at::Tensor& slots) { return keys(slots); });
   }
@@ -281,9 +278,9 @@ class TierStore {
   /// A pick of the store slots `slots` [B, k] int64 in recall order (k <= K), `count` [B] int64
   /// of them a row (device): as [B, K], columns past a row's count on the trash slot.
   /// `whole_pages`: every page it takes from is taken whole. Undefined slots: nothing taken.
-  Picked picked(at::Tensor slots, at::Tensor count, int64_t K, bool whole_pages) const {
+  Pick picked(at::Tensor slots, at::Tensor count, int64_t K, bool whole_pages) const {
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device_);
-    Picked out;
+    Pick out;
     out.whole_pages = whole_pages;
     if (!slots.defined()) {
       out.slots = at::full({B_, K}, N_, longs);
@@ -338,7 +335,7 @@ class TierStore {
   /// side through exchange()).
   /// Plans the writes into `w`; its commit runs them.
   template <class Ranks, class Exchange>
-  void swap(TierWrites& w, const Picked& picked, const at::Tensor& victims, const at::Tensor& top, const at::Tensor& position,
+  void swap(TierWrites& w, const Pick& picked, const at::Tensor& victims, const at::Tensor& top, const at::Tensor& position,
             const at::Tensor& state, const std::vector<at::Tensor>& buffers, Ranks&& ranks, Exchange&& exchange,
             int64_t max_position, const at::Tensor& recalled) {
     const int64_t K = victims.size(1), S = position.size(1);

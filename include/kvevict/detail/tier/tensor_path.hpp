@@ -1,6 +1,7 @@
 #pragma once
-// The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the step names of its
-// twin TierHostPath (tier/host_path.hpp); recall's selection and swap are compiled ops where
+// The tier's tensor path (CUDA, and CPU in tests): TierTensorPath, with the steps of its twin
+// TierHostPath (tier/host_path.hpp), recall's stages with the same types (score, victims,
+// pick, swap: tier/recall_stages.hpp); recall's selection and swap are compiled ops where
 // they are registered (tier/ops/ops.hpp), their ATen reference forms elsewhere. Its tier is a
 // TierStore (tier/store.hpp): every row's tokens in fixed-shape tensors, their rows in pinned
 // host memory that device kernels reach through a view. A pass's evicted tokens join the tier
@@ -9,8 +10,8 @@
 // cache's device: no host sync, no host read, and no copy between host and device once the
 // host facts the kernels read (which query columns are real, each row's latest append) have
 // reached the device, which they do only when they change (DeviceMirror). A step with a tier
-// and recall can then be replayed as a CUDA graph. The tier itself is tier/tier.hpp; the steps
-// both paths share, tier/scoring.hpp.
+// and recall can then be replayed as a CUDA graph. The tier itself is tier/tier.hpp; the
+// scoring both paths share, tier/scoring.hpp.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/device_mirror.hpp>
@@ -18,6 +19,7 @@
 #include <kvevict/detail/reduction.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
 #include <kvevict/detail/tier/ops/ops.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/store.hpp>
 #include <kvevict/selection.hpp>
@@ -43,22 +45,22 @@ struct RecallMirrors {
   DeviceMirror real, last_new;
 };
 
-/// recall's victim candidates on the device, without a sync: the `K` lowest-ranked in
-/// eviction order (victims [B, K] int64 slots), their number (candidates [B] int64) and the
-/// best-ranked one's scorer state (top [B, W] fp32), as victims_on_host() finds them, slot for
-/// slot. The candidates lie in victim_range(): from n_sink to the recent window as it was before
+/// recall's victims stage on the device, without a sync: Victims, the `K` lowest-ranked
+/// candidates in eviction order (slots [B, K] int64), their number (candidates [B] int64) and
+/// the best-ranked one's scorer state (top [B, W] fp32), as victims_on_host() finds them, slot
+/// for slot (no positions: the swap needs none). The candidates lie in victim_range(): from n_sink to the recent window as it was before
 /// the latest append, = `counters` [B, 3] (the policy's device counters: length, seen, seen -
 /// n_recent) column 2 minus the latest append (`mirrors`); a free row has none:
 /// ops::recall_victims(), one compiled op or its reference. Allocates.
 template <class Core>
-RecallScores victims_on_device(const LayerState& L, const Core& core, const at::Tensor& counters, int64_t layer,
-                               int64_t K, RecallMirrors& mirrors) {
+Victims victims_on_device(const LayerState& L, const Core& core, const at::Tensor& counters, int64_t layer,
+                          int64_t K, RecallMirrors& mirrors) {
   const int64_t B = L.position.size(0), W = L.state.size(2);
-  RecallScores out;
+  Victims out;
   const auto longs = L.position.options();
   if (K == 0 || !counters.defined()) {  // nothing to replace (a budget of 0, or nothing appended yet)
     out.candidates = at::zeros({B}, longs);
-    out.victims = at::zeros({B, 0}, longs);
+    out.slots = at::zeros({B, 0}, longs);
     out.top = at::zeros({B, W}, L.state.options());
     return out;
   }
@@ -71,7 +73,7 @@ RecallScores victims_on_device(const LayerState& L, const Core& core, const at::
   const auto& latest = mirrors.last_new.get(last_new, core.device, {B, 1});
   auto v = ops::recall_victims(core.scorer.rank(L.state), L.position, L.state, counters, latest,
                                core.layer_eviction[layer].n_sink(), K, max_seen);
-  out.victims = std::move(std::get<0>(v));
+  out.slots = std::move(std::get<0>(v));
   out.candidates = std::move(std::get<1>(v));
   out.top = std::move(std::get<2>(v));
   return out;
@@ -85,7 +87,7 @@ RecallScores victims_on_device(const LayerState& L, const Core& core, const at::
 /// processes before the softmax, as score_pools_head_mean()); summed over the real columns as
 /// fixed-point terms: [B, R] fp64, 0 past a row's pool. No sync. Runs inside
 /// allocating_with_reductions(): a reduction's error leaves as ReductionFailed.
-/// `mean_query` [B, 1, Q, D] fp32: the heads' mean query the score step computed and reduced
+/// `mean_query` [B, 1, Q, D] fp32: the heads' mean query the score stage computed and reduced
 /// (kHeadMean with a shared key), used as it is: neither computed nor reduced again.
 template <class Core>
 at::Tensor score_pools_on_device(int64_t layer, const at::Tensor& keys, const at::Tensor& valid, const at::Tensor& query,
@@ -131,7 +133,6 @@ class TierTensorPath {
     std::swap(keys_, o.keys_);
     store_.swap(o.store_);
     std::swap(mirrors_, o.mirrors_);
-    std::swap(real_, o.real_);
     std::swap(recalled_, o.recalled_);
   }
 
@@ -145,26 +146,30 @@ class TierTensorPath {
     store_.take(w, pass.evicted_t, L.position, L.state, buffers, ranks, max_position);
   }
 
-  /// recall's score step: every row's pages by page id, scored on the device with `query`
+  /// recall's score stage: every row's pages by page id, scored on the device with `in.query`
   /// [B, H, Q, D] (fp32, on core.device) per head (reduced across processes) or by the heads'
-  /// mean (the mean query's bound with one `shared_key`, the latent layout; the mean of the
-  /// heads' bounds otherwise; reduced before the softmax): RecallScores' sums [B, P] fp64
-  /// (score_pages()) and, by the heads' mean with a shared key, the mean query (mean_query),
-  /// which a two-level pool's scoring takes as it is (one reduction, not two). The real query
-  /// columns come through `mirrors_`. No sync. Throws c10::Error naming `layer`
-  /// when an allocation fails (nothing changed but the mirror) or as the reducer does.
+  /// mean (the mean query's bound with one shared key, the latent layout; the mean of the
+  /// heads' bounds otherwise; reduced before the softmax): PageScores' sums [B, P] fp64
+  /// (score_pages()), the real query columns they counted (`real`, through `mirrors_`: the same
+  /// in a steady decode) and, by the heads' mean with a shared key, the mean query
+  /// (mean_query), which a two-level pool's scoring takes as it is (one reduction, not two).
+  /// No sync. Throws c10::Error naming `layer` when an allocation fails (nothing changed but
+  /// the mirror) or as the reducer does.
   template <class Core>
-  RecallScores score(int64_t layer, const at::Tensor& query, double scale, int64_t /*K*/, bool /*pool*/,
-                     const LayerState& L, const Core& core) {
+  PageScores score(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core) {
     const auto& keys = keys_;
+    const auto& query = in.query;
+    const double scale = in.scale;
     const int64_t B = query.size(0), H = query.size(1), Q = query.size(2);
     const auto fail = [&](const std::string& why) {
       KVEVICT_CHECK(false, "recall: could not score the pages of layer ", layer, " on ", core.device, ": ", why);
     };
+    PageScores out;
     allocating([&] {
       // A mirror: the same in a steady decode.
-      real_ = mirrors_.real.get(real_flags(core, L, B, Q), core.device, {B, Q}, at::kBool);
+      out.real = mirrors_.real.get(real_flags(core, L, B, Q), core.device, {B, Q}, at::kBool);
     }, fail);
+    const auto& real = out.real;
     const int64_t G = store_.key_groups();
     // An empty tier (nothing taken yet) scores one page 0, through the same steps (and the same
     // collectives under tensor parallelism).
@@ -172,12 +177,11 @@ class TierTensorPath {
     const auto zeros = [&](at::IntArrayRef shape, at::ScalarType dtype) {
       return at::zeros(shape, query.options().dtype(dtype));
     };
-    RecallScores out;
     out.sums = score_pages(
         keys.head_mean, layer, core, fail,
         [&] {
           return empty ? zeros({B, 1}, at::kDouble)
-                       : store_.scores_of(store_.bound(query, scale), TierStore::columns(real_, H, G));
+                       : store_.scores_of(store_.bound(query, scale), TierStore::columns(real, H, G));
         },
         [&] {  // the mean query, or the mean bound
           return keys.shared ? query : empty ? zeros({B, H, Q, 1}, at::kFloat) : store_.bound(query, scale);
@@ -185,50 +189,62 @@ class TierTensorPath {
         [&](const at::Tensor& mean) {
           if (keys.shared) out.mean_query = mean;  // the pool's scoring takes it as it is
           if (empty) return zeros({B, 1}, at::kDouble);
-          return store_.scores_of(keys.shared ? store_.bound(mean, scale) : mean, TierStore::columns(real_, 1, 1));
+          return store_.scores_of(keys.shared ? store_.bound(mean, scale) : mean, TierStore::columns(real, 1, 1));
         });
     return out;
   }
 
-  /// recall's plan step: the victims (victims_on_device(): the `K` lowest-ranked candidates,
-  /// their number, the best one's state) and the tier tokens that replace them, at most
-  /// min(tokens, candidates) a row: TierStore::pick() of the best whole pages by `scores`, or,
-  /// two-level (`rescore` > tokens), the pool of the best whole pages up to `rescore` tokens
-  /// sorted by position, scored again with its keys (score_pools_on_device()) and its best
-  /// tokens (higher score first, equal scores the older position, never a score of 0). No
-  /// sync. Allocates.
+  /// recall's victims stage: victims_on_device() of the `in.K` lowest-ranked candidates, whose
+  /// end comes from the policy's device `counters` [B, 3] (undefined: nothing appended yet) and
+  /// each row's latest append (`mirrors_`). No sync. Throws c10::Error naming `layer` when an
+  /// allocation fails (nothing changed but the mirror).
   template <class Core>
-  std::pair<TierStore::Picked, RecallScores> plan(int64_t layer, const RecallScores& scores, const at::Tensor& query,
-                                                  double scale, int64_t tokens, int64_t rescore, int64_t K,
-                                                  const LayerState& L, const Core& core, const at::Tensor& counters) {
-    std::pair<TierStore::Picked, RecallScores> out;
-    allocating_with_reductions([&] { out = plan_on_device(layer, scores, query, scale, tokens, rescore, K, L, core, counters); },
+  Victims victims(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core,
+                  const at::Tensor& counters) {
+    Victims out;
+    allocating([&] { out = victims_on_device(L, core, counters, layer, in.K, mirrors_); },
                [&](const std::string& why) {
                  KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
                });
     return out;
   }
 
-  /// recall's swap step: TierStore::swap() of the picked tokens with the victims (`plan`), the
+  /// recall's pick stage: the tier tokens that replace `victims`, at most min(tokens,
+  /// candidates) a row: TierStore::pick() of the best whole pages by `scores`, or, two-level,
+  /// the pool of the best whole pages up to `rescore` tokens sorted by position, scored again
+  /// with its keys (score_pools_on_device(), with the score stage's real columns and mean
+  /// query) and its best tokens (higher score first, equal scores the older position, never a
+  /// score of 0): Pick of store slots on the device. No sync. Allocates; throws c10::Error
+  /// naming `layer` when an allocation fails, or as the reducer does.
+  template <class Core>
+  Pick pick(int64_t layer, const RecallInput& in, const PageScores& scores, const Victims& victims,
+            const LayerState& L, const Core& core) {
+    Pick out;
+    allocating_with_reductions([&] { out = pick_on_device(layer, in, scores, victims, L, core); },
+               [&](const std::string& why) {
+                 KVEVICT_CHECK(false, "recall: could not allocate its plan for layer ", layer, ": ", why);
+               });
+    return out;
+  }
+
+  /// recall's swap stage: TierStore::swap() of the picked tokens (`pick`) with the victims, the
   /// policy's side through `exchange`, and the tokens recalled counted; one commit (a throw puts
-  /// back what was written: c10::Error naming recall). Returns the tokens recalled per row ([B]
-  /// int64 on the device). No sync.
+  /// back what was written: c10::Error naming recall). Returns the tokens recalled per row
+  /// (pick.count: [B] int64 on the device). No sync.
   template <class Ranks, class Exchange>
-  at::Tensor swap(const std::pair<TierStore::Picked, RecallScores>& plan, const LayerState& L,
-                  const std::vector<at::Tensor>& buffers, int64_t layer, Ranks&& ranks, Exchange&& exchange) {
-    const auto& picked = plan.first;
-    const auto& victims = plan.second;
+  at::Tensor swap(int64_t layer, const Pick& pick, const Victims& victims, const LayerState& L,
+                  const std::vector<at::Tensor>& buffers, Ranks&& ranks, Exchange&& exchange) {
     TensorUndo undo;
     TierWrites w(undo);
     allocating([&] {
-      if (!recalled_.defined()) recalled_ = at::zeros({1}, picked.count.options());
-      store_.swap(w, picked, victims.victims, victims.top, L.position, L.state, buffers, ranks, exchange,
+      if (!recalled_.defined()) recalled_ = at::zeros({1}, pick.count.options());
+      store_.swap(w, pick, victims.slots, victims.top, L.position, L.state, buffers, ranks, exchange,
                   max_position(L), recalled_);
     }, [&](const std::string& why) {
       KVEVICT_CHECK(false, "recall: could not allocate the swap of layer ", layer, ": ", why);
     });
     w.commit("recall");
-    return picked.count;
+    return pick.count;
   }
 
   /// Plans into `w`: row b's tokens at positions >= `from` leave (a truncate; one upload of the
@@ -248,7 +264,6 @@ class TierTensorPath {
     store_.clear();
     recalled_ = at::Tensor();
     mirrors_ = RecallMirrors{};
-    real_ = at::Tensor();
   }
 
   /// The reads (each reads the device: a sync on CUDA).
@@ -266,36 +281,32 @@ class TierTensorPath {
   int64_t size(int64_t b) const { return store_.count_from(b, 0); }
 
  private:
-  /// plan()'s work.
+  /// pick()'s work.
   template <class Core>
-  std::pair<TierStore::Picked, RecallScores> plan_on_device(int64_t layer, const RecallScores& scores,
-                                                            const at::Tensor& query, double scale, int64_t tokens,
-                                                            int64_t rescore, int64_t K, const LayerState& L,
-                                                            const Core& core, const at::Tensor& counters) {
+  Pick pick_on_device(int64_t layer, const RecallInput& in, const PageScores& scores, const Victims& victims,
+                      const LayerState& L, const Core& core) {
     const auto& keys = keys_;
-    auto victims = victims_on_device(L, core, counters, layer, K, mirrors_);
+    const int64_t tokens = in.tokens, rescore = in.rescore, K = in.K;
     const auto limit = victims.candidates.clamp_max(std::min(tokens, K));
-    if (!(tokens > 0 && rescore > tokens)) return {store_.pick(scores.sums, limit, K), victims};
+    if (!in.two_level()) return store_.pick(scores.sums, limit, K);
     const int64_t B = L.position.size(0), R = std::min(rescore, store_.capacity());
     const auto longs = L.position.options();
     const auto pool = store_.pick(scores.sums, at::full({B}, rescore, longs), R);
-    if (R == 0) return {store_.picked(at::Tensor(), at::Tensor(), K, false), victims};
+    if (R == 0) return store_.picked(at::Tensor(), at::Tensor(), K, false);
     const auto sorted = store_.pool(pool);  // by position, their keys, valid columns
     const auto& by_position = std::get<0>(sorted);
     const auto& valid = std::get<2>(sorted);
-    const auto exact =
-        score_pools_on_device(layer, std::get<1>(sorted), valid, query, scores.mean_query, real_, keys.shared,
-                              keys.head_mean, scale, core);
+    const auto exact = score_pools_on_device(layer, std::get<1>(sorted), valid, in.query, scores.mean_query,
+                                             scores.real, keys.shared, keys.head_mean, in.scale, core);
     // The best tokens of the pool's pages (not whole pages): higher score first, equal scores
     // the older position.
     auto best = ops::pick_tokens(exact, valid, by_position, limit, K, store_.capacity());
-    return {TierStore::Picked{std::move(std::get<0>(best)), std::move(std::get<1>(best)), false}, victims};
+    return Pick{std::move(std::get<0>(best)), std::move(std::get<1>(best)), false};
   }
 
   TierKeys keys_;
   TierStore store_;
   RecallMirrors mirrors_;
-  at::Tensor real_;      // score()'s real query columns [B, Q] bool on the device, for plan()
   at::Tensor recalled_;  // [1] int64 on the device: tokens recalled since the last reset()
 };
 

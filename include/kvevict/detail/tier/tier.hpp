@@ -12,6 +12,7 @@
 #include <kvevict/detail/policy/layer_state.hpp>
 #include <kvevict/detail/tier/host_path.hpp>
 #include <kvevict/detail/tier/page_digests.hpp>
+#include <kvevict/detail/tier/recall_stages.hpp>
 #include <kvevict/detail/tier/row.hpp>
 #include <kvevict/detail/tier/scoring.hpp>
 #include <kvevict/detail/tier/store.hpp>
@@ -35,13 +36,11 @@ namespace detail {
 /// The tiers of one layer, the facade over the tier's two paths as EvictionPolicy is over the
 /// policy's: TierHostPath (tier/host_path.hpp: per row a TierRow and its PageDigests, on the
 /// CPU) or TierTensorPath (tier/tensor_path.hpp: a TierStore, tensor ops on the cache's
-/// device), which have the same step names (both score into RecallScores; the victims are
-/// found in score on the host path and in plan on the tensor path, and the plans' types
-/// differ). Each public call is one call per
-/// step into the path: take() plans a pass's evicted tokens into the pass's commit; recall()
-/// scores the pages, plans what comes back and the slots it replaces, and swaps them;
-/// release(), drop_from() and reserve() plan into the commit of finish, reset, truncate and
-/// reserve_tier; the reads read the path's storage.
+/// device), which have the same steps. Each public call is one call per step into the path:
+/// take() plans a pass's evicted tokens into the pass's commit; recall() runs recall's stages
+/// (score, victims, pick, swap), the same on both paths with the same types
+/// (tier/recall_stages.hpp); release(), drop_from() and reserve() plan into the commit of
+/// finish, reset, truncate and reserve_tier; the reads read the path's storage.
 class LayerTier {
   /// Calls `f(path)` with the path of this tier.
   template <class F>
@@ -108,40 +107,6 @@ class LayerTier {
   /// The digests' page size, tokens (cache options' tier_page_size).
   int64_t page_size() const noexcept { return keys_.page_size; }
 
-  /// recall()'s input checks past the layout's shapes and the policy's (CacheBase::check_recall():
-  /// no open observation), naming `call`: scale finite and > 0, tokens and rescore in [0, 2^40],
-  /// a two-level rescore (> tokens) of at least one page, and, with observation checks on
-  /// (core.check: the CPU's default), every row's real query columns [B, H, Q, D] finite (as in
-  /// observe(), pads and free rows may hold anything): one read of the device. With checks off (CUDA's default) the queries are not
-  /// read: a row whose real queries are not finite gets NaN page scores and recalls nothing
-  /// (pick() and pick_tokens() take only scores > 0). Throws c10::Error.
-  template <class Core>
-  void check_recall(const char* call, int64_t /*layer*/, const at::Tensor& query, double scale, int64_t tokens,
-                    int64_t rescore, const LayerState& L, const Core& core) const {
-    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
-    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
-                        ": tokens must be in [0, 2^40], got ", tokens);
-    KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
-                        ": rescore must be in [0, 2^40], got ", rescore);
-    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size(), call, ": rescore must be <= tokens (", tokens,
-                        ", whole pages) or hold at least one page (tier_page_size ", page_size(),
-                        ") for two-level recall, got ", rescore);
-    if (!core.check) return;
-    // One read of the device for every row: per row, whether a real column is not finite.
-    const int64_t B = query.size(0), Q = query.size(2);
-    bool all_real = true;
-    for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
-    // The common case: every column real, and a finite sum (a NaN or an infinity anywhere makes
-    // the sum non-finite; an overflow of finite values only sends it to the exact check below).
-    if (all_real && std::isfinite(query.sum(at::kDouble).template item<double>())) return;
-    const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
-    const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
-    for (int64_t b = 0; b < B; ++b) {
-      KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
-                          " must be finite, got a NaN or an infinity");
-    }
-  }
-
   /// Adds this layer's tier counters to `s` (CacheStats: tier_tokens, tier_bytes, tier_device_bytes,
   /// tier_recalled). On the tensor path reads the device.
   template <class Stats>
@@ -154,42 +119,46 @@ class LayerTier {
     });
   }
 
-  /// Recall (CacheBase::recall_rows(), after the checks and the flush), in three steps, each
-  /// row at once: score (every active row's pages scored with `query` [B, H, Q, key width],
-  /// fp32, the row's real columns as observe(), reduced across processes like observations:
-  /// core's reduce_contributions; kHeadMean, keys_.head_mean: the heads' sums before the
-  /// softmax, head_sum() / head_mean()), plan (the best pages' tokens, at most `tokens` per
-  /// row, whole pages, and the row's lowest-ranked heavy hitters they replace) and swap (the
-  /// tokens and the victims exchange places in `L` and `buffers`). Returns the tokens recalled
-  /// per row: [B] int64, on the cache's device.
+  /// Recall (CacheBase::recall_rows(), after the checks and the flush): recall's stages, each
+  /// every row at once, each one call into the path (tier/recall_stages.hpp):
+  ///   - score: PageScores, every active row's pages scored with `in.query` [B, H, Q, key
+  ///     width] (fp32, the row's real columns as observe(), reduced across processes like
+  ///     observations: core's reduce_contributions; kHeadMean, keys_.head_mean: the heads'
+  ///     sums before the softmax, head_sum() / head_mean());
+  ///   - victims: Victims, each row's `in.K` lowest-ranked heavy hitters (victim_range()'s
+  ///     candidates in eviction order) and the best one's state;
+  ///   - pick: Pick, the best pages' tokens, at most `in.tokens` per row and no more than the
+  ///     row's candidates, whole pages; two-level (in.two_level()): the best whole pages up
+  ///     to `in.rescore` tokens per row are the pool, each pool token is scored again with its
+  ///     own keys (the exact logits, the same softmax and fixed-point sum over the pool,
+  ///     reduced the same way), and the best `in.tokens` of the pool come back one by one
+  ///     (higher score first, equal scores the older position; never a score of 0);
+  ///   - swap: the picked tokens and the victims exchange places in `L` and `buffers`.
+  /// Returns the tokens recalled per row: [B] int64, on the cache's device.
   ///
-  /// rescore > tokens (two-level recall): the best whole pages up to `rescore` tokens per row
-  /// are the pool, each pool token is scored again with its own keys (the exact logits, the
-  /// same softmax and fixed-point sum over the pool, reduced the same way), and the best
-  /// `tokens` of the pool come back one by one (higher score first, equal scores the older
-  /// position; never a score of 0). Otherwise whole pages come back.
-  ///
-  /// Host path (TierHostPath; everything on the CPU): score_on_host() scores the pages,
-  /// victims_on_host() finds the victim candidates, the plan picks on the host and swap()
-  /// exchanges the tokens with the slots in place; every allocation before the first write.
-  /// Tensor path (TierTensorPath; the cache's tensors and `query` on its device): every step
-  /// tensor ops there (TierStore: the pages scored by page id, the victims by one top-k of
-  /// eviction_keys() among the candidates, whose end comes from the policy's device `counters`
-  /// [B, 3], the pick as a scan, the swap through the rows' view) under one undo log: no host
-  /// sync, no host read, no copy between host and device in the steady state.
+  /// Host path (TierHostPath; everything on the CPU, the stages' tensors host tensors):
+  /// score_on_host() scores the pages, victims_on_host() finds the victims with a loop, pick
+  /// picks on the host and swap exchanges the tokens with the slots in place; every allocation
+  /// before the first write. Tensor path (TierTensorPath; the cache's tensors and the query on
+  /// its device): every stage tensor ops there (TierStore: the pages scored by page id, the
+  /// victims by one op among the candidates, whose end comes from the policy's device
+  /// `counters` [B, 3], the pick as one op or a scan, the swap as one op or through the rows'
+  /// view under one undo log): no host sync, no host read, no copy between host and device in
+  /// the steady state. The victims stage is the one whose inputs differ: the host path reads
+  /// L's host counters, the tensor path the policy's device `counters`.
   ///
   /// The tier writes rows of `buffers` and its own storage; the policy's positions and states
   /// change only through `exchange(slots, positions, states)` (PolicyState::exchange()).
   template <class Core, class Exchange>
-  at::Tensor recall(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore,
-                    const LayerState& L, const Core& core, const std::vector<at::Tensor>& buffers,
-                    const at::Tensor& counters, Exchange&& exchange) {
-    const int64_t K = std::min(tokens, L.slots);  // victims a row may need
+  at::Tensor recall(int64_t layer, const RecallInput& in, const LayerState& L, const Core& core,
+                    const std::vector<at::Tensor>& buffers, const at::Tensor& counters, Exchange&& exchange) {
     const auto rank = [&](const auto& state) { return core.scorer.rank(state); };
     return on_path([&](auto& p) {
-      const auto scores = p.score(layer, query, scale, K, tokens > 0 && rescore > tokens, L, core);
-      const auto plan = p.plan(layer, scores, query, scale, tokens, rescore, K, L, core, counters);
-      return p.swap(plan, L, buffers, layer, rank, exchange);
+      const PageScores scores = p.score(layer, in, L, core);
+      const Victims victims = host_ ? host_path_.victims(layer, in, L, core)
+                                    : tensor_path_.victims(layer, in, L, core, counters);
+      const Pick pick = p.pick(layer, in, scores, victims, L, core);
+      return p.swap(layer, pick, victims, L, buffers, rank, exchange);
     });
   }
 
