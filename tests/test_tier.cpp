@@ -1297,7 +1297,8 @@ TEST_CASE("save_layer and restore_layer undo drafts whole: restored, then the ac
   same(0);
   kvevict::MlaLatentCache other_capacity(opts, EvictionOptions(5).n_sink(1).n_recent(3));
   auto s3 = other_capacity.save_layer(0);
-  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s3)), Contains("capacity 9, this one's layer 0 has batch_size 1 and capacity 7"));
+  CHECK_THROWS_WITH(A.restore_layer(0, std::move(s3)),
+                    Contains("capacity 9 and evict_every 1, this one's layer 0 has batch_size 1, capacity 7 and"));
   // Calls that change every layer's rows between a save and its restore: refused (restoring one
   // layer would leave the layers disagreeing).
   auto s4 = A.save_layer(0);

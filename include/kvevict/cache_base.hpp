@@ -406,11 +406,10 @@ class CacheBase {
                       a.device(), ", this cache's layer ", layer, " holds ", bufs[i].sizes(), " ",
                       bufs[i].scalar_type(), " on ", bufs[i].device(), ": it was made from another cache");
       }
-      const int64_t tier = save.tier_.budget();
-      KVEVICT_CHECK(tier_tokens_ > 0 ? tiers_[layer].same_kind(save.tier_) : tier == 0, "restore_layer: the save holds ",
-                    tier > 0 ? "a host tier" : "no host tier", " of ", tier, " tokens per row, this cache's layer ", layer,
-                    " ", tier_tokens_ > 0 ? "a host tier" : "none", " of ", tier_tokens_,
-                    ": it was made from another cache");
+      const LayerTier none;
+      const LayerTier& mine = tier_tokens_ > 0 ? tiers_[layer] : none;
+      KVEVICT_CHECK(mine.same_kind(save.tier_), "restore_layer: the save holds ", save.tier_.describe(),
+                    ", this cache's layer ", layer, " ", mine.describe(), ": it was made from another cache");
       // The commit: swaps, which allocate nothing and cannot throw.
       policy_.restore_layer(layer, std::move(save.policy_));
       buffers_[layer].swap(save.buffers_);

@@ -232,6 +232,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     int64_t layer_ = -1;
     int64_t epoch_ = 0;     // the policy's epoch when saved: restore_layer() needs the same
     int64_t capacity_ = 0;  // the layer's capacity
+    int64_t evict_every_ = 0;
     typename detail::PolicyState<Scorer>::Grown state_;
   };
 
@@ -254,6 +255,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
       s.state_ = copied(layer);
       s.epoch_ = epoch_;
       s.capacity_ = capacity(layer);
+      s.evict_every_ = core_.eviction.evict_every();
       s.layer_ = layer;
       return s;
     });
@@ -281,9 +283,11 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer, " has an open observation (observe_begin() without ",
                   "observe_end()); end it first");
     const int64_t B = save.state_.state.position.size(0);
-    KVEVICT_CHECK(B == batch_size() && save.capacity_ == capacity(layer), call, ": the save is of a layer of batch_size ",
-                  B, " and capacity ", save.capacity_, ", this one's layer ", layer, " has batch_size ", batch_size(),
-                  " and capacity ", capacity(layer), ": it was made from another cache or policy");
+    const int64_t ee = core_.eviction.evict_every();
+    KVEVICT_CHECK(B == batch_size() && save.capacity_ == capacity(layer) && save.evict_every_ == ee, call,
+                  ": the save is of a layer of batch_size ", B, ", capacity ", save.capacity_, " and evict_every ",
+                  save.evict_every_, ", this one's layer ", layer, " has batch_size ", batch_size(), ", capacity ",
+                  capacity(layer), " and evict_every ", ee, ": it was made from another cache or policy");
     KVEVICT_CHECK(save.epoch_ == epoch_, call, ": reset, finish, add_sequence or truncate ran since the save of layer ",
                   layer, "; they change every layer's rows, and restoring one layer would leave the layers disagreeing");
     KVEVICT_CHECK(save.state_.state.slots >= base_slots_unchecked(layer), call, ": reserve() raised layer ", layer,

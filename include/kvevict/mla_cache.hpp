@@ -184,8 +184,9 @@ class BasicMlaCache : public detail::CacheBase<Policy> {
                 {"B", "H", "Q", "qk_dim"}, "[B, H, Q, qk_dim]");
     KVEVICT_CHECK_TYPE(at::isFloatingType(query.scalar_type()), "query must be floating, got ", query.scalar_type());
     KVEVICT_CHECK_VALUE(query.size(2) >= 1, "query must hold at least one query, got Q = 0");
-    Base::check_recall("recall", layer, query, scale, tokens, rescore);
-    return Base::recall_rows(layer, query.to(at::kFloat).contiguous(), scale, tokens, rescore);
+    const auto q = query.to(at::kFloat).contiguous();  // checked as it is scored: a query finite only in fp64 is not
+    Base::check_recall("recall", layer, q, scale, tokens, rescore);
+    return Base::recall_rows(layer, q, scale, tokens, rescore);
   }
 
  public:

@@ -72,7 +72,8 @@ class EvictionConfig:
         tier_page_size: tier page size in tokens (Quest digests per page).
         recall_tokens: tokens recalled per forward and layer when a tier is on.
         recall_rescore: two-level recall: the best pages up to this many tokens are scored again
-            token by token (0: whole pages come back). At least ``tier_page_size`` when set.
+            token by token (at most ``recall_tokens``, e.g. 0: whole pages come back). At least
+            ``tier_page_size`` when it is more than ``recall_tokens``.
         tier_scoring: "head_mean" (pages scored by the heads' mean logit) or "per_head".
         prefill_chunk: a forward of more than this many tokens (a long prompt) is appended,
             attended and evicted chunk by chunk, so the attention's memory is
@@ -101,19 +102,20 @@ class EvictionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"kvevict: {name} must be an int, got {type(v).__name__} ({v!r})")
-            if v < 0:
-                raise ValueError(f"kvevict: {name} must be >= 0, got {v}")
+            if not 0 <= v <= _k.EvictionOptions.MAX_TOKENS:
+                raise ValueError(f"kvevict: {name} must be in [0, 2^40], got {v}")
         for name in ("evict_every", "tier_page_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"kvevict: {name} must be an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _k.EvictionOptions.MAX_TOKENS:
+                raise ValueError(f"kvevict: {name} must be an int in [1, 2^40], got {v!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"kvevict: layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.tier_scoring not in ("head_mean", "per_head"):
             raise ValueError(f"kvevict: tier_scoring must be 'head_mean' or 'per_head', got {self.tier_scoring!r}")
-        if self.tier_tokens and self.recall_rescore and self.recall_rescore < self.tier_page_size:
-            raise ValueError(f"kvevict: recall_rescore must be 0 or >= tier_page_size = {self.tier_page_size}, "
-                             f"got {self.recall_rescore}")
+        if (self.tier_tokens and self.recall_rescore > self.recall_tokens
+                and self.recall_rescore < self.tier_page_size):  # two-level recall's pool: at least one page
+            raise ValueError(f"kvevict: recall_rescore must be <= recall_tokens ({self.recall_tokens}, whole pages) or "
+                             f">= tier_page_size ({self.tier_page_size}, two-level recall), got {self.recall_rescore}")
         if not isinstance(self.observe, bool):
             raise TypeError(f"kvevict: observe must be a bool, got {type(self.observe).__name__} ({self.observe!r})")
         if self.layer_budgets is not None:

@@ -50,6 +50,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -197,6 +198,7 @@ class KVEvictCache(Cache):
         self._verify = 0  # the forward in progress: its last columns that are drafts (speculative decoding)
         self._drafts: Dict[int, Tuple[Any, ...]] = {}  # per layer: what runs an accepted draft again
         self._drafts_k = 0  # drafts of the latest verify forward not yet settled by crop()
+        self._thread = None  # the thread that ran the latest forward: the one a read may settle drafts on
 
     # -- what transformers asks -------------------------------------------------------------------
     @property
@@ -380,8 +382,10 @@ class KVEvictCache(Cache):
 
         Read outside ``generate()`` after a verify forward of assisted decoding that no ``crop()``
         followed (transformers < 5.15 crops only when a draft was rejected), it first runs the drafts
-        again, all accepted; inside ``generate()`` it shows the layers as they were before the drafts."""
-        if self._drafts_k and self._step is None and not _in_generate():
+        again, all accepted; inside ``generate()``, or from a thread other than the one that ran the
+        forwards, it shows the layers as they were before the drafts (a cache is not thread-safe:
+        read it from another thread only between generations)."""
+        if self._drafts_k and self._step is None and threading.get_ident() == self._thread and not _in_generate():
             self._settle(self._drafts_k)
         return self._kv
 
@@ -401,6 +405,7 @@ class KVEvictCache(Cache):
                                "(generate() without past_key_values, or handle.new_cache())")
         if self._drafts_k:  # no crop() after the latest verify forward: every draft was accepted
             self._settle(self._drafts_k)
+        self._thread = threading.get_ident()
         drafts, self._handle._draft_k = self._handle._draft_k, 0
         counts = None
         if mask is not None:

@@ -616,3 +616,18 @@ def test_save_layer_and_restore_layer_undo_steps_whole():
     policy.restore_layer(0, saved)
     assert policy.positions(0).tolist() == [[0, 1, 2]]
     assert torch.equal(policy.scores(0), torch.tensor([[0.5, 0.1, 0.9]]))
+
+
+def test_recall_checks_the_query_as_it_is_scored_in_fp32():
+    """A float64 query finite in fp64 but not in fp32 (1e300) is refused with checks on, as
+    recall_absorbed refuses it: recall scores the query in fp32."""
+    cache = kvevict.MlaCache(kvevict.MlaCacheOptions(1, 2, qk_dim=4, v_dim=2, tier_tokens=8, tier_page_size=2),
+                             kvevict.EvictionOptions(2, n_sink=1, n_recent=1))
+    cache.update(0, torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 2))
+    cache.evict_now(0)
+    before = (cache.positions(0), cache.tier_positions(0, 0))
+    q = torch.randn(1, 2, 1, 4, dtype=torch.float64)
+    q[0, 1, 0, 2] = 1e300
+    with pytest.raises(ValueError, match="recall: the queries of row 0 must be finite"):
+        cache.recall(0, q, 0.5, 2)
+    assert torch.equal(before[0], cache.positions(0)) and torch.equal(before[1], cache.tier_positions(0, 0))

@@ -789,6 +789,33 @@ def test_speculative_decoding_of_a_left_padded_row_equals_greedy(layout):
         assert all(torch.equal(kept[l], h.positions(l)) for l in range(2))
 
 
+def test_reading_the_handle_from_another_thread_leaves_speculation_exact():
+    """A read of the handle on another thread between a verify forward and its crop() (placed
+    there by a spy on crop) does not run the drafts: only crop() or the generating thread may.
+    The tokens stay greedy's."""
+    import threading
+    model = make_model()
+    base = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([base] * 4, 1)
+    h = install_kv_eviction(model, **EVICTING["tier_recall"])
+    greedy = gen(model, ids, None, max_new_tokens=24)
+    orig = hf.KVEvictCache.crop
+    reads = []
+
+    def crop_after_a_foreign_read(self, n):
+        reader = threading.Thread(target=lambda: reads.append((h.stats()["tokens_evicted"], h.positions(0))))
+        reader.start()
+        reader.join()
+        return orig(self, n)
+
+    hf.KVEvictCache.crop = crop_after_a_foreign_read
+    try:
+        spec = gen(model, ids, None, max_new_tokens=24, prompt_lookup_num_tokens=6)
+    finally:
+        hf.KVEvictCache.crop = orig
+    assert reads and torch.equal(greedy.sequences, spec.sequences)
+
+
 def test_assistant_early_exit_is_refused_before_any_forward():
     model = make_model()
     forwards = []

@@ -130,3 +130,15 @@ def test_the_press_warning_points_at_the_callers_with():
         with kvevict.press(Model(Config(n_layers=1)), budget=8, n_sink=2, n_recent=4, window=8):
             pass
     assert record[0].filename == __file__
+
+
+def test_eviction_config_bounds_recall_settings_as_the_cpp_does():
+    from kvevict import EvictionConfig
+    with pytest.raises(ValueError, match=r"recall_tokens must be in \[0, 2\^40\]"):
+        EvictionConfig(recall_tokens=2 ** 41)
+    with pytest.raises(ValueError, match=r"tier_page_size must be an int in \[1, 2\^40\]"):
+        EvictionConfig(tier_page_size=2 ** 41)
+    # rescore <= tokens: whole pages, whatever the page size; two-level needs a whole page
+    EvictionConfig(tier_tokens=64, tier_page_size=16, recall_tokens=8, recall_rescore=4)
+    with pytest.raises(ValueError, match="recall_rescore must be <= recall_tokens"):
+        EvictionConfig(tier_tokens=64, tier_page_size=16, recall_tokens=8, recall_rescore=12)

@@ -94,6 +94,13 @@ class LayerTier {
            keys_.shared == o.keys_.shared && keys_.head_mean == o.keys_.head_mean;
   }
   int64_t budget() const noexcept { return budget_; }
+  /// "no host tier", or "a host tier of N tokens per row, pages of P, scored per head" (or "by
+  /// the heads' mean"), for messages.
+  std::string describe() const {
+    if (budget_ == 0) return "no host tier";
+    return c10::str("a host tier of ", budget_, " tokens per row, pages of ", keys_.page_size, ", scored ",
+                    keys_.head_mean ? "by the heads' mean" : "per head", host_ ? "" : " (tensor path)");
+  }
 
   /// Exchanges everything with `o` (a copied() of this tier). Allocates nothing, does not throw.
   void swap(LayerTier& o) noexcept {
