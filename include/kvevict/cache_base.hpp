@@ -131,6 +131,15 @@ class CacheBase {
   /// The eviction state (read-only: change it through the cache, which moves the rows too).
   const Policy& policy() const noexcept { return policy_; }
 
+ private:
+  // The cache protocol: the policy's unchecked steps (EvictionPolicy::steps()), which this class
+  // runs in its all-or-nothing order.
+  using Steps = PolicyState<typename Policy::scorer_type>;
+  Steps& steps() noexcept { return policy_.steps(); }
+  const Steps& steps() const noexcept { return policy_.steps(); }
+
+ public:
+
   /// The longest row of `layer`: the token width S of views, positions and probabilities.
   /// \throws c10::IndexError for a bad layer.
   int64_t size(int64_t layer) const { return policy_.size(layer); }
@@ -210,7 +219,7 @@ class CacheBase {
       return 0;
     }
     auto& pass = pass_;
-    policy_.plan(layer, pass, now);
+    steps().plan(layer, pass, now);
     auto& bufs = buffers_[layer];
     int64_t evicted = 0;
     for (const auto n : pass.n) evicted += n;
@@ -219,7 +228,7 @@ class CacheBase {
     TensorUndo undo;  // what the tensor path's writes below change, put back if one of them throws
     TierWrites tier_writes(undo);
     if (tier_tokens_ > 0) {
-      tiers_[layer].take(pass, policy_.at(layer), bufs, [&](const auto& state) { return policy_.scorer().rank(state); },
+      tiers_[layer].take(pass, steps().at(layer), bufs, [&](const auto& state) { return policy_.scorer().rank(state); },
                          tier_writes);
     }
     if (policy_.host_path()) {
@@ -227,17 +236,17 @@ class CacheBase {
         apply_moves_host(pass.src.data(), pass.dst.data(), batch_size(), pass.columns, pass.columns,
                          bufs[i], token_dim(i));
       }
-      policy_.commit(layer, pass);
+      steps().commit(layer, pass);
     } else {
       LayerMoves moves;
       moves.gather(pass.to_moves(device()), specs_, bufs, move_rows_);
       if (!moves.moves.empty()) move_rows_ = moves.rows;  // made once: no kernel per pass
-      if (!moves.moves.empty()) policy_.save(undo, layer, /*counters=*/false);  // the last write
+      if (!moves.moves.empty()) steps().save(undo, layer, /*counters=*/false);  // the last write
       moves.save(undo, specs_, bufs);
       undo.commit(now ? "evict_now" : "evict", [&] {
         tier_writes.run();  // the tier's, from the rows as they were
         moves.scatter(specs_, bufs);
-        policy_.commit(layer, pass);  // its device writes, then the host counters
+        steps().commit(layer, pass);  // its device writes, then the host counters
       });
     }
     shrink_if_fits(layer);
@@ -325,11 +334,11 @@ class CacheBase {
         const int64_t base = policy_.base_slots(l);
         fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
       }
-      auto state = policy_.prepare_fresh("reset");
+      auto state = steps().prepare_fresh("reset");
       std::vector<LiveViews> no_views(live_views_.size());
       // The commit: swaps, and the tiers' clear(), which allocate nothing.
-      policy_.commit_fresh(state);
-      std::fill(policy_.core_.active.begin(), policy_.core_.active.end(), 1);
+      steps().commit_fresh(state);
+      steps().activate_all();
       buffers_.swap(fresh);
       live_views_.swap(no_views);
       for (auto& t : tiers_) t.clear();
@@ -461,7 +470,7 @@ class CacheBase {
         in_tier[l] = tiers_[l].count_from(row, policy_.seen_tokens(l, row) - k);
       }
     }
-    auto t = policy_.plan_truncate(row, k, in_tier);  // every check, every allocation of the state
+    auto t = steps().plan_truncate(row, k, in_tier);  // every check, every allocation of the state
     // The host path moves with memcpy; the tensor path gathers every layer's moved rows first.
     const bool host = policy_.host_path();
     std::vector<LayerMoves> moves(static_cast<size_t>(num_layers()));
@@ -474,7 +483,7 @@ class CacheBase {
       if (in_tier[l] > 0) tiers_[l].drop_from(row, policy_.seen_tokens(l, row) - k, tier_writes);
     }
     for (int64_t l = 0; l < num_layers() && !host; ++l) {
-      policy_.save(undo, l);
+      steps().save(undo, l);
       moves[l].save(undo, specs_, buffers_[l]);
     }
     undo.commit("truncate", [&] {
@@ -487,7 +496,7 @@ class CacheBase {
         moves[l].scatter(specs_, buffers_[l]);
       }
       tier_writes.run();
-      policy_.commit_truncate(t);
+      steps().commit_truncate(t);
     });
   }
 
@@ -544,12 +553,49 @@ class CacheBase {
 
   /// Appends the rows of a chunk: row b's tokens are its last counts[b] columns (all T when
   /// `counts` is empty: every active row appends T, free rows 0). Returns views over slots
-  /// [0, size(layer)) of every buffer.
+  /// [0, size(layer)) of every buffer. All or nothing, in four steps: plan_append() checks,
+  /// allocate_append() allocates (the growth last), write_append() writes the rows where no
+  /// caller looks yet, commit_append() commits under its undo.
   std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts) {
     check_not_moved("update");
     at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
     policy_.size(layer);      // checks the layer
-    const int64_t T = check_rows(specs_, rows, batch_size(), dtype_, device());
+    AppendPlan u = plan_append(layer, rows, counts);
+    allocate_append(layer, rows, u);
+    // The views handed back, made before the commit: every host allocation before it.
+    auto& target = u.grow ? u.grown_bufs : buffers_[layer];
+    const bool same_views = live_views_[layer].match(specs_, target, u.width);  // the decode steady state
+    LiveViews views;
+    std::vector<at::Tensor> out;
+    allocating([&] {
+      if (!same_views) views = views_over(layer, target, u.width);
+      out = same_views ? live_views_[layer].views : views.views;
+    }, [&](const std::string& why) {
+      KVEVICT_CHECK(false, "update: could not allocate the views of layer ", layer, " (", sizes_str(), "): ", why);
+    });
+    write_append(layer, target, u);
+    commit_append(layer, u);
+    if (!same_views) live_views_[layer] = std::move(views);
+    return out;
+  }
+
+  /// An append as its steps see it: plan_append() fills the sizes, allocate_append() the rest.
+  struct AppendPlan {
+    int64_t T = 0;                       // columns of the chunk
+    bool grow = false;                   // a row needs more slots: new buffers and state
+    int64_t slots = 0;                   // slots per row after the append
+    int64_t width = 0;                   // size(layer) after the append
+    std::vector<at::Tensor> src;         // what the writes read
+    at::Tensor map;                      // tensor path: [B, T] slots on the device, pads on the (new) trash slot
+    std::vector<at::Tensor> grown_bufs;  // grow: the layer's new buffers
+    typename Steps::Grown grown_state;   // grow: the layer's new eviction state
+  };
+
+  /// append(), its checks: the rows, the counts (into counts_), the room, the keys. Changes
+  /// nothing but counts_.
+  AppendPlan plan_append(int64_t layer, const std::vector<at::Tensor>& rows, at::IntArrayRef counts) {
+    AppendPlan u;
+    const int64_t T = u.T = check_rows(specs_, rows, batch_size(), dtype_, device());
     const int64_t B = batch_size();
     if (counts.empty()) {
       counts_.resize(B);
@@ -568,96 +614,92 @@ class CacheBase {
                           counts.size());
       counts_.assign(counts.begin(), counts.end());
     }
-    int64_t needed = 0;
+    int64_t needed = 0;  // size(layer) after the append
     for (int64_t b = 0; b < B; ++b) {
       KVEVICT_CHECK_VALUE(counts_[b] >= 0 && counts_[b] <= T, "counts[", b, "] must be in [0, T = ", T, "], got ",
                           counts_[b]);
       needed = std::max(needed, policy_.size(layer, b) + counts_[b]);
     }
-    const bool grow = needed > slots(layer) - 1;  // the last slot is the trash slot
-    if (grow) KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
-    policy_.check_append(layer, counts_, T, /*check_room=*/!grow);  // everything else, before growing
+    u.grow = needed > slots(layer) - 1;  // the last slot is the trash slot
+    if (u.grow) KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
+    policy_.check_append(layer, counts_, T, /*check_room=*/!u.grow);  // everything else, before growing
     if (policy_.checks_observations()) check_finite_keys(layer, rows, T);
-    const int64_t new_slots =
-        grow ? std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1)) : slots(layer);
-    // Everything that allocates comes next, the growth last: a throw there changes nothing, and
-    // the writes after it allocate nothing, so they do not throw.
-    auto& bufs = buffers_[layer];
+    u.slots = u.grow ? std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1))
+                     : slots(layer);
+    u.width = needed;
+    return u;
+  }
+
+  /// append(), everything that allocates: the rows to read, the tensor path's slot map and
+  /// device tensors, then the growth last (buffers and state made apart). A throw changes
+  /// nothing; the steps after it allocate nothing on the host path.
+  void allocate_append(int64_t layer, std::vector<at::Tensor>& rows, AppendPlan& u) {
+    const auto& bufs = buffers_[layer];
     const bool host = policy_.host_path();
-    std::vector<at::Tensor> src(specs_.size());  // what the writes read
-    at::Tensor map;  // tensor path: [B, T] slots on the device, pads on the (new) trash slot
+    u.src.resize(specs_.size());
     allocating([&] {
       for (size_t i = 0; i < specs_.size(); ++i) {
         if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
         const int64_t tdim = token_dim(i);
-        src[i] = !host || rows[i].stride(tdim + 1) == 1 ? rows[i] : rows[i].contiguous();  // host: read in place
+        u.src[i] = !host || rows[i].stride(tdim + 1) == 1 ? rows[i] : rows[i].contiguous();  // host: read in place
       }
-      if (!host) map = policy_.slot_map(layer, counts_.data(), T, new_slots - 1);
-      policy_.prepare_append(layer, counts_.data(), T, map);
-    }, [&](const std::string& why) {
-      KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
-                    sizes_str(), "): ", why);
-    });
-    // The growth, made apart (buffers and state), then the views handed back: every host
-    // allocation before the commit.
-    std::vector<at::Tensor> grown_bufs;
-    typename Policy::Grown grown_state;
-    if (grow) {
-      grown_bufs = resized_buffers(layer, new_slots, "update");
-      grown_state = policy_.resized(policy_.at(layer), layer, new_slots, "update");
+      if (!host) u.map = steps().slot_map(layer, counts_.data(), u.T, u.slots - 1);
+      steps().prepare_append(layer, counts_.data(), u.T, u.map);
+    }, [&](const std::string& why) { fail_append(layer, u.T, why); });
+    if (u.grow) {
+      u.grown_bufs = resized_buffers(layer, u.slots, "update");
+      u.grown_state = steps().resized(steps().at(layer), layer, u.slots, "update");
     }
-    auto& target = grow ? grown_bufs : bufs;
-    int64_t width = 0;  // size(layer) after the append
-    for (int64_t b = 0; b < B; ++b) width = std::max(width, policy_.size(layer, b) + counts_[b]);
-    const bool same_views = live_views_[layer].match(specs_, target, width);  // the decode steady state
-    LiveViews views;
-    std::vector<at::Tensor> out;
-    allocating([&] {
-      if (!same_views) views = views_over(layer, target, width);
-      out = same_views ? live_views_[layer].views : views.views;
-    }, [&](const std::string& why) {
-      KVEVICT_CHECK(false, "update: could not allocate the views of layer ", layer, " (", sizes_str(), "): ", why);
-    });
-    // The rows go to slots past each row's length (or to new buffers): nothing a caller sees
-    // changes until the commit below.
+  }
+
+  /// append(), the path's write: the rows go to slots past each row's length of `target` (the
+  /// layer's buffers, or the grown ones): nothing a caller sees changes.
+  void write_append(int64_t layer, std::vector<at::Tensor>& target, const AppendPlan& u) {
+    const bool host = policy_.host_path();
     for (size_t i = 0; i < specs_.size(); ++i) {
       if (host) {
-        append_rows_host(target[i], token_dim(i), src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
+        append_rows_host(target[i], token_dim(i), u.src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
       } else {
-        scatter_rows(target[i], token_dim(i), src[i], map);
+        scatter_rows(target[i], token_dim(i), u.src[i], u.map);
       }
     }
-    // The commit: swaps and host counters (the host path allocates nothing here); the tensor
-    // path's state writes are LibTorch in-place ops under an undo log (see the class comment):
-    // a grown layer swaps back, else the new slots' positions go back to -1.
+  }
+
+  /// append(), the commit: swaps and host counters (the host path allocates nothing here); the
+  /// tensor path's state writes are LibTorch in-place ops under an undo log (see the class
+  /// comment): a grown layer swaps back, else the new slots' positions go back to -1.
+  void commit_append(int64_t layer, AppendPlan& u) {
     TensorUndo undo;
-    if (!host) {
+    if (!policy_.host_path()) {
       allocating([&] {
-        if (grow) {
-          auto old = policy_.current(policy_.at(layer), layer);
-          const int64_t open_q = policy_.at(layer).open_q;
+        if (u.grow) {
+          auto old = steps().current(steps().at(layer), layer);
+          const int64_t open_q = steps().at(layer).open_q;
+          auto& grown_bufs = u.grown_bufs;
           undo.on_failure([this, layer, old, open_q, &grown_bufs]() mutable {
             buffers_[layer].swap(grown_bufs);
-            policy_.swap_in(policy_.at(layer), layer, old);
-            policy_.at(layer).open_q = open_q;
+            steps().swap_in(steps().at(layer), layer, old);
+            steps().at(layer).open_q = open_q;
           });
         } else {
-          policy_.save_append(undo, layer, map);
+          steps().save_append(undo, layer, u.map);
         }
-      }, [&](const std::string& why) {
-        KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
-                      sizes_str(), "): ", why);
-      });
+      }, [&](const std::string& why) { fail_append(layer, u.T, why); });
     }
     undo.commit("update", [&] {
-      if (grow) {
-        buffers_[layer].swap(grown_bufs);
-        policy_.swap_in(policy_.at(layer), layer, grown_state);
+      if (u.grow) {
+        buffers_[layer].swap(u.grown_bufs);
+        steps().swap_in(steps().at(layer), layer, u.grown_state);
       }
-      policy_.append_prepared(layer, counts_.data(), T, map);
+      steps().append_prepared(layer, counts_.data(), u.T, u.map);
     });
-    if (!same_views) live_views_[layer] = std::move(views);
-    return out;
+  }
+
+  /// An allocation failure of append() (`why`), named. \throws c10::Error.
+  [[noreturn]] void fail_append(int64_t layer, int64_t T, const std::string& why) const {
+    KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
+                  sizes_str(), "): ", why);
+    throw;  // not reached
   }
 
   /// With observation checks on (check_observations; default on CPU): every real (not pad) key
@@ -783,8 +825,8 @@ class CacheBase {
     check_not_moved(call);
     policy_.size(layer);  // checks the layer
     KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    const auto& L = policy_.at(layer);
-    const auto& core = policy_.core_;
+    const auto& L = steps().at(layer);
+    const auto& core = steps().core();
     KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
                   " has an open observation (observe_begin without observe_end); end or discard it first");
     const int64_t page_size = tiers_[layer].page_size();
@@ -822,12 +864,12 @@ class CacheBase {
   /// everything that allocates or throws comes before the first swap; on the tensor path the
   /// swap's writes run under an undo log.
   at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
-    auto& L = policy_.at(layer);
+    auto& L = steps().at(layer);
     policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
     const RecallInput in{query, scale, tokens, rescore, std::min(tokens, L.slots)};
-    auto recalled = tiers_[layer].recall(layer, in, L, policy_.core_, buffers_[layer], policy_.device_counters(layer),
+    auto recalled = tiers_[layer].recall(layer, in, L, steps().core(), buffers_[layer], steps().device_counters(layer),
                                          [&](const at::Tensor& slots, const at::Tensor& positions,
-                                             const at::Tensor& states) { policy_.exchange(layer, slots, positions, states); });
+                                             const at::Tensor& states) { steps().exchange(layer, slots, positions, states); });
     if (policy_.host_path()) {  // the host path wrote the buffers with memcpy
       for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
     }
@@ -915,25 +957,20 @@ class CacheBase {
     live_views_[layer] = LiveViews{};
   }
 
-  template <class>
-  friend class GrowthHold;  // prefill.hpp
-  template <class>
-  friend struct PromptPress;  // prefill.hpp: compress_prompt()
-
   /// compress_prompt() without a tier, after appending the kept tokens to the empty `layer`:
   /// EvictionPolicy's place_prompt() (prompt positions `keep` [B, n], seen tokens T, the T - n
   /// dropped tokens counted as evicted).
-  void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) { policy_.place_prompt(layer, keep, T); }
+  void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) { steps().place_prompt(layer, keep, T); }
 
   /// What compress_prompt() takes before its append into the empty `layer`: the layer's buffers
   /// and eviction state as they are (handles, no copy; allocates host vectors), which
   /// clear_layer() puts back if the append grew them.
   struct LayerBefore {
     std::vector<at::Tensor> buffers;
-    typename Policy::Grown state;
+    typename Steps::Grown state;
   };
   LayerBefore layer_before(int64_t layer) const {
-    return {buffers_.at(layer), policy_.current(policy_.at(layer), layer)};
+    return {buffers_.at(layer), steps().current(steps().at(layer), layer)};
   }
 
   /// compress_prompt()'s undo when a step after its append throws: empties `layer` (empty before
@@ -942,20 +979,11 @@ class CacheBase {
   /// exhausted leaves the layer at its usual size.
   /// The tensor path's clear (fills) may throw: the layer then keeps its grown buffers, consistent.
   void clear_layer(int64_t layer, LayerBefore& before) {
-    policy_.clear_layer(layer);
-    auto& L = policy_.at(layer);
+    steps().clear_layer(layer);
+    auto& L = steps().at(layer);
     if (L.slots != before.state.state.slots) {  // the append grew the layer: its own buffers and state back
       buffers_[layer].swap(before.buffers);
-      if (policy_.host_path()) {
-        policy_.swap_in(L, layer, before.state);  // the host path's scratch is sized by the slots
-      } else {  // the tensor path's scratch (counters, mirrors) does not depend on them: a resize keeps it
-        auto& N = before.state.state;
-        L.slots = N.slots;
-        std::swap(L.position, N.position);
-        std::swap(L.state, N.state);
-        std::swap(L.pending, N.pending);
-        L.open_q = 0;
-      }
+      steps().swap_back(layer, before.state);
       live_views_[layer] = LiveViews{};
     }
     shrink_if_fits(layer);
@@ -976,6 +1004,39 @@ class CacheBase {
     }
   }
 
+  /// hold() for GrowthHold: grows `layer` to `slots` slots per row now where it has fewer (all or
+  /// nothing, `what` naming the call) and keeps shrink_if_fits() from going below them.
+  void hold(int64_t layer, int64_t slots, const char* what) {
+    if (this->slots(layer) < slots) resize(layer, slots, what);  // all or nothing
+    if (hold_.empty()) hold_.assign(static_cast<size_t>(num_layers()), 0);
+    hold_.at(static_cast<size_t>(layer)) = slots;
+  }
+  /// Ends hold(): the layer shrinks back to base_slots if every row fits. Never throws.
+  void release_hold(int64_t layer) noexcept {
+    hold_[static_cast<size_t>(layer)] = 0;
+    shrink_if_fits(layer);
+  }
+
+ public:
+  /// What prefill.hpp runs on a cache beyond its public calls (GrowthHold, compress_prompt()'s
+  /// PromptPress), by name: internal, not for users. Each forwards to the cache's private step
+  /// of the same name (see there).
+  class PrefillSteps {
+   public:
+    explicit PrefillSteps(CacheBase& cache) noexcept : cache_(cache) {}
+    void hold(int64_t layer, int64_t slots, const char* what) { cache_.hold(layer, slots, what); }
+    void release_hold(int64_t layer) noexcept { cache_.release_hold(layer); }
+    LayerBefore layer_before(int64_t layer) const { return cache_.layer_before(layer); }
+    void place_prompt(int64_t layer, const at::Tensor& keep, int64_t T) { cache_.place_prompt(layer, keep, T); }
+    void clear_layer(int64_t layer, LayerBefore& before) { cache_.clear_layer(layer, before); }
+
+   private:
+    CacheBase& cache_;
+  };
+  /// The steps prefill.hpp runs (PrefillSteps): internal, not for users.
+  PrefillSteps prefill_steps() noexcept { return PrefillSteps(*this); }
+
+ private:
   Policy policy_;
   std::vector<BufferSpec> specs_;
   at::ScalarType dtype_;

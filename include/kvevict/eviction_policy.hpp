@@ -4,11 +4,13 @@
 // storage (slot_moves.hpp). MlaCache and MlaLatentCache own DeepSeek-V3-layout buffers over one.
 //
 // This file is the facade: it validates every call and hands it to its private base,
-// detail/policy/policy_state.hpp (the layers, growth, plan and commit), which makes one call per
-// step into a path: detail/policy/host_path.hpp (CPU loops) or detail/policy/tensor_path.hpp (ATen
-// ops: CUDA, and CPU in tests), which have the same steps in the same order. The state they
-// share is detail/policy/layer_state.hpp; the exact reduction detail/reduction.hpp; the plan of a pass
-// detail/policy/slot_plan.hpp; the selection rules selection.hpp.
+// detail/policy/policy_state.hpp (the layers, growth, plan and commit), which chooses the path
+// in one place (on_path) for each step: detail/policy/host_path.hpp (CPU loops) or
+// detail/policy/tensor_path.hpp (ATen ops: CUDA, and CPU in tests), which have the same steps in
+// the same order. The state they share is detail/policy/layer_state.hpp; the exact reduction
+// detail/reduction.hpp; the plan of a pass detail/policy/slot_plan.hpp; the selection rules
+// selection.hpp. The caches (detail::CacheBase, cache_base.hpp) run the cache protocol, the
+// base's public steps, through steps(): each sees only the other's public members.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/layer_state.hpp>
@@ -71,11 +73,6 @@ struct CacheStats {
     return *this;
   }
 };
-
-namespace detail {
-template <class Policy>
-class CacheBase;
-}  // namespace detail
 
 /// The eviction state of a cache, for storage it does not own. Per layer and batch row (one
 /// sequence per row), it keeps each live token's position, slot and scorer state, and each
@@ -148,6 +145,13 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// Whether observe() checks its input (EvictionPolicyOptions::check_observations, resolved).
   bool checks_observations() const noexcept { return core_.check; }
 
+  /// The cache protocol: the unchecked steps (the halves of an append, of a pass, of a
+  /// truncate and of a reset; exchange; save/undo; growth) that the caches that own buffers
+  /// (detail::CacheBase) run in their all-or-nothing order. Internal: not for users, who call
+  /// the checked calls of this class (evict(), truncate(), ...) instead.
+  detail::PolicyState<Scorer>& steps() noexcept { return *this; }
+  const detail::PolicyState<Scorer>& steps() const noexcept { return *this; }
+
   // -------------------------------------------------------------------------------------------
   // Sequences
 
@@ -191,7 +195,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
     detail::host_heap("reset", [&] {
       auto fresh = prepare_fresh("reset");  // every allocation first
       commit_fresh(fresh);
-      std::fill(core_.active.begin(), core_.active.end(), 1);
+      activate_all();
     });
   }
 
@@ -701,17 +705,14 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   }
 
  private:
-  // The cache protocol (exception safety: plan, move the buffers, commit) is for the caches
-  // that own buffers; users of caller-owned storage call evict().
-  template <class>
-  friend class detail::CacheBase;
+  // The base's steps the facade itself runs (the caches reach all of them through steps()).
   using Base = detail::PolicyState<Scorer>;
   using typename Base::Grown;
-  using Base::append_prepared, Base::at, Base::base_slots_unchecked, Base::begin_observation, Base::check_row,
-      Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation, Base::end_observation,
-      Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan, Base::plan_truncate, Base::prepare_append,
-      Base::resized, Base::slot_map, Base::swap_in, Base::save, Base::save_append, Base::current,
-      Base::exchange, Base::copied, Base::restore;
+  using Base::activate_all, Base::append_prepared, Base::at, Base::base_slots_unchecked, Base::begin_observation,
+      Base::check_row, Base::clear_row, Base::commit, Base::commit_truncate, Base::add_observation,
+      Base::end_observation, Base::flush_layer, Base::prepare_fresh, Base::commit_fresh, Base::on_path, Base::plan,
+      Base::plan_truncate, Base::prepare_append, Base::resized, Base::slot_map, Base::swap_in, Base::save,
+      Base::save_append, Base::current, Base::exchange, Base::copied, Base::restore;
   using Base::epoch_;
   using Base::core_, Base::host_, Base::host_path_, Base::layers_, Base::reserved_, Base::tensor_path_;
 };

@@ -111,14 +111,9 @@ class GrowthHold {
  public:
   /// `what` names the public call (e.g. "prefill_chunked") in an allocation failure's message.
   GrowthHold(Cache& cache, int64_t layer, int64_t slots, const char* what) : cache_(cache), layer_(layer) {
-    if (cache_.slots(layer) < slots) cache_.resize(layer, slots, what);  // all or nothing
-    if (cache_.hold_.empty()) cache_.hold_.assign(static_cast<size_t>(cache_.num_layers()), 0);
-    cache_.hold_.at(static_cast<size_t>(layer)) = slots;
+    cache_.prefill_steps().hold(layer, slots, what);  // all or nothing
   }
-  ~GrowthHold() {
-    cache_.hold_[static_cast<size_t>(layer_)] = 0;
-    cache_.shrink_if_fits(layer_);
-  }
+  ~GrowthHold() { cache_.prefill_steps().release_hold(layer_); }
   GrowthHold(const GrowthHold&) = delete;
   GrowthHold& operator=(const GrowthHold&) = delete;
 
@@ -152,7 +147,7 @@ at::Tensor kept_or_free(const Cache& cache, const at::Tensor& keep) {
   return keep.masked_fill(rows.to(keep.device()), -1);
 }
 
-/// compress_prompt()'s steps on the cache (a friend of CacheBase), all or nothing: `a`, `b` the
+/// compress_prompt()'s steps on the cache (CacheBase::prefill_steps()), all or nothing: `a`, `b` the
 /// prompt's two buffers (k, v or ckv, kpe) with tokens along `dim`, `scores` [B, T] its ranks,
 /// `keep` [B, n] the kept positions. Without a tier the n kept rows are appended, ranked, and
 /// given their prompt positions (place_prompt()); with one all T rows are appended, ranked, and
@@ -164,7 +159,8 @@ struct PromptPress {
                   const at::Tensor& scores, const at::Tensor& keep) {
     at::NoGradGuard no_grad;
     const bool tier = cache.tier_tokens() > 0;
-    auto before = cache.layer_before(layer);  // for the undo below; a throw here changes nothing
+    auto steps = cache.prefill_steps();
+    auto before = steps.layer_before(layer);  // for the undo below; a throw here changes nothing
     if (tier) {
       cache.update(layer, a, b);  // a throw changes nothing
     } else {
@@ -176,11 +172,11 @@ struct PromptPress {
         cache.evict_now(layer);
       } else {
         cache.add_scores(layer, scores.gather(1, keep));
-        cache.place_prompt(layer, keep, scores.size(1));
+        steps.place_prompt(layer, keep, scores.size(1));
       }
     } catch (...) {
       try {
-        cache.clear_layer(layer, before);
+        steps.clear_layer(layer, before);
       } catch (...) {  // the tensor path's fills (a heap that stays exhausted): say so
         restore_failed() = true;
         KVEVICT_CHECK(false, "compress_prompt: a step after its append failed, and emptying layer ", layer,

@@ -2,8 +2,11 @@
 // The private half of EvictionPolicy (eviction_policy.hpp): the state of every layer and the
 // steps that the public calls are checked into. Growth and shrinking of the slots, the two
 // halves of a truncate and of an append, pass planning and commit, and the observation
-// plumbing; each makes one call per step into the host path (host_path.hpp) or the tensor path
-// (tensor_path.hpp). Nothing here validates user input: the facade has done that.
+// plumbing. The path is chosen in one place, on_path() (a step both paths have) or
+// on_tensor_path() (a step only the tensor path needs: undo copies, device tensors made
+// ahead): host_path.hpp (CPU loops) or tensor_path.hpp (ATen ops). Its public steps are the
+// cache protocol: EvictionPolicy::steps() hands them to detail::CacheBase (cache_base.hpp),
+// and nothing else calls them. Nothing here validates user input: the facade has done that.
 
 #include <kvevict/check.hpp>
 #include <kvevict/detail/policy/host_path.hpp>
@@ -27,11 +30,13 @@
 namespace kvevict {
 namespace detail {
 
-/// EvictionPolicy's state and internal steps (protected: the facade inherits them privately,
-/// and its friend CacheBase, the caches' common half, runs the cache protocol through them).
+/// EvictionPolicy's state and internal steps. The facade inherits them privately; its public
+/// steps are the cache protocol, which CacheBase, the caches' common half, reaches through
+/// EvictionPolicy::steps() (not for users: they skip the facade's checks). The state itself
+/// stays protected: a cache reads the configuration through core() and a layer through at().
 template <class Scorer>
 class PolicyState {
- protected:
+ public:
   using HostPath = detail::HostPath<Scorer>;
   using TensorPath = detail::TensorPath<Scorer>;
   static constexpr int64_t W = Scorer::kStateWidth;
@@ -61,6 +66,12 @@ class PolicyState {
 
   int64_t rows() const noexcept { return core_.options.batch_size(); }
 
+  /// The configuration every path reads (read-only: the steps below change it).
+  const PolicyCore<Scorer>& core() const noexcept { return core_; }
+
+  /// Makes every row active (reset()'s last step, after commit_fresh()). Does not throw.
+  void activate_all() noexcept { std::fill(core_.active.begin(), core_.active.end(), 1); }
+
   /// Calls `f(path)` with the path of this policy: one call per step into a path.
   template <class F>
   decltype(auto) on_path(F&& f) {
@@ -69,6 +80,16 @@ class PolicyState {
   template <class F>
   decltype(auto) on_path(F&& f) const {
     return host_ ? f(host_path_) : f(tensor_path_);
+  }
+  /// Calls `f(tensor_path)` on the tensor path only: a step the host path has no need of (undo
+  /// copies, device tensors made ahead, device counters).
+  template <class F>
+  void on_tensor_path(F&& f) {
+    if (!host_) f(tensor_path_);
+  }
+  template <class F>
+  void on_tensor_path(F&& f) const {
+    if (!host_) f(tensor_path_);
   }
 
   /// A rollback planned by plan_truncate(): per layer its pass, its moves and what the tensor
@@ -119,10 +140,10 @@ class PolicyState {
       fill_moves_host(pass, row, slots_of[l].data(), cached, tail_flags);
       pad_moves(pass);
       t.moves.push_back(pass.to_moves(core_.device));
-      if (!host_) t.writes.push_back(tensor_path_.prepare_commit(core_, L, static_cast<int64_t>(l), pass));
+      on_tensor_path([&](auto& p) { t.writes.push_back(p.prepare_commit(core_, L, static_cast<int64_t>(l), pass)); });
       t.passes.push_back(std::move(pass));
     }
-    if (!host_) t.k_device = at::full({}, k, at::TensorOptions().dtype(at::kLong).device(core_.device));
+    on_tensor_path([&](auto&) { t.k_device = at::full({}, k, at::TensorOptions().dtype(at::kLong).device(core_.device)); });
     return t;
   }
 
@@ -131,11 +152,13 @@ class PolicyState {
   /// counter changes, under the caller's undo log (save() of every layer).
   void commit_truncate(Truncation& t) {
     ++epoch_;
-    for (size_t l = 0; l < layers_.size() && !host_; ++l) {
-      const auto layer = static_cast<int64_t>(l);
-      tensor_path_.commit(core_, layers_[l], layer, t.passes[l], t.writes[l]);
-      tensor_path_.rewind(core_, layers_[l], layer, t.row, t.k_device);
-    }
+    on_tensor_path([&](auto& p) {
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const auto layer = static_cast<int64_t>(l);
+        p.commit(core_, layers_[l], layer, t.passes[l], t.writes[l]);
+        p.rewind(core_, layers_[l], layer, t.row, t.k_device);
+      }
+    });
     for (size_t l = 0; l < layers_.size(); ++l) {
       auto& L = layers_[l];
       L.open_q = 0;  // slots move: an observation in pieces no longer matches them
@@ -151,11 +174,15 @@ class PolicyState {
   /// is the counters' (commit()): when nothing comes after it, they need no copy. Nothing on
   /// the host path, whose commits do not throw.
   void save(TensorUndo& undo, int64_t layer, bool counters = true) const {
-    if (!host_) tensor_path_.save(undo, at(layer), layer, counters);
+    on_tensor_path([&](const auto& p) { p.save(undo, at(layer), layer, counters); });
   }
   /// Tensor path: `layer`'s device counters ([B, 3] int64: length, seen, seen - n_recent); the
   /// host path: undefined.
-  at::Tensor device_counters(int64_t layer) const { return host_ ? at::Tensor() : tensor_path_.counters(layer); }
+  at::Tensor device_counters(int64_t layer) const {
+    at::Tensor counters;
+    on_tensor_path([&](const auto& p) { counters = p.counters(layer); });
+    return counters;
+  }
 
   /// Recall's exchange step (the tier's swap calls it): in `layer`, slot slots[b, k] of each
   /// row b takes the token at positions[b, k] with scorer state states[b, k] ([B, V] int64,
@@ -170,7 +197,7 @@ class PolicyState {
 
   /// Tensor path: what undoes append_prepared() of `map` on `layer` (TensorPath::save_append).
   void save_append(TensorUndo& undo, int64_t layer, const at::Tensor& map) {
-    if (!host_) tensor_path_.save_append(undo, core_, at(layer), map);
+    on_tensor_path([&](auto& p) { p.save_append(undo, core_, at(layer), map); });
   }
 
   /// Plans a pass on `layer` into `pass` (the caller checked due()), reusing its vectors' room;
@@ -226,7 +253,7 @@ class PolicyState {
   /// trash slot (of the slots when append_prepared() runs).
   void prepare_append(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
     auto& L = at(layer);
-    if (!host_) tensor_path_.prepare_append(core_, L, layer, counts, T, map);
+    on_tensor_path([&](auto& p) { p.prepare_append(core_, L, layer, counts, T, map); });
   }
   void append_prepared(int64_t layer, const int64_t* counts, int64_t T, const at::Tensor& map) {
     auto& L = at(layer);
@@ -266,7 +293,7 @@ class PolicyState {
     for (int64_t b = 0; b < rows(); ++b) {
       if (!core_.active[b] || dropped == 0) continue;
       L.position.select(0, b).narrow(0, 0, n).copy_(keep.select(0, b));
-      if (!host_) tensor_path_.rewind(core_, L, layer, b, at::full({}, -dropped, L.position.options()));
+      on_tensor_path([&](auto& p) { p.rewind(core_, L, layer, b, at::full({}, -dropped, L.position.options())); });
     }
     int64_t evicted = 0;
     for (int64_t b = 0; b < rows(); ++b) {
@@ -301,6 +328,9 @@ class PolicyState {
     typename HostPath::Scratch host;
     typename TensorPath::Scratch tensor;
   };
+  /// The scratch of `N` that path `p` takes (an overload per path, for on_path()).
+  static typename HostPath::Scratch& scratch(Grown& N, const HostPath&) noexcept { return N.host; }
+  static typename TensorPath::Scratch& scratch(Grown& N, const TensorPath&) noexcept { return N.tensor; }
 
   /// A copy of L's state with `slots` slots per row, its tokens kept (allocates; changes
   /// nothing). \throws c10::ValueError if slots < the longest row + 1; c10::Error naming `what`,
@@ -312,11 +342,7 @@ class PolicyState {
     Grown N;
     named_allocation(layer, L.slots, slots, what, [&] {
       N.state = resized_layer(core_, L, slots);
-      if (host_) {
-        N.host = host_path_.resized(core_, layer, slots);
-      } else {
-        N.tensor = tensor_path_.resized(core_, layer, slots);
-      }
+      on_path([&](const auto& p) { scratch(N, p) = p.resized(core_, layer, slots); });
     });
     return N;
   }
@@ -340,11 +366,7 @@ class PolicyState {
   Grown current(const LayerState& L, int64_t layer) const {
     Grown N;
     N.state = L;
-    if (host_) {
-      N.host = host_path_.resized(core_, layer, L.slots);
-    } else {
-      N.tensor = tensor_path_.resized(core_, layer, L.slots);
-    }
+    on_path([&](const auto& p) { scratch(N, p) = p.resized(core_, layer, L.slots); });
     return N;
   }
 
@@ -370,11 +392,7 @@ class PolicyState {
   /// Allocates nothing, does not throw.
   void restore(int64_t layer, Grown& N) noexcept {
     std::swap(layers_[static_cast<size_t>(layer)], N.state);
-    if (host_) {
-      host_path_.swap_in(layer, N.host);
-    } else {
-      tensor_path_.swap_in(layer, N.tensor);
-    }
+    on_path([&](auto& p) { p.swap_in(layer, scratch(N, p)); });
   }
 
   /// Swaps the tensors of `N` (from resized()) into `L`. Does not throw.
@@ -384,11 +402,21 @@ class PolicyState {
     L.state = std::move(N.state.state);
     L.pending = std::move(N.state.pending);
     L.open_q = 0;
-    if (host_) {
-      host_path_.swap_in(layer, N.host);
-    } else {
-      tensor_path_.swap_in(layer, N.tensor);
-    }
+    on_path([&](auto& p) { p.swap_in(layer, scratch(N, p)); });
+  }
+
+  /// compress_prompt()'s undo (CacheBase::clear_layer()): gives `layer` back its own state `N`
+  /// (current(), taken before an append grew it): on the host path with its scratch, which is
+  /// sized by the slots; the tensor path keeps its scratch (counters, mirrors), which a resize
+  /// keeps. Does not throw.
+  void swap_back(int64_t layer, Grown& N) noexcept {
+    auto& L = layers_[static_cast<size_t>(layer)];
+    if (host_) return swap_in(L, layer, N);
+    L.slots = N.state.slots;
+    std::swap(L.position, N.state.position);
+    std::swap(L.state, N.state.state);
+    std::swap(L.pending, N.state.pending);
+    L.open_q = 0;
   }
 
   int64_t base_slots_unchecked(int64_t layer) const {
@@ -476,7 +504,9 @@ class PolicyState {
   void clear_row(int64_t row, const char* call) {
     ++epoch_;
     TensorUndo undo;
-    for (size_t l = 0; l < layers_.size() && !host_; ++l) tensor_path_.save_row(undo, layers_[l], static_cast<int64_t>(l), row);
+    on_tensor_path([&](auto& p) {
+      for (size_t l = 0; l < layers_.size(); ++l) p.save_row(undo, layers_[l], static_cast<int64_t>(l), row);
+    });
     undo.commit(call, [&] {
       for (size_t l = 0; l < layers_.size(); ++l) {
         on_path([&](auto& p) { p.clear_row(core_, layers_[l], static_cast<int64_t>(l), row); });
@@ -514,6 +544,8 @@ class PolicyState {
     L.pending_terms = 0;
   }
 
+  // The facade's and the steps' own: a cache reads them through core() and at().
+ protected:
   PolicyCore<Scorer> core_;
   bool host_;
   int64_t reserved_ = 0;  // slots asked for by reserve()
