@@ -600,7 +600,8 @@ def test_save_layer_and_restore_layer_undo_steps_whole():
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after))
     with pytest.raises(RuntimeError, match="restored already"):
         cache.restore_layer(0, save)
-    expanded = kvevict.MlaCache(kvevict.MlaCacheOptions(2, 2, qk_dim=6, v_dim=4), kvevict.EvictionOptions(2))
+    expanded = kvevict.MlaCache(kvevict.MlaCacheOptions(2, 2, qk_dim=6, v_dim=4, tier_tokens=8, tier_page_size=2),
+                                kvevict.EvictionOptions(2, n_sink=1, n_recent=2))  # the same capacity: buffers differ
     with pytest.raises(RuntimeError, match="buffer 0 is .*: it was made from another cache"):
         cache.restore_layer(0, expanded.save_layer(0))
     policy = kvevict.EvictionPolicy(kvevict.EvictionPolicyOptions(1, 2), kvevict.EvictionOptions(2, n_sink=1, n_recent=1))
