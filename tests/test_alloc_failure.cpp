@@ -19,9 +19,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <algorithm>
 #include <functional>
 #include <new>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,13 +37,20 @@ thread_local int64_t t_fail_at = 0;  // 0: disarmed; else the first allocation n
 thread_local int64_t t_window = 1;   // how many allocations fail from there
 thread_local int64_t t_count = 0;    // allocations counted since armed
 thread_local bool t_fired = false;   // an armed allocation failed
+thread_local bool t_cpu_too = false; // c10's CPU allocator counts (and fails) as well (CpuToo)
 
-inline void* allocate(std::size_t n) {
+/// Counts one allocation; true when it is to fail.
+inline bool take() {
   if (t_fail_at > 0 && ++t_count >= t_fail_at) {
     if (t_count - t_fail_at >= t_window - 1) t_fail_at = 0;  // the window's last failure
     t_fired = true;
-    throw std::bad_alloc();
+    return true;
   }
+  return false;
+}
+
+inline void* allocate(std::size_t n) {
+  if (take()) throw std::bad_alloc();
   void* p = std::malloc(n == 0 ? 1 : n);
   if (!p) throw std::bad_alloc();
   return p;
@@ -63,6 +72,37 @@ struct AllocFault {
   /// Allocations counted since armed (an AllocFault(kNever) counts without failing).
   static int64_t count() { return t_count; }
   static constexpr int64_t kNever = INT64_MAX;
+};
+
+/// While alive, c10's CPU allocator (LibTorch's tensor storage, posix_memalign) counts in the
+/// same sequence as operator new on this thread, and fails as it does (with the c10::Error that
+/// LibTorch's own allocator raises when posix_memalign fails): every host allocation is armed.
+class CpuToo final : public c10::Allocator {
+ public:
+  CpuToo() : inner_(c10::GetCPUAllocator()) {
+    c10::SetCPUAllocator(this, kPriority);
+    t_cpu_too = true;
+  }
+  ~CpuToo() override {
+    t_cpu_too = false;
+    c10::SetCPUAllocator(inner_, kPriority);
+  }
+  CpuToo(const CpuToo&) = delete;
+  CpuToo& operator=(const CpuToo&) = delete;
+  // LibTorch 1.13 declares `allocate(size_t) const`, 2.3+ `allocate(size_t)`: both, no override.
+  c10::DataPtr allocate(size_t n) const { return counted(n); }
+  c10::DataPtr allocate(size_t n) { return counted(n); }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t bytes) const { std::memcpy(dest, src, bytes); }
+
+ private:
+  static constexpr uint8_t kPriority = 255;
+  c10::DataPtr counted(size_t n) const {
+    TORCH_CHECK(!(t_cpu_too && take()), "DefaultCPUAllocator: can't allocate memory: you tried to allocate ", n,
+                " bytes (injected)");
+    return inner_->allocate(n);
+  }
+  c10::Allocator* inner_;
 };
 
 }  // namespace alloc_fault
@@ -354,8 +394,10 @@ struct Outcome {
   bool error = false, bad_alloc = false, restore_failed = false, fired = false;
   std::string what;
 };
-inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int64_t window = 1) {
+inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int64_t window = 1, bool cpu_too = false) {
   Outcome o;
+  std::optional<alloc_fault::CpuToo> cpu;
+  if (cpu_too) cpu.emplace();
   AllocFault fault(k, window);
   try {
     call();
@@ -371,7 +413,9 @@ inline Outcome run_with_fault(const std::function<void()>& call, int64_t k, int6
 }
 
 /// How many host allocations `call` makes when none fails.
-inline int64_t allocations_of(const std::function<void()>& call) {
+inline int64_t allocations_of(const std::function<void()>& call, bool cpu_too = false) {
+  std::optional<alloc_fault::CpuToo> cpu;
+  if (cpu_too) cpu.emplace();
   AllocFault counting(AllocFault::kNever);
   call();
   return AllocFault::count();
@@ -484,17 +528,18 @@ void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
 /// `restores_on_cpu`: every write of the call's commit is put back with memcpy on the CPU,
 /// which cannot fail: the cache must then be unchanged at every k.
 template <class Cache>
-void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window, bool restores_on_cpu) {
+void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window, bool restores_on_cpu,
+                     bool cpu_too = false) {
   constexpr int64_t kMaxAllocations = 4000;
   auto ref = make_cache<Cache>(tensor_path);
   auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
-  const FailurePoints points(allocations_of(ref_call));
+  const FailurePoints points(allocations_of(ref_call, cpu_too));
   int64_t partly = 0;
   for (size_t i = 0; points.at(i) <= kMaxAllocations; ++i) {
     const int64_t k = points.at(i);
     auto c = make_cache<Cache>(tensor_path);
-    const auto o = run_with_fault(prepared(s, c), k, window);
+    const auto o = run_with_fault(prepared(s, c), k, window, cpu_too);
     if (!o.fired) return;
     INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << o.what << ")");
     const bool said_partly = o.what.find("partly changed") != std::string::npos || o.restore_failed;
@@ -525,6 +570,38 @@ TEST_CASE("the injected allocation failure fires at the k-th operator new of its
   AllocFault none(0);
   std::vector<int> v(100);
   CHECK_FALSE(AllocFault::fired());
+}
+
+TEST_CASE("with CpuToo, c10's CPU allocator counts and fails in the same sequence as operator new",
+          "[alloc_failure][cpu]") {
+  const auto allocations = [](bool cpu_too) {
+    std::optional<alloc_fault::CpuToo> cpu;
+    if (cpu_too) cpu.emplace();
+    AllocFault counting(AllocFault::kNever);
+    auto t = at::empty({64});
+    return AllocFault::count();
+  };
+  at::empty({64});  // LibTorch's first-use allocations
+  const int64_t heap = allocations(false);
+  CHECK(allocations(true) == heap + 1);  // and the storage
+  alloc_fault::CpuToo cpu;
+  for (int64_t k = 1;; ++k) {
+    AllocFault fault(k);  // once: under a lasting failure, c10's message itself fails (std::bad_alloc)
+    std::string what;
+    try {
+      at::empty({64});
+    } catch (const c10::Error& e) {
+      what = e.what_without_backtrace();
+    } catch (const std::bad_alloc&) {
+      what = "bad_alloc";
+    }
+    if (!AllocFault::fired()) break;
+    if (what.find("DefaultCPUAllocator") != std::string::npos) {
+      SUCCEED("the storage allocation failed at " << k);
+      return;
+    }
+  }
+  FAIL("the storage allocation never failed");
 }
 
 TEST_CASE("a host-heap failure at any allocation of a cache call throws c10::Error and changes nothing",
@@ -691,12 +768,17 @@ TEST_CASE("compress_prompt with a tier under a lasting host-heap failure gives b
   }
 }
 
-// D1 (not fixed yet: the tier's tensor-path recall is being restructured): on the tensor path,
-// when every host allocation from some point on fails, recall changed the layer's scores and
-// threw a raw std::bad_alloc (49 points in whole-page recall, 123 in two-level recall; 2 layers,
-// H 2, B 2, tier 6, page 2). Hidden: kvevict_tests "[.d1]" runs it.
-TEST_CASE("on the tensor path a recall under a lasting host-heap failure leaves the cache as it was, or says so",
-          "[.d1][alloc_failure][tier][cpu]") {
+// D1 (issue 38, a break-it round): on the tensor path, when every host allocation from some
+// point on failed, recall changed the layer's scores and threw a raw std::bad_alloc (49 points in
+// whole-page recall, 123 in two-level recall; 2 layers, H 2, B 2, tier 6, page 2). Every point,
+// on both paths, with the host heap alone failing and with c10's CPU allocator (the tensors'
+// storage) failing in the same sequence: the cache is as it was, or the error says it is partly
+// changed and reset() recovers it. The long run (alloc_failure_long) does every scenario so.
+TEST_CASE("a recall under a lasting host allocation failure leaves the cache as it was, or says so",
+          "[alloc_failure][tier][cpu]") {
+  const bool tensor_path = GENERATE(true, false);
+  const bool cpu_too = GENERATE(false, true);
+  CAPTURE(tensor_path, cpu_too);
   g_tier_tokens = 6;
   g_all_points = true;
   struct Restore {
@@ -707,9 +789,9 @@ TEST_CASE("on the tensor path a recall under a lasting host-heap failure leaves 
   } restore;
   const auto run = [&](auto all) {
     for (const auto& s : all) {
-      if (s.name.rfind("recall", 0) != 0) continue;
+      if (!kvevict_test::long_run() && s.name.rfind("recall", 0) != 0) continue;  // the long run: every call
       CAPTURE(s.name);
-      check_exhausted(s, /*tensor_path=*/true, int64_t{1} << 40, false);
+      check_exhausted(s, tensor_path, int64_t{1} << 40, false, cpu_too);
     }
   };
   SECTION("expanded") { run(scenarios<kvevict::MlaCache>()); }

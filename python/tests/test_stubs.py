@@ -1,6 +1,6 @@
 """The type stubs (python/kvevict/_kvevict.pyi) and docstrings against the binding itself: a
 name, a parameter, a default or a keyword-only marker that differs fails here, so the stubs
-cannot drift from python/src/bindings.cpp."""
+cannot drift from python/src/."""
 
 import ast
 import inspect

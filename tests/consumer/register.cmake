@@ -20,5 +20,5 @@ if(KVEVICT_INSTALL)
       "-DCONSUMER_ENV_PREFIX_PATH=${_kvevict_consumer_prefixes}"
       -P ${CMAKE_CURRENT_LIST_DIR}/run.cmake)
   # Configures Torch and compiles one ATen translation unit: tens of seconds.
-  set_tests_properties(consumer PROPERTIES TIMEOUT 900 LABELS "consumer")
+  set_tests_properties(consumer PROPERTIES TIMEOUT 900 LABELS "consumer" COST 52)
 endif()
