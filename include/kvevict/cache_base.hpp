@@ -4,9 +4,12 @@
 // (LayerTier, detail/tier/tier.hpp). A layout (MlaCache, MlaLatentCache) names its buffers and their
 // token dims; the rest is here: append, evict (plan the pass, hand the evicted rows to the
 // tier, move every buffer, commit), grow and shrink, reserve, truncate (tier tokens included),
-// sequences (add, finish, reset), and recall (check, score every row's pages, swap).
+// sequences (add, finish, reset), and recall (check, score every row's pages, swap). The class
+// declares every member; the longer ones are defined in detail/cache/ (append.hpp, recall.hpp,
+// sequences.hpp), included at the end.
 
 #include <kvevict/check.hpp>
+#include <kvevict/detail/cache/cache_bytes.hpp>
 #include <kvevict/detail/layer_buffers.hpp>
 #include <kvevict/detail/layer_tiers.hpp>
 #include <kvevict/detail/tensor_undo.hpp>
@@ -28,66 +31,9 @@
 #include <utility>
 #include <vector>
 
-#if defined(__unix__) || defined(__APPLE__)
-#include <unistd.h>  // sysconf: the machine's physical memory (check_cache_bytes)
-#endif
 
 namespace kvevict {
 namespace detail {
-
-/// Bytes of physical memory on this machine, or -1 where unknown.
-inline long double physical_memory_bytes() {
-#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (pages > 0 && page > 0) return static_cast<long double>(pages) * static_cast<long double>(page);
-#endif
-  return -1;
-}
-
-/// Checks, before a cache's constructor allocates anything, that what it allocates and writes
-/// on the CPU fits in the machine's physical memory: every layer's buffers (`row_bytes` per slot
-/// and row) and eviction state (scorer state width `state_width`) at capacity + evict_every + 1 slots per row. A
-/// legal but huge budget otherwise filled the eviction state (tens of GB) before the far larger
-/// buffers were even tried, and the process was killed. Nothing is checked off the CPU (a
-/// device's allocator refuses what it cannot give, before anything is written).
-/// \throws c10::Error ("could not allocate", as the allocation would) naming `cls`, the sizes and the bytes.
-inline void check_cache_bytes(const char* cls, const EvictionPolicyOptions& p, const EvictionOptions& e,
-                              int64_t row_bytes, int64_t state_width, at::Device device) {
-  if (!device.is_cpu()) return;
-  p.check_layer_budgets(e);
-  const int64_t state_bytes = 8 + 4 * state_width + (p.lazy_reduction() ? 16 : 0);  // PolicyState's
-  const auto& budgets = p.layer_budgets();  // empty: every layer e's budget (no vector of num_layers made)
-  const auto layer_bytes = [&](int64_t budget) {
-    const long double slots = static_cast<long double>(e.n_sink()) + budget + e.n_recent() + e.evict_every() + 1;
-    return slots * p.batch_size() * (static_cast<long double>(row_bytes) + state_bytes);
-  };
-  long double total = 0, largest = 0;
-  int64_t largest_layer = 0, largest_budget = e.budget();
-  if (budgets.empty()) {
-    largest = layer_bytes(e.budget());
-    total = largest * p.num_layers();
-  } else {
-    for (size_t l = 0; l < budgets.size(); ++l) {
-      const long double bytes = layer_bytes(budgets[l]);
-      total += bytes;
-      if (bytes > largest) {
-        largest = bytes;
-        largest_layer = static_cast<int64_t>(l);
-        largest_budget = budgets[l];
-      }
-    }
-  }
-  const long double memory = physical_memory_bytes();
-  if (memory < 0 || total <= memory) return;
-  KVEVICT_CHECK(false, cls, ": could not allocate the cache buffers and eviction state: num_layers=", p.num_layers(),
-                ", batch_size=", p.batch_size(), ", num_heads=", p.num_heads(), " would take ",
-                static_cast<double>(total), " bytes on the CPU (", static_cast<double>(largest), " in layer ",
-                largest_layer, ": n_sink=", e.n_sink(), ", budget=", largest_budget, ", n_recent=", e.n_recent(),
-                ", evict_every=", e.evict_every(), " + 1 slots per row, ", row_bytes, " bytes of rows and ",
-                state_bytes, " of eviction state per slot and row), more than this machine's ",
-                static_cast<double>(memory), " bytes of memory; nothing was allocated. Lower the budget (or "
-                "layer_budgets), batch_size or num_layers");
-}
 
 /// Buffers of every layer over one EvictionPolicy; the base of every cache layout. Live tokens
 /// of row b fill slots [0, size(layer, b)); views are [.., size(layer), ..] wide (the longest
@@ -327,23 +273,7 @@ class CacheBase {
   /// active, and gives back the slots grown by long appends.
   /// \throws c10::Error naming reset, the layer and the sizes if the smaller buffers cannot be
   ///         allocated; the cache is unchanged then.
-  void reset() {
-    host_heap("reset", [&] { check_not_moved("reset");
-      std::vector<std::vector<at::Tensor>> fresh;  // every allocation first
-      for (int64_t l = 0; l < num_layers(); ++l) {
-        const int64_t base = policy_.base_slots(l);
-        fresh.push_back(slots(l) == base ? buffers_[l] : allocate_named(l, base, "reset"));
-      }
-      auto state = steps().prepare_fresh("reset");
-      std::vector<LiveViews> no_views(live_views_.size());
-      // The commit: swaps, and the tiers' clear(), which allocate nothing.
-      steps().commit_fresh(state);
-      steps().activate_all();
-      buffers_.swap(fresh);
-      live_views_.swap(no_views);
-      for (auto& t : tiers_) t.clear();
-    });
-  }
+  void reset();
 
   /// Rolls back the `k` newest tokens of `row` in every layer (EvictionPolicy::truncate: the
   /// rejected drafts of speculative decoding) and moves the rows to match.
@@ -378,20 +308,7 @@ class CacheBase {
   /// tier on a GPU (the copy waits for the kernels that write its pinned rows).
   /// \throws c10::IndexError for a bad layer; c10::Error while an observation is open on it, on
   ///         a moved-from cache, or on an allocation failure.
-  LayerSave save_layer(int64_t layer) const {
-    return host_heap("save_layer", [&] {
-      check_not_moved("save_layer");
-      LayerSave s;
-      s.policy_ = policy_.save_layer(layer);
-      c10::InferenceMode normal_tensors(false);
-      for (const auto& b : buffers_[layer]) s.buffers_.push_back(b.clone());
-      if (tier_tokens_ > 0) {
-        auto t = tiers_[layer].copied();
-        s.tier_.swap(t);
-      }
-      return s;
-    });
-  }
+  LayerSave save_layer(int64_t layer) const;
 
   /// Makes `layer` as it was when `save` was made from it (rows, eviction state, tier); `save`
   /// is used up. Allocates nothing; no host sync.
@@ -400,32 +317,7 @@ class CacheBase {
   ///         tier), or was used already, an observation is open on the layer, reset(), finish(),
   ///         add_sequence() or truncate() ran since the save, or reserve() raised the slots since
   ///         (EvictionPolicy::restore_layer()).
-  void restore_layer(int64_t layer, LayerSave&& save) {
-    host_heap("restore_layer", [&] {
-      check_not_moved("restore_layer");
-      policy_.check_restore(layer, save.policy_, "restore_layer");
-      const auto& bufs = buffers_[layer];
-      KVEVICT_CHECK(save.buffers_.size() == bufs.size(), "restore_layer: the save holds ", save.buffers_.size(),
-                    " buffers per layer, this cache ", bufs.size(), ": it was made from another kind of cache");
-      for (size_t i = 0; i < bufs.size(); ++i) {
-        const auto& a = save.buffers_[i];
-        bool same = a.dim() == bufs[i].dim() && a.scalar_type() == bufs[i].scalar_type() && a.device() == bufs[i].device();
-        for (int64_t d = 0; same && d < a.dim(); ++d) same = d == token_dim(i) || a.size(d) == bufs[i].size(d);
-        KVEVICT_CHECK(same, "restore_layer: the save's buffer ", i, " is ", a.sizes(), " ", a.scalar_type(), " on ",
-                      a.device(), ", this cache's layer ", layer, " holds ", bufs[i].sizes(), " ",
-                      bufs[i].scalar_type(), " on ", bufs[i].device(), ": it was made from another cache");
-      }
-      const LayerTier none;
-      const LayerTier& mine = tier_tokens_ > 0 ? tiers_[layer] : none;
-      KVEVICT_CHECK(mine.same_kind(save.tier_), "restore_layer: the save holds ", save.tier_.describe(),
-                    ", this cache's layer ", layer, " ", mine.describe(), ": it was made from another cache");
-      // The commit: swaps, which allocate nothing and cannot throw.
-      policy_.restore_layer(layer, std::move(save.policy_));
-      buffers_[layer].swap(save.buffers_);
-      if (tier_tokens_ > 0) tiers_[layer].swap(save.tier_);
-      live_views_[layer] = LiveViews{};
-    });
-  }
+  void restore_layer(int64_t layer, LayerSave&& save);
 
   /// Makes room for `tokens` tokens per row in every layer (tokens + 1 slots: the last is the
   /// trash slot), and never shrinks below that afterwards: appends that fit never move the
@@ -444,95 +336,19 @@ class CacheBase {
   /// as it fills. Otherwise the tier grows geometrically as it fills and as positions grow.
   /// \throws c10::ValueError if positions is out of range; c10::Error if there is no tier or
   ///         the memory cannot be allocated. Nothing changes then.
-  void reserve_tier(int64_t positions) {
-    host_heap("reserve_tier", [&] { check_not_moved("reserve_tier");
-      KVEVICT_CHECK(tier_tokens_ > 0, "reserve_tier: this cache has no host tier (tier_tokens is 0 in its options)");
-      KVEVICT_CHECK_VALUE(positions >= 1 && positions <= EvictionOptions::kMaxTokens,
-                          "reserve_tier: positions must be in [1, 2^40], got ", positions);
-      TensorUndo undo;
-      TierWrites tier_writes(undo);
-      allocating([&] {
-        for (auto& t : tiers_) t.reserve(positions, tier_writes);
-      }, [&](const std::string& why) {
-        KVEVICT_CHECK(false, "reserve_tier: could not allocate the host tier of ", tier_tokens_, " tokens per row and ",
-                      "the digests of ", positions, " positions on ", device(), ": ", why);
-      });
-      tier_writes.run();  // nothing to write: keeps what was grown
-    });
-  }
+  void reserve_tier(int64_t positions);
 
  private:
-  void truncate_rows(int64_t row, int64_t k) {
-    // Tier tokens among the k newest leave the tier: the policy plans only the cached ones.
-    std::vector<int64_t> in_tier(static_cast<size_t>(num_layers()), 0);
-    if (tier_tokens_ > 0 && policy_.active(row) && k >= 0) {
-      for (int64_t l = 0; l < num_layers(); ++l) {
-        in_tier[l] = tiers_[l].count_from(row, policy_.seen_tokens(l, row) - k);
-      }
-    }
-    auto t = steps().plan_truncate(row, k, in_tier);  // every check, every allocation of the state
-    // The host path moves with memcpy; the tensor path gathers every layer's moved rows first.
-    const bool host = policy_.host_path();
-    std::vector<LayerMoves> moves(static_cast<size_t>(num_layers()));
-    for (int64_t l = 0; l < num_layers() && !host; ++l) moves[l].gather(t.moves[l], specs_, buffers_[l], at::Tensor());
-    // The tensor path's writes (the moves, then every layer's state, then its tier's) under an
-    // undo log, then the host counters; the host path's tier steps allocate nothing.
-    TensorUndo undo;
-    TierWrites tier_writes(undo);
-    for (int64_t l = 0; l < num_layers(); ++l) {  // a layer with no tier token among them: nothing to drop
-      if (in_tier[l] > 0) tiers_[l].drop_from(row, policy_.seen_tokens(l, row) - k, tier_writes);
-    }
-    for (int64_t l = 0; l < num_layers() && !host; ++l) {
-      steps().save(undo, l);
-      moves[l].save(undo, specs_, buffers_[l]);
-    }
-    undo.commit("truncate", [&] {
-      for (int64_t l = 0; l < num_layers(); ++l) {
-        const auto& m = t.moves[l];
-        for (size_t i = 0; i < specs_.size() && host && !m.empty(); ++i) {
-          apply_moves_host(m.src.template data_ptr<int64_t>(), m.dst.template data_ptr<int64_t>(), batch_size(), m.size(),
-                           m.size(), buffers_[l][i], token_dim(i));
-        }
-        moves[l].scatter(specs_, buffers_[l]);
-      }
-      tier_writes.run();
-      steps().commit_truncate(t);
-    });
-  }
+  void truncate_rows(int64_t row, int64_t k);
 
   /// finish(row) or reset(row) (`end`: the policy's, which checks the row), the row's tier
   /// tokens released in every layer in the same commit: on the tensor path before the policy's
   /// step, so that a throw of it puts them back; on the host path after it (its release
   /// allocates nothing and does not throw).
   template <class End>
-  void end_row(int64_t row, const char* call, End&& end) {
-    if (tier_tokens_ == 0 || row < 0 || row >= batch_size() || !policy_.active(row)) return end();  // its checks
-    TensorUndo undo;
-    TierWrites tier_writes(undo);
-    for (auto& t : tiers_) t.release(row, tier_writes);
-    const bool host = policy_.host_path();
-    undo.commit(call, [&] {
-      if (!host) tier_writes.run();
-      end();
-      if (host) tier_writes.run();
-    });
-  }
+  void end_row(int64_t row, const char* call, End&& end);
 
-  void reserve_slots(int64_t tokens) {
-    KVEVICT_CHECK_VALUE(tokens >= 1 && tokens <= EvictionOptions::kMaxTokens, "reserve: tokens must be in [1, 2^40], got ",
-                        tokens);
-    std::vector<std::vector<at::Tensor>> grown(buffers_.size());  // every allocation first
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      if (slots(l) < tokens + 1) grown[l] = resized_buffers(l, tokens + 1, "reserve");
-    }
-    policy_.reserve(tokens);  // all layers or none
-    for (int64_t l = 0; l < num_layers(); ++l) {
-      if (!grown[l].empty()) {
-        buffers_[l] = std::move(grown[l]);
-        live_views_[l] = LiveViews{};
-      }
-    }
-  }
+  void reserve_slots(int64_t tokens);
 
  protected:
   /// `tier_tokens`: the host tier's budget per row and layer (0: no tier);
@@ -556,28 +372,7 @@ class CacheBase {
   /// [0, size(layer)) of every buffer. All or nothing, in four steps: plan_append() checks,
   /// allocate_append() allocates (the growth last), write_append() writes the rows where no
   /// caller looks yet, commit_append() commits under its undo.
-  std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts) {
-    check_not_moved("update");
-    at::NoGradGuard no_grad;  // inputs that require grad must not tie the buffers to a graph
-    policy_.size(layer);      // checks the layer
-    AppendPlan u = plan_append(layer, rows, counts);
-    allocate_append(layer, rows, u);
-    // The views handed back, made before the commit: every host allocation before it.
-    auto& target = u.grow ? u.grown_bufs : buffers_[layer];
-    const bool same_views = live_views_[layer].match(specs_, target, u.width);  // the decode steady state
-    LiveViews views;
-    std::vector<at::Tensor> out;
-    allocating([&] {
-      if (!same_views) views = views_over(layer, target, u.width);
-      out = same_views ? live_views_[layer].views : views.views;
-    }, [&](const std::string& why) {
-      KVEVICT_CHECK(false, "update: could not allocate the views of layer ", layer, " (", sizes_str(), "): ", why);
-    });
-    write_append(layer, target, u);
-    commit_append(layer, u);
-    if (!same_views) live_views_[layer] = std::move(views);
-    return out;
-  }
+  std::vector<at::Tensor> append(int64_t layer, std::vector<at::Tensor> rows, at::IntArrayRef counts);
 
   /// An append as its steps see it: plan_append() fills the sizes, allocate_append() the rest.
   struct AppendPlan {
@@ -593,183 +388,31 @@ class CacheBase {
 
   /// append(), its checks: the rows, the counts (into counts_), the room, the keys. Changes
   /// nothing but counts_.
-  AppendPlan plan_append(int64_t layer, const std::vector<at::Tensor>& rows, at::IntArrayRef counts) {
-    AppendPlan u;
-    const int64_t T = u.T = check_rows(specs_, rows, batch_size(), dtype_, device());
-    const int64_t B = batch_size();
-    if (counts.empty()) {
-      counts_.resize(B);
-      bool any = false;
-      for (int64_t b = 0; b < B; ++b) {
-        counts_[b] = policy_.active(b) ? T : 0;
-        any = any || counts_[b] > 0;
-      }
-      // Every row free: the tokens would go nowhere. (A free row in a batch with active rows
-      // appends nothing, by design: continuous batching.)
-      KVEVICT_CHECK(any, "update: no row holds a sequence (", B == 1 ? "row 0 is" : c10::str("all ", B, " rows are"),
-                    " free: finish()ed), so the ", T, " new tokens would be dropped; call add_sequence() first (it "
-                    "starts a new sequence in a free row) or reset(); the cache is unchanged");
-    } else {
-      KVEVICT_CHECK_VALUE(static_cast<int64_t>(counts.size()) == B, "counts must have B = ", B, " entries, got ",
-                          counts.size());
-      counts_.assign(counts.begin(), counts.end());
-    }
-    int64_t needed = 0;  // size(layer) after the append
-    for (int64_t b = 0; b < B; ++b) {
-      KVEVICT_CHECK_VALUE(counts_[b] >= 0 && counts_[b] <= T, "counts[", b, "] must be in [0, T = ", T, "], got ",
-                          counts_[b]);
-      needed = std::max(needed, policy_.size(layer, b) + counts_[b]);
-    }
-    u.grow = needed > slots(layer) - 1;  // the last slot is the trash slot
-    if (u.grow) KVEVICT_CHECK_VALUE(needed <= EvictionOptions::kMaxTokens, "a row would hold more than 2^40 tokens");
-    policy_.check_append(layer, counts_, T, /*check_room=*/!u.grow);  // everything else, before growing
-    if (policy_.checks_observations()) check_finite_keys(layer, rows, T);
-    u.slots = u.grow ? std::max(needed + 1, std::min<int64_t>(2 * slots(layer), EvictionOptions::kMaxTokens + 1))
-                     : slots(layer);
-    u.width = needed;
-    return u;
-  }
+  AppendPlan plan_append(int64_t layer, const std::vector<at::Tensor>& rows, at::IntArrayRef counts);
 
   /// append(), everything that allocates: the rows to read, the tensor path's slot map and
   /// device tensors, then the growth last (buffers and state made apart). A throw changes
   /// nothing; the steps after it allocate nothing on the host path.
-  void allocate_append(int64_t layer, std::vector<at::Tensor>& rows, AppendPlan& u) {
-    const auto& bufs = buffers_[layer];
-    const bool host = policy_.host_path();
-    u.src.resize(specs_.size());
-    allocating([&] {
-      for (size_t i = 0; i < specs_.size(); ++i) {
-        if (rows[i].is_alias_of(bufs[i])) rows[i] = rows[i].clone();  // e.g. views from an earlier update
-        const int64_t tdim = token_dim(i);
-        u.src[i] = !host || rows[i].stride(tdim + 1) == 1 ? rows[i] : rows[i].contiguous();  // host: read in place
-      }
-      if (!host) u.map = steps().slot_map(layer, counts_.data(), u.T, u.slots - 1);
-      steps().prepare_append(layer, counts_.data(), u.T, u.map);
-    }, [&](const std::string& why) { fail_append(layer, u.T, why); });
-    if (u.grow) {
-      u.grown_bufs = resized_buffers(layer, u.slots, "update");
-      u.grown_state = steps().resized(steps().at(layer), layer, u.slots, "update");
-    }
-  }
+  void allocate_append(int64_t layer, std::vector<at::Tensor>& rows, AppendPlan& u);
 
   /// append(), the path's write: the rows go to slots past each row's length of `target` (the
   /// layer's buffers, or the grown ones): nothing a caller sees changes.
-  void write_append(int64_t layer, std::vector<at::Tensor>& target, const AppendPlan& u) {
-    const bool host = policy_.host_path();
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      if (host) {
-        append_rows_host(target[i], token_dim(i), u.src[i], counts_.data(), [&](int64_t b) { return size(layer, b); });
-      } else {
-        scatter_rows(target[i], token_dim(i), u.src[i], u.map);
-      }
-    }
-  }
+  void write_append(int64_t layer, std::vector<at::Tensor>& target, const AppendPlan& u);
 
   /// append(), the commit: swaps and host counters (the host path allocates nothing here); the
   /// tensor path's state writes are LibTorch in-place ops under an undo log (see the class
   /// comment): a grown layer swaps back, else the new slots' positions go back to -1.
-  void commit_append(int64_t layer, AppendPlan& u) {
-    TensorUndo undo;
-    if (!policy_.host_path()) {
-      allocating([&] {
-        if (u.grow) {
-          auto old = steps().current(steps().at(layer), layer);
-          const int64_t open_q = steps().at(layer).open_q;
-          auto& grown_bufs = u.grown_bufs;
-          undo.on_failure([this, layer, old, open_q, &grown_bufs]() mutable {
-            buffers_[layer].swap(grown_bufs);
-            steps().swap_in(steps().at(layer), layer, old);
-            steps().at(layer).open_q = open_q;
-          });
-        } else {
-          steps().save_append(undo, layer, u.map);
-        }
-      }, [&](const std::string& why) { fail_append(layer, u.T, why); });
-    }
-    undo.commit("update", [&] {
-      if (u.grow) {
-        buffers_[layer].swap(u.grown_bufs);
-        steps().swap_in(steps().at(layer), layer, u.grown_state);
-      }
-      steps().append_prepared(layer, counts_.data(), u.T, u.map);
-    });
-  }
+  void commit_append(int64_t layer, AppendPlan& u);
 
   /// An allocation failure of append() (`why`), named. \throws c10::Error.
-  [[noreturn]] void fail_append(int64_t layer, int64_t T, const std::string& why) const {
-    KVEVICT_CHECK(false, "update: could not allocate the append of T = ", T, " tokens to layer ", layer, " (",
-                  sizes_str(), "): ", why);
-    throw;  // not reached
-  }
+  [[noreturn]] void fail_append(int64_t layer, int64_t T, const std::string& why) const;
 
   /// With observation checks on (check_observations; default on CPU): every real (not pad) key
   /// column of an append must be finite, or every later attend on the layer would fail its
   /// checks. \throws c10::ValueError naming the buffer, the index, the layer, the row and the
   /// position of the first non-finite key. The host's loop allocates nothing; a device's rows
   /// are reduced to [B, T] on the device and read (one sync, as every check there).
-  void check_finite_keys(int64_t layer, const std::vector<at::Tensor>& rows, int64_t T) const {
-    const int64_t B = batch_size();
-    for (size_t i = 0; i < specs_.size(); ++i) {
-      if (!specs_[i].key) continue;
-      const auto& x = rows[i];
-      const int64_t tdim = token_dim(i), inner = specs_[i].inner, outer = specs_[i].row_elements() / inner;
-      // The first non-finite element of row b, column t (-1: none), as a flat index over [outer..., inner].
-      const auto first_bad = [&](int64_t b, int64_t t) -> int64_t {
-        int64_t found = -1;
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "check_finite_keys", [&] {
-          const scalar_t* p = x.data_ptr<scalar_t>() + b * x.stride(0) + t * x.stride(tdim);
-          for (int64_t o = 0; o < outer && found < 0; ++o) {
-            int64_t off = 0, rest = o;  // o over the outer dims, row-major
-            for (int64_t d = tdim - 1; d >= 1; --d) {
-              off += (rest % x.size(d)) * x.stride(d);
-              rest /= x.size(d);
-            }
-            for (int64_t j = 0; j < inner; ++j) {
-              if (!std::isfinite(static_cast<float>(p[off + j * x.stride(tdim + 1)]))) {
-                found = o * inner + j;
-                break;
-              }
-            }
-          }
-        });
-        return found;
-      };
-      at::Tensor bad_cols;  // a device's rows: [B, T] whether a column holds a non-finite key
-      if (!x.is_cpu()) {
-        bad_cols = at::isfinite(x).logical_not().movedim(tdim, 1).reshape({B, T, -1}).any(-1).cpu();
-      }
-      for (int64_t b = 0; b < B; ++b) {
-        for (int64_t t = T - counts_[b]; t < T; ++t) {
-          if (bad_cols.defined() && !bad_cols[b][t].item<bool>()) continue;
-          const int64_t found = x.is_cpu() ? first_bad(b, t) : [&] {  // [outer..., inner], flat
-            const auto bad = at::isfinite(x[b].select(tdim - 1, t).cpu().reshape({-1})).logical_not().nonzero();
-            return bad.numel() > 0 ? bad[0][0].item<int64_t>() : int64_t{-1};
-          }();
-          if (found < 0) continue;
-          std::vector<int64_t> index{b};  // [b, outer..., t, j]
-          std::vector<int64_t> outer_index;
-          for (int64_t d = tdim - 1, rest = found / inner; d >= 1; --d) {
-            outer_index.insert(outer_index.begin(), rest % x.size(d));
-            rest /= x.size(d);
-          }
-          index.insert(index.end(), outer_index.begin(), outer_index.end());
-          index.push_back(t);
-          index.push_back(found % inner);
-          float value = 0;
-          {
-            auto e = x;
-            for (const auto k : index) e = e.select(0, k);
-            value = e.to(at::kFloat).item<float>();
-          }
-          KVEVICT_CHECK_VALUE(false, "update: ", specs_[i].name, " must be finite while observations are checked "
-                              "(check_observations), got ", value, " at ", at::IntArrayRef(index), ": layer ", layer,
-                              ", row ", b, ", position ", policy_.seen_tokens(layer, b) + t - (T - counts_[b]),
-                              " (a non-finite key makes every attend on the layer fail its checks); the cache is "
-                              "unchanged");
-        }
-      }
-    }
-  }
+  void check_finite_keys(int64_t layer, const std::vector<at::Tensor>& rows, int64_t T) const;
 
   /// The views over slots [0, width) of `bufs` (the buffers of `layer`, or the ones replacing
   /// them): the cached ones while they still match, else new ones. Allocates; changes nothing.
@@ -821,38 +464,7 @@ class CacheBase {
   /// queries are not finite gets NaN page scores and recalls nothing (the picks take only
   /// scores > 0). Throws c10::Error.
   void check_recall(const char* call, int64_t layer, const at::Tensor& query, double scale, int64_t tokens,
-                    int64_t rescore) const {
-    check_not_moved(call);
-    policy_.size(layer);  // checks the layer
-    KVEVICT_CHECK(tier_tokens_ > 0, call, ": this cache has no host tier (tier_tokens is 0 in its options)");
-    const auto& L = steps().at(layer);
-    const auto& core = steps().core();
-    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer,
-                  " has an open observation (observe_begin without observe_end); end or discard it first");
-    const int64_t page_size = tiers_[layer].page_size();
-    KVEVICT_CHECK_VALUE(std::isfinite(scale) && scale > 0, call, ": scale must be finite and > 0, got ", scale);
-    KVEVICT_CHECK_VALUE(tokens >= 0 && tokens <= EvictionOptions::kMaxTokens, call,
-                        ": tokens must be in [0, 2^40], got ", tokens);
-    KVEVICT_CHECK_VALUE(rescore >= 0 && rescore <= EvictionOptions::kMaxTokens, call,
-                        ": rescore must be in [0, 2^40], got ", rescore);
-    KVEVICT_CHECK_VALUE(rescore <= tokens || rescore >= page_size, call, ": rescore must be <= tokens (", tokens,
-                        ", whole pages) or hold at least one page (tier_page_size ", page_size,
-                        ") for two-level recall, got ", rescore);
-    if (!core.check) return;
-    // One read of the device for every row: per row, whether a real column is not finite.
-    const int64_t B = query.size(0), Q = query.size(2);
-    bool all_real = true;
-    for (int64_t b = 0; b < B; ++b) all_real = all_real && core.first_real(L, b, Q) == 0;
-    // The common case: every column real, and a finite sum (a NaN or an infinity anywhere makes
-    // the sum non-finite; an overflow of finite values only sends it to the exact check below).
-    if (all_real && std::isfinite(query.sum(at::kDouble).template item<double>())) return;
-    const auto real = real_columns(core, L, B, Q).view({B, 1, Q, 1}).to(query.device());
-    const auto bad = at::isfinite(query).logical_not_().logical_and_(real).flatten(1).any(1).cpu();
-    for (int64_t b = 0; b < B; ++b) {
-      KVEVICT_CHECK_VALUE(!bad[b].template item<bool>(), call, ": the queries of row ", b,
-                          " must be finite, got a NaN or an infinity");
-    }
-  }
+                    int64_t rescore) const;
 
   /// Recall (the layouts' recall()): scores every row's tier pages with `query` [B, H, Q,
   /// key width] (fp32, contiguous, on the cache's device; checked by check_recall() and the
@@ -863,18 +475,7 @@ class CacheBase {
   /// Returns the tokens recalled per row ([B] int64 on the cache's device). On the host path
   /// everything that allocates or throws comes before the first swap; on the tensor path the
   /// swap's writes run under an undo log.
-  at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore) {
-    auto& L = steps().at(layer);
-    policy_.flush(layer);  // lazy_reduction: the victims leave the cache with every observation applied
-    const RecallInput in{query, scale, tokens, rescore, std::min(tokens, L.slots)};
-    auto recalled = tiers_[layer].recall(layer, in, L, steps().core(), buffers_[layer], steps().device_counters(layer),
-                                         [&](const at::Tensor& slots, const at::Tensor& positions,
-                                             const at::Tensor& states) { steps().exchange(layer, slots, positions, states); });
-    if (policy_.host_path()) {  // the host path wrote the buffers with memcpy
-      for (auto& buf : buffers_[layer]) buf.unsafeGetTensorImpl()->bump_version();
-    }
-    return recalled;
-  }
+  at::Tensor recall_rows(int64_t layer, const at::Tensor& query, double scale, int64_t tokens, int64_t rescore);
 
  private:
   /// The tier of `layer`, after checking `layer` and `row` and that there is a tier (`call`: the read).
@@ -1053,3 +654,8 @@ class CacheBase {
 
 }  // namespace detail
 }  // namespace kvevict
+
+// The longer members, defined out of the class.
+#include <kvevict/detail/cache/append.hpp>
+#include <kvevict/detail/cache/recall.hpp>
+#include <kvevict/detail/cache/sequences.hpp>

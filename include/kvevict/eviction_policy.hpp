@@ -251,19 +251,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   /// nothing; no host sync.
   /// \throws c10::IndexError for a bad layer; c10::Error while an observation is open on it
   ///         (observe_begin() without observe_end()) or on an allocation failure.
-  LayerSave save_layer(int64_t layer) const {
-    return detail::host_heap("save_layer", [&] {
-      KVEVICT_CHECK(at(layer).open_q == 0, "save_layer: layer ", layer, " has an open observation (observe_begin() ",
-                    "without observe_end()); end it first");
-      LayerSave s;
-      s.state_ = copied(layer);
-      s.epoch_ = epoch_;
-      s.capacity_ = capacity(layer);
-      s.evict_every_ = core_.eviction.evict_every();
-      s.layer_ = layer;
-      return s;
-    });
-  }
+  LayerSave save_layer(int64_t layer) const;
 
   /// Makes `layer` as it was when `save` was made from it; `save` is used up (its layer() becomes
   /// -1). Only the policy's state: the buffers are the caller's.
@@ -280,23 +268,7 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
   }
 
   /// restore_layer()'s checks, naming `call`. \throws as restore_layer(); changes nothing.
-  void check_restore(int64_t layer, const LayerSave& save, const char* call) const {
-    const auto& L = at(layer);
-    KVEVICT_CHECK(save.layer_ >= 0, call, ": this save was restored already (a save is used once) or is empty");
-    KVEVICT_CHECK(save.layer_ == layer, call, ": the save is of layer ", save.layer_, ", not of layer ", layer);
-    KVEVICT_CHECK(L.open_q == 0, call, ": layer ", layer, " has an open observation (observe_begin() without ",
-                  "observe_end()); end it first");
-    const int64_t B = save.state_.state.position.size(0);
-    const int64_t ee = core_.eviction.evict_every();
-    KVEVICT_CHECK(B == batch_size() && save.capacity_ == capacity(layer) && save.evict_every_ == ee, call,
-                  ": the save is of a layer of batch_size ", B, ", capacity ", save.capacity_, " and evict_every ",
-                  save.evict_every_, ", this one's layer ", layer, " has batch_size ", batch_size(), ", capacity ",
-                  capacity(layer), " and evict_every ", ee, ": it was made from another cache or policy");
-    KVEVICT_CHECK(save.epoch_ == epoch_, call, ": reset, finish, add_sequence or truncate ran since the save of layer ",
-                  layer, "; they change every layer's rows, and restoring one layer would leave the layers disagreeing");
-    KVEVICT_CHECK(save.state_.state.slots >= base_slots_unchecked(layer), call, ": reserve() raised layer ", layer,
-                  "'s slots to ", base_slots_unchecked(layer), " since the save, which has ", save.state_.state.slots);
-  }
+  void check_restore(int64_t layer, const LayerSave& save, const char* call) const;
 
   // -------------------------------------------------------------------------------------------
   // Per-layer state
@@ -718,3 +690,6 @@ class EvictionPolicy : private detail::PolicyState<Scorer> {
 };
 
 }  // namespace kvevict
+
+// save_layer() and check_restore(), defined out of the class.
+#include <kvevict/detail/policy/layer_save.hpp>
