@@ -84,14 +84,6 @@ in_root cmake -S /src -B /src/build-libtorch2 -DCMAKE_BUILD_TYPE=Release -DKVEVI
   -DKVEVICT_BUILD_EXAMPLES=ON -DKVEVICT_BUILD_BENCH=OFF -DKVEVICT_PYTHON_TESTS=OFF > "$log" 2>&1 ||
   { cat "$log" >&2; exit 1; }
 grep -E "kvevict:|Catch2" "$log" || true
-# The executables ctest runs (the tensor-parallel tests exist only where Gloo's headers were found).
-known=$(in_root cmake --build /src/build-libtorch2 --target help)
-targets=()
-for t in kvevict_tests kvevict_tp_tests kvevict_quality_test continuous_batching; do
-  grep -qx "\.\.\. $t" <<<"$known" && targets+=("$t")
-done
-echo "== building: ${targets[*]}"
-target_args=()
-for t in "${targets[@]}"; do target_args+=(--target "$t"); done
-in_root cmake --build /src/build-libtorch2 -j "$jobs" "${target_args[@]}"
+# The executables ctest runs (the target kvevict_test_programs).
+in_root cmake --build /src/build-libtorch2 -j "$jobs" --target kvevict_test_programs
 in_root ctest --test-dir /src/build-libtorch2 --output-on-failure -j "$jobs"

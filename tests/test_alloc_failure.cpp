@@ -139,6 +139,15 @@ namespace {
 using alloc_fault::AllocFault;
 using kvevict::EvictionOptions;
 
+/// While alive, the tier's compiled kernels are on or off (kvevict::set_kernels_enabled).
+struct KernelsSwitch {
+  explicit KernelsSwitch(bool on) : was(kvevict::kernels_enabled()) { kvevict::set_kernels_enabled(on); }
+  ~KernelsSwitch() { kvevict::set_kernels_enabled(was); }
+  KernelsSwitch(const KernelsSwitch&) = delete;
+  KernelsSwitch& operator=(const KernelsSwitch&) = delete;
+  bool was;
+};
+
 /// Everything a caller can observe of a cache (with a tier), as tensors.
 template <class Cache>
 std::vector<at::Tensor> snapshot(const Cache& c) {
@@ -526,7 +535,9 @@ void check_all(bool tensor_path, const std::vector<Scenario<Cache>>& all) {
 /// say that the state is partly changed (in its message, or, when not even that could be
 /// made, through restore_failed() behind a raw std::bad_alloc); reset() then recovers it.
 /// `restores_on_cpu`: every write of the call's commit is put back with memcpy on the CPU,
-/// which cannot fail: the cache must then be unchanged at every k.
+/// which cannot fail: the cache must then be unchanged at every k. A c10::Error names kvevict's
+/// call ("kvevict: ..."). The tests below run it with the compiled kernels on (one op writes
+/// what recall swaps) and off (the reference form: ATen writes under the undo log).
 template <class Cache>
 void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window, bool restores_on_cpu,
                      bool cpu_too = false) {
@@ -535,7 +546,6 @@ void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window,
   auto ref_call = prepared(s, ref);
   const auto before = full_snapshot(ref);
   const FailurePoints points(allocations_of(ref_call, cpu_too));
-  int64_t partly = 0;
   for (size_t i = 0; points.at(i) <= kMaxAllocations; ++i) {
     const int64_t k = points.at(i);
     auto c = make_cache<Cache>(tensor_path);
@@ -543,8 +553,8 @@ void check_exhausted(const Scenario<Cache>& s, bool tensor_path, int64_t window,
     if (!o.fired) return;
     INFO(s.name << ": allocations " << k << " .. " << k + window - 1 << " failed (" << o.what << ")");
     const bool said_partly = o.what.find("partly changed") != std::string::npos || o.restore_failed;
+    if (o.error) CHECK_THAT(o.what, Catch::Matchers::StartsWith("kvevict: "));  // named, never LibTorch's own
     if (said_partly) {
-      ++partly;
       CHECK_FALSE(restores_on_cpu);
       CHECK_NOTHROW(c.reset());
       CHECK(c.size(0) == 0);
@@ -701,7 +711,10 @@ TEST_CASE("a host-heap failure that lasts leaves the cache as it was, or says it
           "[alloc_failure][cpu]") {
   const bool tensor_path = GENERATE(false, true);
   const int64_t window = GENERATE(int64_t{4}, int64_t{1} << 40);
-  CAPTURE(tensor_path, window);
+  const bool kernels = GENERATE(true, false);  // the tensor path's compiled ops, or the reference forms
+  if (!tensor_path && !kernels) return;        // the host path runs no compiled op
+  CAPTURE(tensor_path, window, kernels);
+  const KernelsSwitch use(kernels);
   const std::vector<std::string> restores_on_cpu = {"update, one token", "evict (a pass that shrinks the buffers)",
                                                     "evict_now", "truncate", "finish", "reset(row)"};
   const auto run = [&](auto all) {
@@ -773,14 +786,19 @@ TEST_CASE("compress_prompt with a tier under a lasting host-heap failure gives b
 // whole-page recall, 123 in two-level recall; 2 layers, H 2, B 2, tier 6, page 2). Every point,
 // on both paths, with the host heap alone failing and with c10's CPU allocator (the tensors'
 // storage) failing in the same sequence: the cache is as it was, or the error says it is partly
-// changed and reset() recovers it. The long run (alloc_failure_long) does every scenario so.
+// changed and reset() recovers it. With the compiled kernels off (the reference form, whose writes
+// run under the undo log) the points are sampled. The long run (alloc_failure_long) does every
+// point and every scenario so.
 TEST_CASE("a recall under a lasting host allocation failure leaves the cache as it was, or says so",
           "[alloc_failure][tier][cpu]") {
   const bool tensor_path = GENERATE(true, false);
   const bool cpu_too = GENERATE(false, true);
-  CAPTURE(tensor_path, cpu_too);
+  const bool kernels = GENERATE(true, false);  // recall's swap as one compiled op, or the reference form's writes
+  if (!tensor_path && !kernels) return;        // the host path runs no compiled op
+  CAPTURE(tensor_path, cpu_too, kernels);
+  const KernelsSwitch use(kernels);
   g_tier_tokens = 6;
-  g_all_points = true;
+  g_all_points = kernels;  // the reference forms make ~6x the allocations: a fixed-seed sample (all in the long run)
   struct Restore {
     ~Restore() {
       g_tier_tokens = 16;
