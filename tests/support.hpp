@@ -127,4 +127,14 @@ void on_both_paths(F&& f) {
   }
 }
 
+/// Switches the tier's compiled kernels (kvevict::set_kernels_enabled) for its lifetime;
+/// restores the previous setting.
+struct KernelsEnabled {
+  explicit KernelsEnabled(bool on) : previous(kvevict::kernels_enabled()) { kvevict::set_kernels_enabled(on); }
+  ~KernelsEnabled() { kvevict::set_kernels_enabled(previous); }
+  KernelsEnabled(const KernelsEnabled&) = delete;
+  KernelsEnabled& operator=(const KernelsEnabled&) = delete;
+  bool previous;
+};
+
 }  // namespace kvevict_test

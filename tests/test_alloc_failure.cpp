@@ -4,7 +4,7 @@
 // does nothing otherwise. LibTorch's own tensor storage comes from c10's CPU allocator
 // (posix_memalign), not from here; its TensorImpls, c10::Lists and small vectors do, as do
 // kvevict's std::vectors. CountingCpuAllocator (op_counter.hpp) injects failures of the other
-// kind.
+// kind; CpuToo (below) makes c10's CPU allocator count and fail in operator new's sequence.
 //
 // The contract checked: every public call of a cache that an injected host-heap failure
 // interrupts throws c10::Error (never a raw std::bad_alloc) and leaves the cache's observable
@@ -138,15 +138,6 @@ namespace {
 
 using alloc_fault::AllocFault;
 using kvevict::EvictionOptions;
-
-/// While alive, the tier's compiled kernels are on or off (kvevict::set_kernels_enabled).
-struct KernelsSwitch {
-  explicit KernelsSwitch(bool on) : was(kvevict::kernels_enabled()) { kvevict::set_kernels_enabled(on); }
-  ~KernelsSwitch() { kvevict::set_kernels_enabled(was); }
-  KernelsSwitch(const KernelsSwitch&) = delete;
-  KernelsSwitch& operator=(const KernelsSwitch&) = delete;
-  bool was;
-};
 
 /// Everything a caller can observe of a cache (with a tier), as tensors.
 template <class Cache>
@@ -714,7 +705,7 @@ TEST_CASE("a host-heap failure that lasts leaves the cache as it was, or says it
   const bool kernels = GENERATE(true, false);  // the tensor path's compiled ops, or the reference forms
   if (!tensor_path && !kernels) return;        // the host path runs no compiled op
   CAPTURE(tensor_path, window, kernels);
-  const KernelsSwitch use(kernels);
+  const kvevict_test::KernelsEnabled use(kernels);
   const std::vector<std::string> restores_on_cpu = {"update, one token", "evict (a pass that shrinks the buffers)",
                                                     "evict_now", "truncate", "finish", "reset(row)"};
   const auto run = [&](auto all) {
@@ -796,7 +787,7 @@ TEST_CASE("a recall under a lasting host allocation failure leaves the cache as 
   const bool kernels = GENERATE(true, false);  // recall's swap as one compiled op, or the reference form's writes
   if (!tensor_path && !kernels) return;        // the host path runs no compiled op
   CAPTURE(tensor_path, cpu_too, kernels);
-  const KernelsSwitch use(kernels);
+  const kvevict_test::KernelsEnabled use(kernels);
   g_tier_tokens = 6;
   g_all_points = kernels;  // the reference forms make ~6x the allocations: a fixed-seed sample (all in the long run)
   struct Restore {

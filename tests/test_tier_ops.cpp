@@ -163,12 +163,7 @@ TEST_CASE("ops: pick_pages' CUDA kernel equals its reference form on the CPU", "
 
 namespace {
 
-/// Switches the compiled kernels for its lifetime; restores the previous setting.
-struct KernelsEnabled {
-  explicit KernelsEnabled(bool on) : previous(kvevict::kernels_enabled()) { kvevict::set_kernels_enabled(on); }
-  ~KernelsEnabled() { kvevict::set_kernels_enabled(previous); }
-  bool previous;
-};
+using kvevict_test::KernelsEnabled;
 
 /// Three caches fed the same calls: the host path, and the tensor path with the compiled
 /// kernels and with the reference forms. After every call all three hold the same positions,
